@@ -1,0 +1,1 @@
+"""glmpost stages: one module per command; parse options, read shards, call the library, write shards."""

@@ -1,0 +1,194 @@
+"""What every stage shares: recipe sections as option defaults, output directories, summaries.
+
+A stage is ``glmpost STAGE INPUT... --out DIR [--config RECIPE.toml] [options]``. Every option can
+also be set in the recipe's ``[STAGE]`` section (dashes or underscores); a flag given on the command
+line wins. The effective options are written to ``DIR/stage.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import tomllib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+import typer
+
+from glmpost import __version__
+from glmpost.errors import GlmpostError, UsageError
+
+
+def _load_recipe_section(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """Eager callback of ``--config``: the recipe section becomes the command's default map."""
+    if value is None:
+        return None
+    section_name = recipe_section_name(ctx)
+    try:
+        with open(value, "rb") as f:
+            recipe = tomllib.load(f)
+    except FileNotFoundError:
+        raise click.BadParameter(f"recipe {value} does not exist", ctx=ctx, param=param)
+    except tomllib.TOMLDecodeError as exc:
+        raise click.BadParameter(f"recipe {value} is not valid TOML: {exc}", ctx=ctx, param=param)
+    section = recipe.get(section_name, {})
+    if not isinstance(section, dict):
+        raise click.BadParameter(f"recipe {value}: [{section_name}] must be a table", ctx=ctx, param=param)
+    known = {p.name: p for p in ctx.command.params if p.name not in ("config", "help")}
+    defaults: dict[str, Any] = {}
+    for key, setting in section.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            options = ", ".join(sorted(n.replace("_", "-") for n in known))
+            raise click.BadParameter(
+                f"recipe {value}: unknown key '{key}' in [{section_name}] (known: {options})",
+                ctx=ctx,
+                param=param,
+            )
+        if isinstance(known[name], click.Argument):
+            setting = [str(s) for s in setting] if isinstance(setting, list) else [str(setting)]
+        defaults[name] = setting
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def recipe_section_name(ctx: click.Context) -> str:
+    """``glmpost init-model`` reads ``[init-model]``; ``glmpost shards import`` reads ``[shards.import]``."""
+    names = []
+    while ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return ".".join(reversed(names))
+
+
+def config_option() -> Any:
+    return typer.Option(
+        None,
+        "--config",
+        help="TOML recipe; its section named after this stage sets any option of it (flags win).",
+        is_eager=True,
+        callback=_load_recipe_section,
+        dir_okay=False,
+    )
+
+
+def effective_options(ctx: click.Context) -> dict[str, Any]:
+    """The options a stage ran with (JSON-safe), for stage.json and shard headers."""
+    options = {}
+    for name, value in ctx.params.items():
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, (list, tuple)):
+            value = [str(v) if isinstance(v, Path) else v for v in value]
+        options[name] = value
+    return options
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to a temporary name, fsync, rename: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra: Any) -> None:
+    payload = {"stage": stage, "glmpost_version": __version__, "options": options, **extra}
+    write_json_atomic(Path(out_dir) / "stage.json", payload)
+
+
+@contextmanager
+def staged_output_dir(out: Path, *, overwrite: bool, complete_marker: str) -> Iterator[Path | None]:
+    """Build a whole output directory under a temporary sibling, then move it into place.
+
+    Yields ``None`` (nothing to do) when ``out`` already holds a complete output (``complete_marker``
+    exists in it) and ``overwrite`` is false. A crash leaves ``out`` as it was; an existing
+    incomplete ``out`` is refused unless ``overwrite`` is given, so nothing is silently replaced.
+    """
+    out = Path(out)
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"--out {out} exists and is not a directory")
+        if not overwrite:
+            if (out / complete_marker).exists():
+                yield None
+                return
+            if any(out.iterdir()):
+                raise UsageError(f"--out {out} exists but holds no complete output; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        yield tmp
+        if out.exists():
+            trash = out.with_name(f".{out.name}.old-{os.getpid()}-{time.time_ns()}")
+            os.replace(out, trash)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class MetricsWriter:
+    """Append one JSON object per line to ``DIR/metrics.jsonl`` (stable key names, flushed per line)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._f = open(self.path, "a")
+
+    def write(self, **metrics: Any) -> None:
+        self._f.write(json.dumps({"time": round(time.time(), 3), **metrics}, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def print_summary(summary: dict[str, Any], *, as_json: bool, human: str | None = None) -> None:
+    """The result summary goes to stdout: JSON with ``--json``, else ``human`` (or key: value lines)."""
+    if as_json:
+        sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
+    elif human is not None:
+        sys.stdout.write(human.rstrip("\n") + "\n")
+    else:
+        for key, value in summary.items():
+            sys.stdout.write(f"{key}: {value}\n")
+
+
+def log(message: str) -> None:
+    """Progress and logs go to stderr; stdout is for results."""
+    sys.stderr.write(f"glmpost: {message}\n")
+
+
+def fail(message: str) -> GlmpostError:
+    return GlmpostError(message)

@@ -1,0 +1,249 @@
+"""Checkpoints, policy versions and tokenizer revisions (DESIGN.md §4).
+
+A *version directory* is a Hugging Face directory (``config.json``, ``*.safetensors``, tokenizer
+files) plus ``glmpost.json``, the manifest: policy version, parent, producing stage and step,
+tokenizer revision. A *checkpoint root* holds ``v000000/``, ``v000001/``, ... and a ``LATEST`` file
+naming the current version, replaced atomically (write a temporary file, fsync, rename), so a reader
+never sees a half-published version. Everything that takes a checkpoint accepts either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glmpost.errors import GlmpostError
+
+MANIFEST = "glmpost.json"
+LATEST = "LATEST"
+MANIFEST_FORMAT = "glmpost-checkpoint"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+# Files whose bytes define how text becomes token ids (and back) and how chats are rendered.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+class CheckpointError(GlmpostError):
+    """A checkpoint path that cannot be used, with the reason."""
+
+
+@dataclass
+class CheckpointManifest:
+    """``glmpost.json``: where a checkpoint version comes from."""
+
+    policy_version: int
+    tokenizer_revision: str
+    stage: str
+    step: int = 0
+    parent: str | None = None
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    extra: dict[str, Any] = field(default_factory=dict)
+    format: str = MANIFEST_FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any], *, where: Path) -> "CheckpointManifest":
+        if payload.get("format") != MANIFEST_FORMAT:
+            raise CheckpointError(f"{where}: not a glmpost checkpoint manifest (format {payload.get('format')!r})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [n for n in ("policy_version", "tokenizer_revision", "stage") if n not in payload]
+        if missing:
+            raise CheckpointError(f"{where}: manifest is missing {', '.join(missing)}")
+        return cls(**{k: v for k, v in payload.items() if k in known})
+
+
+def version_dir_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def tokenizer_revision(directory: Path) -> str:
+    """Digest of the tokenizer files and chat template in ``directory``: ``sha256:<16 hex>``.
+
+    Two checkpoints with the same revision turn the same text into the same token ids and render
+    chats identically; stages refuse records whose revision differs from their checkpoint's.
+    """
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        path = directory / name
+        if path.is_file():
+            found = True
+            digest.update(name.encode() + b"\0")
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    if not found:
+        raise CheckpointError(f"{directory}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def write_manifest(directory: Path, manifest: CheckpointManifest) -> None:
+    _write_text_atomic(Path(directory) / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+def read_manifest(directory: Path) -> CheckpointManifest:
+    path = Path(directory) / MANIFEST
+    try:
+        payload = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {MANIFEST} (not a glmpost checkpoint version)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    return CheckpointManifest.from_json(payload, where=path)
+
+
+def resolve_checkpoint(path: Path | str) -> Path:
+    """The version directory ``path`` names: itself, or a root's ``LATEST`` version."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if (path / MANIFEST).is_file() or (path / "config.json").is_file():
+        return path
+    if (path / LATEST).is_file():
+        return CheckpointRoot(path).latest_dir()
+    raise CheckpointError(f"checkpoint {path}: neither a version directory (config.json, {MANIFEST}) nor a root ({LATEST})")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointRoot:
+    """A directory of policy versions ``v000000/ ...`` and the ``LATEST`` pointer."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+
+    def versions(self) -> list[int]:
+        if not self.path.is_dir():
+            return []
+        found = []
+        for child in self.path.iterdir():
+            match = _VERSION_DIR.match(child.name)
+            if match and child.is_dir() and (child / MANIFEST).is_file():
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        pointer = self.path / LATEST
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        match = _VERSION_DIR.match(name)
+        if not match:
+            raise CheckpointError(f"{pointer}: names {name!r}, not a version directory like v000003")
+        if not (self.path / name / MANIFEST).is_file():
+            raise CheckpointError(f"{pointer}: names {name}, which has no {MANIFEST}")
+        return int(match.group(1))
+
+    def latest_dir(self) -> Path:
+        version = self.latest()
+        if version is None:
+            raise CheckpointError(f"checkpoint root {self.path} has no {LATEST}")
+        return self.version_dir(version)
+
+    def version_dir(self, version: int) -> Path:
+        return self.path / version_dir_name(version)
+
+    def next_version(self) -> int:
+        versions = self.versions()
+        return versions[-1] + 1 if versions else 0
+
+    def set_latest(self, version: int) -> None:
+        """Point ``LATEST`` at ``version``; readers see the old or the new pointer, never a mix."""
+        if not (self.version_dir(version) / MANIFEST).is_file():
+            raise CheckpointError(f"{self.version_dir(version)} is not a complete version (no {MANIFEST})")
+        _write_text_atomic(self.path / LATEST, version_dir_name(version) + "\n")
+
+    def publish(self, staged: Path, version: int, *, move_latest: bool = True) -> Path:
+        """Move a fully written version directory into the root, then switch ``LATEST`` to it."""
+        staged = Path(staged)
+        manifest = read_manifest(staged)
+        if manifest.policy_version != version:
+            raise CheckpointError(f"{staged}: manifest says policy version {manifest.policy_version}, publishing {version}")
+        target = self.version_dir(version)
+        if target.exists():
+            raise CheckpointError(f"{target} already exists; policy versions are never overwritten")
+        self.path.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, target)
+        _fsync_dir(self.path)
+        if move_latest:
+            self.set_latest(version)
+        return target
+
+
+def load_tokenizer(checkpoint: Path | str):
+    """The checkpoint's tokenizer and its revision, refusing tokenizer files edited after the manifest."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_checkpoint(checkpoint)
+    revision = tokenizer_revision(directory)
+    if (directory / MANIFEST).is_file():
+        recorded = read_manifest(directory).tokenizer_revision
+        if recorded != revision:
+            raise CheckpointError(
+                f"{directory}: tokenizer files have revision {revision} but {MANIFEST} records {recorded}"
+            )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{directory}: tokenizer does not load ({_first_line(exc)})") from None
+    return tokenizer, revision
+
+
+def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None):
+    """``AutoModelForCausalLM`` from a root or version directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    directory = resolve_checkpoint(checkpoint)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{directory}: model does not load ({_first_line(exc)})") from None
+    return model.to(device).eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
