@@ -18,14 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import click
 import typer
 
 from glmpost import __version__
 from glmpost.errors import GlmpostError, UsageError
 
 
-def _load_recipe_section(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
     """Eager callback of ``--config``: the recipe section becomes the command's default map."""
     if value is None:
         return None
@@ -34,31 +33,44 @@ def _load_recipe_section(ctx: click.Context, param: click.Parameter, value: Path
         with open(value, "rb") as f:
             recipe = tomllib.load(f)
     except FileNotFoundError:
-        raise click.BadParameter(f"recipe {value} does not exist", ctx=ctx, param=param)
+        raise typer.BadParameter(f"recipe {value} does not exist", ctx=ctx, param=param)
     except tomllib.TOMLDecodeError as exc:
-        raise click.BadParameter(f"recipe {value} is not valid TOML: {exc}", ctx=ctx, param=param)
-    section = recipe.get(section_name, {})
+        raise typer.BadParameter(f"recipe {value} is not valid TOML: {exc}", ctx=ctx, param=param)
+    section: Any = recipe
+    for part in section_name.split("."):
+        section = section.get(part, {}) if isinstance(section, dict) else None
     if not isinstance(section, dict):
-        raise click.BadParameter(f"recipe {value}: [{section_name}] must be a table", ctx=ctx, param=param)
-    known = {p.name: p for p in ctx.command.params if p.name not in ("config", "help")}
+        raise typer.BadParameter(f"recipe {value}: [{section_name}] must be a table", ctx=ctx, param=param)
+    # A key is the option's flag without dashes (`max-new-tokens`, `set`) or its Python name.
+    params: dict[str, Any] = {}
+    for p in ctx.command.params:
+        if p.name in ("config", "help"):
+            continue
+        params[p.name] = p
+        for opt in p.opts:
+            if opt.startswith("--"):
+                params[opt[2:].replace("-", "_")] = p
     defaults: dict[str, Any] = {}
     for key, setting in section.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            options = ", ".join(sorted(n.replace("_", "-") for n in known))
-            raise click.BadParameter(
-                f"recipe {value}: unknown key '{key}' in [{section_name}] (known: {options})",
+        target = params.get(key.replace("-", "_"))
+        if target is None:
+            if isinstance(setting, dict):
+                continue  # a sub-table for a subcommand or a structured setting read elsewhere
+            flags = sorted({o[2:] for p in params.values() for o in p.opts if o.startswith("--")} | {
+                p.name.replace("_", "-") for p in params.values() if p.param_type_name == "argument"})
+            raise typer.BadParameter(
+                f"recipe {value}: unknown key '{key}' in [{section_name}] (known: {', '.join(flags)})",
                 ctx=ctx,
                 param=param,
             )
-        if isinstance(known[name], click.Argument):
+        if target.param_type_name == "argument":
             setting = [str(s) for s in setting] if isinstance(setting, list) else [str(setting)]
-        defaults[name] = setting
+        defaults[target.name] = setting
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
 
-def recipe_section_name(ctx: click.Context) -> str:
+def recipe_section_name(ctx: typer.Context) -> str:
     """``glmpost init-model`` reads ``[init-model]``; ``glmpost shards import`` reads ``[shards.import]``."""
     names = []
     while ctx.parent is not None:
@@ -78,7 +90,7 @@ def config_option() -> Any:
     )
 
 
-def effective_options(ctx: click.Context) -> dict[str, Any]:
+def effective_options(ctx: typer.Context) -> dict[str, Any]:
     """The options a stage ran with (JSON-safe), for stage.json and shard headers."""
     options = {}
     for name, value in ctx.params.items():
@@ -110,6 +122,33 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra: Any) -> None:
     payload = {"stage": stage, "glmpost_version": __version__, "options": options, **extra}
     write_json_atomic(Path(out_dir) / "stage.json", payload)
+
+
+def check_same_options(out_dir: Path, stage: str, options: dict[str, Any], *, ignore: tuple[str, ...], overwrite: bool) -> None:
+    """Refuse to add shards to ``out_dir`` that an earlier run made with other options.
+
+    Stages that several tasks write into one directory (``--shard-index``) resume by writing only
+    missing shards; that is only sound when every shard comes from the same options.
+    """
+    path = Path(out_dir) / "stage.json"
+    if overwrite or not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise GlmpostError(f"{path}: invalid JSON; pass --overwrite to start this output over") from None
+    if before.get("stage") != stage:
+        raise UsageError(f"--out {out_dir} holds output of `glmpost {before.get('stage')}`, not {stage}")
+    earlier = before.get("options", {})
+    for key, value in options.items():
+        if key in ignore or key not in earlier:
+            continue
+        if earlier[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(
+                f"--out {out_dir} was written with {flag} {earlier[key]!r}, now {value!r}; "
+                "use another --out or pass --overwrite"
+            )
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 from typing import Any, List, Optional
 
-import click
 import typer
 
 from glmpost.checkpoints import CheckpointManifest, tokenizer_revision, write_manifest
@@ -61,6 +60,9 @@ def init_model(
 ) -> None:
     import torch
     from transformers import GlmMoeDsaConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     if preset not in PRESETS:
         raise UsageError(f"--preset {preset!r}: unknown preset (known: {', '.join(PRESETS)})")

@@ -235,7 +235,9 @@ def load_tokenizer(checkpoint: Path | str):
 def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None):
     """``AutoModelForCausalLM`` from a root or version directory, in eval mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     directory = resolve_checkpoint(checkpoint)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto")

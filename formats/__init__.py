@@ -1,0 +1,68 @@
+"""Trajectory records and shards (schema v1; ``formats/SPEC.md`` is the normative byte-level spec).
+
+Records are plain dicts of Python values and numpy arrays (:mod:`glmpost.formats.schema`); shards
+are ``*.msgpack.zst`` files of records with a header and a checksummed footer
+(:mod:`glmpost.formats.shards`).
+"""
+
+from glmpost.formats.schema import (
+    ARRAY_FIELDS,
+    FIELDS,
+    REQUIRED_FIELDS,
+    REWARD_FAILURE_KEY,
+    SCHEMA_VERSION,
+    SEGMENT_KINDS,
+    STATUSES,
+    Field,
+    RecordError,
+    normalize_record,
+    require_fields,
+    validate_record,
+)
+from glmpost.formats.shards import (
+    DTYPE_CODES,
+    FORMAT_NAME,
+    SHARD_SUFFIX,
+    Shard,
+    ShardError,
+    ShardReader,
+    ShardWriter,
+    iter_records,
+    read_shard,
+    record_from_json,
+    record_to_json,
+    resolve_shard_paths,
+    select_shards,
+    write_shard,
+)
+from glmpost.formats.synthetic import synthetic_record
+
+__all__ = [
+    "ARRAY_FIELDS",
+    "DTYPE_CODES",
+    "FIELDS",
+    "FORMAT_NAME",
+    "REQUIRED_FIELDS",
+    "REWARD_FAILURE_KEY",
+    "SCHEMA_VERSION",
+    "SEGMENT_KINDS",
+    "SHARD_SUFFIX",
+    "STATUSES",
+    "Field",
+    "RecordError",
+    "Shard",
+    "ShardError",
+    "ShardReader",
+    "ShardWriter",
+    "iter_records",
+    "normalize_record",
+    "read_shard",
+    "record_from_json",
+    "record_to_json",
+    "require_fields",
+    "resolve_shard_paths",
+    "select_shards",
+    "synthetic_record",
+    "validate_record",
+    "write_shard",
+]

@@ -1,0 +1,114 @@
+"""Prompt data: JSONL lines of ``prompt`` text or chat ``messages`` with ``domain`` and ``task``.
+
+One line = one prompt: ``{"id": ..., "prompt": "..."}`` or ``{"messages": [{"role": ..., "content":
+...}, ...]}``, plus ``domain`` (routes to a verifier and a teacher) and ``task`` (what the verifier
+needs). Prompts are rendered with the checkpoint's chat template into token ids once, here; every
+later stage works on those ids (TITO: text is never re-tokenized downstream).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glmpost.errors import GlmpostError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "observation")
+
+
+class PromptDataError(GlmpostError):
+    """A prompt file line that cannot be used; the message names the file and line."""
+
+
+@dataclass
+class PromptItem:
+    id: str
+    messages: list[dict[str, str]]
+    domain: str = ""
+    task: dict[str, Any] = field(default_factory=dict)
+    response: str | None = None  # a reference reply, for imports of finished conversations
+
+
+def parse_prompt_line(obj: Any, *, where: str, default_id: str) -> PromptItem:
+    """One JSON object as a :class:`PromptItem`; ``where`` (``file:line``) prefixes every error."""
+    if not isinstance(obj, dict):
+        raise PromptDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise PromptDataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise PromptDataError(f"{where}: messages[{i}] needs a string 'content'")
+            if message.get("role") not in CHAT_ROLES:
+                raise PromptDataError(f"{where}: messages[{i}] has role {message.get('role')!r} (one of {', '.join(CHAT_ROLES)})")
+    elif isinstance(obj.get("prompt"), str):
+        if not obj["prompt"].strip():
+            raise PromptDataError(f"{where}: 'prompt' is empty")
+        messages = [{"role": "user", "content": obj["prompt"]}]
+    else:
+        raise PromptDataError(f"{where}: needs a string 'prompt' or a 'messages' list")
+    task = obj.get("task", {})
+    if not isinstance(task, dict):
+        raise PromptDataError(f"{where}: 'task' must be an object")
+    response = obj.get("response")
+    if response is not None and not isinstance(response, str):
+        raise PromptDataError(f"{where}: 'response' must be a string")
+    return PromptItem(
+        id=str(obj.get("id", default_id)),
+        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+        domain=str(obj.get("domain", "")),
+        task=task,
+        response=response,
+    )
+
+
+def read_jsonl(path: Path):
+    """Yield ``(where, object)`` for each non-blank line; invalid JSON is an error naming the line."""
+    path = Path(path)
+    try:
+        handle = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptDataError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PromptDataError(f"{path}: is a directory, expected a JSONL file") from None
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptDataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def read_prompts(path: Path) -> list[PromptItem]:
+    """All prompts of a JSONL file; ids default to ``<file stem>-<line>`` and must be unique."""
+    items: list[PromptItem] = []
+    seen: dict[str, str] = {}
+    for where, obj in read_jsonl(path):
+        item = parse_prompt_line(obj, where=where, default_id=f"{Path(path).stem}-{where.rsplit(':', 1)[1]}")
+        if item.id in seen:
+            raise PromptDataError(f"{where}: id {item.id!r} repeats {seen[item.id]}")
+        seen[item.id] = where
+        items.append(item)
+    if not items:
+        raise PromptDataError(f"{path}: no prompts (the file is empty)")
+    return items
+
+
+def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template, ending with the assistant turn opener."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(i) for i in ids]
+
+
+def encode_response(tokenizer, text: str, *, eos: bool = True) -> list[int]:
+    """Token ids of a reply as the model would emit it: the text, then end-of-text."""
+    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    if eos and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return ids

@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny GLM-5 checkpoint built once per session, and an in-process CLI runner."""
+
+from __future__ import annotations
+
+import io
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def run_glmpost(*args: str) -> CliResult:
+    """Run ``glmpost ARGS`` in this process exactly as the console script does."""
+    from glmpost.commands.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def glmpost_cli():
+    return run_glmpost
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """``glmpost init-model --preset tiny-glm5 --seed 0`` written once for the whole session."""
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    result = run_glmpost("init-model", "--out", out, "--seed", "0")
+    assert result.exit_code == 0, result.stderr
+    return out
