@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from glmpost import __version__
-from glmpost.commands import init_model, shards
+from glmpost.commands import init_model, rollout, shards, shards_import, train_grpo
+from glmpost.commands import judge
 from glmpost.errors import GlmpostError
 
 app = typer.Typer(
@@ -42,7 +42,11 @@ def root(
 
 
 app.command("init-model", help=init_model.__doc__)(init_model.init_model)
+shards.app.command("import", help=shards_import.__doc__)(shards_import.shards_import)
 app.add_typer(shards.app, name="shards")
+app.command("judge", help=judge.__doc__)(judge.judge)
+app.command("rollout", help=rollout.__doc__)(rollout.rollout)
+app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,8 +59,6 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("glmpost: interrupted\n")
         sys.exit(130)
-    except click.exceptions.Exit as exc:  # pragma: no cover - typer normally handles this
-        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

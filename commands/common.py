@@ -91,9 +91,15 @@ def config_option() -> Any:
 
 
 def effective_options(ctx: typer.Context) -> dict[str, Any]:
-    """The options a stage ran with (JSON-safe), for stage.json and shard headers."""
+    """The options a stage ran with (JSON-safe), for stage.json and shard headers.
+
+    ``--json`` and ``--overwrite`` say how to report and whether to replace, not how the output
+    was made, so they are left out (a rerun with ``--overwrite`` writes identical shards).
+    """
     options = {}
     for name, value in ctx.params.items():
+        if name in ("as_json", "overwrite"):
+            continue
         if isinstance(value, Path):
             value = str(value)
         elif isinstance(value, (list, tuple)):

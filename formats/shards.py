@@ -196,7 +196,7 @@ class ShardWriter:
             "stage": stage,
             "options": options,
             "tokenizer_revision": tokenizer_revision,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": _created(),
             "glmpost_version": __version__,
         }
 
@@ -262,6 +262,13 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def _created() -> str:
+    """Now, or ``SOURCE_DATE_EPOCH`` when set (reproducible builds), so equal runs give equal bytes."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch and epoch.isdigit() else datetime.now(timezone.utc)
+    return moment.isoformat(timespec="seconds")
 
 
 def _fsync_dir(directory: Path) -> None:

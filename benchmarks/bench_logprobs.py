@@ -1,0 +1,236 @@
+"""Chunked log-probs vs the naive ``log_softmax(hidden @ W.T).gather`` at GLM-5 vocabulary size.
+
+Both run side by side in one process on the same tensors. For each: peak extra memory above the
+baseline (see ``benchmarks/memory.py``), best wall time of ``--repeats`` timed runs, and the max
+absolute difference from the naive result. Ratios: peak chunked / naive (goal <= 0.2) and speed
+naive time / chunked time (goal >= 0.9).
+
+    .venv/bin/python benchmarks/bench_logprobs.py --out runs/bench_logprobs.json
+    .venv/bin/python benchmarks/bench_logprobs.py --chunk-sizes 256,512,1024 --entropy --backward
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import PeakMemory, check_rss_tracks_tensors  # noqa: E402
+
+from glmpost.logprobs import DEFAULT_CHUNK_SIZE, token_log_probs_from_hidden  # noqa: E402
+
+GOAL_MEMORY_RATIO = 0.2
+GOAL_SPEED_RATIO = 0.9
+
+
+def naive(hidden, weight, targets, *, temperature, entropy):
+    """The reference: full [T, V] float32 logits, log_softmax, gather."""
+    log_softmax = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
+    log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(log_softmax.exp() * log_softmax).sum(-1) if entropy else None
+    return log_probs, ent
+
+
+def chunked(hidden, weight, targets, *, temperature, entropy, chunk_size):
+    out = token_log_probs_from_hidden(
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=entropy,
+    )
+    return out.log_probs, out.entropy
+
+
+def run_once(fn, hidden, weight, targets, *, backward, **kwargs):
+    """One call of ``fn`` (and its backward); returns (log_probs, entropy, weight grad) detached."""
+    if not backward:
+        with torch.no_grad():
+            log_probs, ent = fn(hidden, weight, targets, **kwargs)
+        return log_probs, ent, None
+    weight.grad = None
+    hidden.grad = None
+    log_probs, ent = fn(hidden, weight, targets, **kwargs)
+    loss = log_probs.sum() + (ent.sum() if ent is not None else 0.0)
+    loss.backward()
+    grad = weight.grad
+    weight.grad = None
+    hidden.grad = None
+    return log_probs.detach(), None if ent is None else ent.detach(), grad
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_peak(fn, tensors, device, *, backward, **kwargs):
+    """One run under :class:`PeakMemory`: (row with the peak, the run's results)."""
+    gc.collect()
+    with PeakMemory(device) as peak:
+        result = run_once(fn, *tensors, backward=backward, **kwargs)
+        synchronize(device)
+    row = {
+        "peak_bytes": peak.peak_bytes,
+        "peak_hwm_bytes": peak.hwm_bytes,
+        "rss_samples": peak.samples,
+    }
+    return row, result
+
+
+def time_once(fn, tensors, device, *, backward, **kwargs):
+    """(wall seconds, process CPU seconds) of one run; CPU time is less sensitive to other load."""
+    gc.collect()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    run_once(fn, *tensors, backward=backward, **kwargs)
+    synchronize(device)
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def format_table(rows):
+    mib = 2**20
+    columns = ["method", "peak MiB", "hwm MiB", "best s", "cpu s"]
+    columns += ["mem ratio", "speed", "cpu speed", "max|dlogp|", "goals"]
+    lines = [columns]
+    for row in rows:
+        chunked_row = "memory_ratio" in row
+        lines.append([
+            row["method"],
+            f"{row['peak_bytes'] / mib:.0f}",
+            "-" if row["peak_hwm_bytes"] is None else f"{row['peak_hwm_bytes'] / mib:.0f}",
+            f"{row['best_time_s']:.2f}",
+            f"{row['best_cpu_time_s']:.2f}",
+            f"{row['memory_ratio']:.3f}" if chunked_row else "",
+            f"{row['speed_ratio']:.2f}" if chunked_row else "",
+            f"{row['cpu_speed_ratio']:.2f}" if chunked_row else "",
+            f"{row['max_abs_diff_log_probs']:.2e}" if chunked_row else "",
+            ("ok" if row["meets_goals"] else "MISSED") if chunked_row else "",
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(line, widths))
+        )
+        for line in lines
+    )
+
+
+def max_diff(a, b):
+    if a is None or b is None:
+        return None
+    return float((a.float() - b.float()).abs().max())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--vocab", type=int, default=151_552)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--chunk-sizes", default=str(DEFAULT_CHUNK_SIZE), help="comma-separated")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--entropy", action="store_true", help="also compute the entropy")
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (best wins)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    chunk_sizes = [int(c) for c in args.chunk_sizes.split(",") if c]
+    rss_check = check_rss_tracks_tensors() if device.type == "cpu" else None
+    if rss_check is not None and not rss_check["ok"]:
+        print(f"warning: RSS does not track tensor frees here {rss_check}", file=sys.stderr)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    hidden = torch.randn(args.tokens, args.hidden, generator=generator)
+    # Scaled so logits are ~N(0, 4): a peaked, realistic softmax.
+    weight = torch.randn(args.vocab, args.hidden, generator=generator) * (2.0 / args.hidden**0.5)
+    targets = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
+    hidden, weight, targets = hidden.to(device, dtype), weight.to(device, dtype), targets.to(device)
+    if args.backward:
+        hidden.requires_grad_(True)
+        weight.requires_grad_(True)
+    tensors = (hidden, weight, targets)
+    common = {"temperature": args.temperature, "entropy": args.entropy}
+
+    # Warm up kernels, thread pools and the checkpoint machinery on a small slice.
+    small = hidden[:8].detach().requires_grad_(args.backward)
+    run_once(naive, small, weight, targets[:8], backward=args.backward, **common)
+    run_once(chunked, small, weight, targets[:8], backward=args.backward, chunk_size=4, **common)
+
+    methods = [("naive", naive, {})] + [
+        (f"chunked[{c}]", chunked, {"chunk_size": c}) for c in chunk_sizes
+    ]
+    rows, results = [], []
+    for name, fn, extra in methods:
+        row, result = measure_peak(fn, tensors, device, backward=args.backward, **extra, **common)
+        rows.append({"method": name, **extra, **row, "times_s": [], "cpu_times_s": []})
+        results.append(result)
+    # Timed runs round-robin over the methods, so load from other processes hits all of them.
+    for _ in range(args.repeats):
+        for row, (name, fn, extra) in zip(rows, methods):
+            wall, cpu = time_once(fn, tensors, device, backward=args.backward, **extra, **common)
+            row["times_s"].append(wall)
+            row["cpu_times_s"].append(cpu)
+    ref_row, ref = rows[0], results[0]
+    for row in rows:
+        row["best_time_s"] = min(row["times_s"])
+        row["best_cpu_time_s"] = min(row["cpu_times_s"])
+    for row, got in zip(rows[1:], results[1:]):
+        row["max_abs_diff_log_probs"] = max_diff(got[0], ref[0])
+        row["max_abs_diff_entropy"] = max_diff(got[1], ref[1])
+        row["max_abs_diff_weight_grad"] = max_diff(got[2], ref[2])
+        row["memory_ratio"] = row["peak_bytes"] / ref_row["peak_bytes"]
+        row["speed_ratio"] = ref_row["best_time_s"] / row["best_time_s"]
+        row["cpu_speed_ratio"] = ref_row["best_cpu_time_s"] / row["best_cpu_time_s"]
+        row["meets_goals"] = (
+            row["memory_ratio"] <= GOAL_MEMORY_RATIO and row["speed_ratio"] >= GOAL_SPEED_RATIO
+        )
+    del results
+
+    print(
+        f"T={args.tokens} V={args.vocab} H={args.hidden} dtype={args.dtype} device={device} "
+        f"entropy={args.entropy} backward={args.backward} threads={torch.get_num_threads()} "
+        f"float32 [T,V] = {args.tokens * args.vocab * 4 / 2**20:.0f} MiB; rss check {rss_check}"
+    )
+    print(format_table(rows))
+
+    report = {
+        "config": {**vars(args), "out": str(args.out) if args.out else None},
+        "goals": {"memory_ratio_max": GOAL_MEMORY_RATIO, "speed_ratio_min": GOAL_SPEED_RATIO},
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+        },
+        "rss_check": rss_check,
+        "results": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Training processes: one local process, or DeepSpeed ZeRO ranks under ``deepspeed``/``torchrun``.
+
+A :class:`TrainingSession` reads the launcher's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``), resolves this rank's device and the distributed backend for it (hccl / nccl /
+gloo), and builds the optimisation backend the trainer calls: :class:`LocalBackend` (torch AdamW) or
+:class:`DeepSpeedBackend` (ZeRO 0-3). Both expose the same methods, so the trainer's loss code is
+the same in one process and in many.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from glmpost.errors import GlmpostError, UsageError
+from glmpost.npu import distributed_backend, resolve_device, set_deterministic
+
+
+class LocalBackend:
+    """Single-process optimisation with torch AdamW."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model: torch.nn.Module, config: Any):
+        self.model = model
+        self.config = config
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            trainable, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def save_model(self, directory: Path) -> None:
+        self.model.save_pretrained(directory)
+
+    def save_optimizer(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"kind": "torch-adamw", "state": self.optimizer.state_dict()}, path)
+
+    def load_optimizer(self, path: Path) -> bool:
+        if not path.is_file():
+            return False
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if saved.get("kind") != "torch-adamw":
+            return False
+        self.optimizer.load_state_dict(saved["state"])
+        return True
+
+    def save_resume_state(self, path: Path, step: int, history: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step, "history": history}, tmp)
+        os.replace(tmp, path)
+
+    def load_resume_state(self, path: Path) -> tuple[int, list[dict]]:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        return int(saved["step"]), list(saved["history"])
+
+
+class DeepSpeedBackend:
+    """DeepSpeed ZeRO: the engine owns the optimizer; gradients are reduced across ranks in ``step``.
+
+    Gradient accumulation is unmanaged (``managed_gradient_accumulation: false``): the trainer calls
+    ``backward`` once per micro-batch and ``step`` once per mini-batch, whatever the number of
+    micro-batches on each rank. DeepSpeed *averages* gradients over ranks; the trainer's loss is
+    already a sum over the global batch divided by its global token count, so each rank's loss is
+    multiplied by the world size to make the reduced gradient that sum.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, *, ds_config: dict, world_size: int, rank: int):
+        import deepspeed
+
+        self.model = model
+        self.world_size = world_size
+        self.rank = rank
+        self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        device = next(self.model.parameters()).device
+        reduced = values.to(device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return reduced.cpu()
+
+    def save_model(self, directory: Path) -> None:
+        """Full weights on rank 0 (ZeRO-3 parameters are gathered first)."""
+        if self.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.model.state_dict()
+        if self.rank == 0:
+            self.model.save_pretrained(directory, state_dict=state)
+
+    def save_optimizer(self, path: Path) -> None:
+        self.engine.save_checkpoint(str(path.parent / "deepspeed"), tag="optimizer", client_state={"world_size": self.world_size})
+
+    def load_optimizer(self, path: Path) -> bool:
+        directory = path.parent / "deepspeed"
+        if not (directory / "optimizer").is_dir():
+            return False
+        _, client = self.engine.load_checkpoint(
+            str(directory), tag="optimizer", load_optimizer_states=True, load_lr_scheduler_states=False, load_module_only=False
+        )
+        return client is not None
+
+    def save_resume_state(self, path: Path, step: int, history: list[dict]) -> None:
+        self.engine.save_checkpoint(str(path.parent / "resume-deepspeed"), tag="resume", client_state={"step": step, "history": history})
+        if self.rank == 0:
+            path.write_text(json.dumps({"deepspeed": True, "step": step}))
+
+    def load_resume_state(self, path: Path) -> tuple[int, list[dict]]:
+        _, client = self.engine.load_checkpoint(str(path.parent / "resume-deepspeed"), tag="resume")
+        if client is None:
+            raise GlmpostError(f"{path.parent / 'resume-deepspeed'}: no DeepSpeed resume checkpoint")
+        return int(client["step"]), list(client["history"])
+
+
+def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None) -> dict:
+    """The DeepSpeed config: the user's file if given, completed with the trainer's settings."""
+    ds: dict[str, Any] = {}
+    if path is not None:
+        try:
+            ds = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UsageError(f"--deepspeed {path}: no such file") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--deepspeed {path}: invalid JSON ({exc})") from None
+    if zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = zero_stage
+    ds.setdefault("zero_optimization", {"stage": 1})
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)  # glmpost feeds its own micro-batches
+    ds.setdefault("gradient_accumulation_steps", 1)
+    ds["managed_gradient_accumulation"] = False
+    ds.setdefault("gradient_clipping", config.grad_clip)
+    ds.setdefault(
+        "optimizer",
+        {
+            "type": "AdamW",
+            "params": {
+                "lr": config.lr,
+                "betas": [config.adam_beta1, config.adam_beta2],
+                "weight_decay": config.weight_decay,
+                "torch_adam": True,
+            },
+        },
+    )
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TrainingSession:
+    """This process's place in the job: rank, world size, device, and which backend trains."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    use_deepspeed: bool
+    zero_stage: int | None
+    deepspeed_path: Path | None
+    deterministic: dict
+
+    @classmethod
+    def start(cls, *, device: str, deterministic: bool, zero_stage: int | None, deepspeed_config: Path | None) -> "TrainingSession":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        resolved = resolve_device(device)
+        if resolved.type in ("cuda", "npu") and resolved.index is None:
+            resolved = torch.device(resolved.type, local_rank)
+        settings = set_deterministic(True, resolved) if deterministic else {}
+        use_deepspeed = world > 1 or zero_stage is not None or deepspeed_config is not None
+        if use_deepspeed:
+            if resolved.type == "cpu":
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            try:
+                import deepspeed
+            except ImportError:
+                raise UsageError("DeepSpeed is not installed: pip install deepspeed (needed for --zero-stage, --deepspeed or several ranks)") from None
+            if world == 1:  # a single DeepSpeed process without a launcher: a one-rank group on loopback
+                os.environ.setdefault("RANK", "0")
+                os.environ.setdefault("LOCAL_RANK", "0")
+                os.environ.setdefault("WORLD_SIZE", "1")
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            deepspeed.init_distributed(dist_backend=distributed_backend(resolved), verbose=False)
+        return cls(resolved, rank, world, local_rank, use_deepspeed, zero_stage, deepspeed_config, settings)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def backend(self, model: torch.nn.Module, config: Any):
+        if not self.use_deepspeed:
+            return LocalBackend(model, config)
+        ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path)
+        return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.use_deepspeed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""The embedded rollout engine: batched sampling with a KV cache over a Hugging Face causal LM.
+
+For every sampled token it records the log-prob under the distribution it was actually sampled
+from (temperature, then top-k, then top-p, renormalised) — the rollout ("infer") probability that
+IcePop and DIS compare against (DESIGN.md §5). Greedy decoding (temperature 0) samples from a point
+mass, so its log-probs are 0.
+
+Reproducibility: each sequence draws from its own ``torch.Generator`` seeded from
+``(seed, sequence key)``, so a sequence's sample does not depend on which other sequences share its
+batch or on ``--shard-index``; the same seed gives the same tokens bit for bit on the same machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample; stored verbatim in each record's ``sampling`` map."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    max_new_tokens: int = 64
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Completion:
+    """One sampled response: exact token ids, their sampling log-probs, and why it ended."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" (a stop token, included) or "length" (max_new_tokens)
+
+
+def sequence_seed(seed: int, key: str) -> int:
+    """A 63-bit seed for one sequence, independent of batch layout."""
+    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature-scaled logits with tokens outside top-k / top-p (nucleus) set to -inf.
+
+    ``logits`` ``[B, V]`` float32. Top-p keeps the smallest set of most likely tokens whose
+    probability reaches ``top_p`` (the token crossing the threshold is kept). Ties at the top-k
+    boundary keep every tied token.
+    """
+    scaled = logits / temperature
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class LocalEngine:
+    """In-process sampler over a Hugging Face causal LM (the embedded default rollout engine)."""
+
+    name = "glmpost-local"
+
+    def __init__(self, model, *, batch_size: int = 16, pad_token_id: int = 0):
+        self.model = model.eval()
+        self.batch_size = batch_size
+        self.pad_token_id = pad_token_id
+        self._cache_kwarg = _cache_kwarg(model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]], keys: Sequence[str], params: SamplingParams) -> list[Completion]:
+        """Sample one completion per prompt; ``keys`` (unique per sequence) seed each sequence."""
+        params.validate()
+        if len(prompts) != len(keys):
+            raise ValueError("one key per prompt")
+        results: list[Completion] = []
+        for start in range(0, len(prompts), self.batch_size):
+            results.extend(self._generate_batch(prompts[start : start + self.batch_size], keys[start : start + self.batch_size], params))
+        return results
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], keys: Sequence[str], params: SamplingParams) -> list[Completion]:
+        device = self.device
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
+        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):  # left padding: every row's next token is at the end
+            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            attention[row, width - len(prompt) :] = 1
+        generators = [torch.Generator(device="cpu").manual_seed(sequence_seed(params.seed, k)) for k in keys]
+        stops = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=device)
+
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        log_probs: list[list[float]] = [[] for _ in range(batch)]
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        cache = None
+        step_ids = input_ids
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        for _ in range(params.max_new_tokens):
+            outputs = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                **({self._cache_kwarg: cache} if cache is not None else {}),
+            )
+            cache = getattr(outputs, self._cache_kwarg, None) or outputs.past_key_values
+            logits = outputs.logits[:, -1, :].float()
+            chosen, chosen_log_probs = self._sample(logits, generators, params)
+            for row in range(batch):
+                if not finished[row]:
+                    tokens[row].append(int(chosen[row]))
+                    log_probs[row].append(float(chosen_log_probs[row]))
+            finished |= torch.isin(chosen, stops)
+            if bool(finished.all()):
+                break
+            step_ids = chosen.unsqueeze(-1)
+            attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=-1)
+            positions = positions[:, -1:] + 1
+        stop_set = set(params.stop_token_ids)
+        return [
+            Completion(t, lp, "stop" if t and t[-1] in stop_set else "length") for t, lp in zip(tokens, log_probs)
+        ]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams):
+        if params.temperature == 0:
+            chosen = logits.argmax(dim=-1)
+            return chosen, torch.zeros(chosen.shape, dtype=torch.float32)
+        filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        sampling_log_probs = torch.log_softmax(filtered, dim=-1)
+        probs = sampling_log_probs.exp().cpu()
+        chosen = torch.stack([torch.multinomial(probs[row], 1, generator=g)[0] for row, g in enumerate(generators)])
+        chosen = chosen.to(logits.device)
+        return chosen, sampling_log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)

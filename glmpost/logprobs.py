@@ -1,0 +1,371 @@
+"""Per-token log-probs of given token ids, chunked so float32 ``[T, V]`` logits never exist whole.
+
+Every stage that needs ``log pi(token | prefix)`` (the trainer's loss, the rollout recompute of old
+log-probs, teacher scoring, ``diff-logprobs``) calls :func:`sequence_log_probs`, so train, rollout
+and teacher agree on one formula (DESIGN.md section 5, "Actions and probabilities").
+
+The formula, for hidden states ``h_t`` from the decoder body, LM head ``W`` (and bias ``b``) and
+sampling temperature ``tau > 0``::
+
+    z_t       = float32(W h_t + b) / tau                  # [V], the temperature-scaled logits
+    logp_t    = log_softmax(z_t)[y_t] = z_t[y_t] - logsumexp_v z_t[v]
+    entropy_t = -sum_v p_t[v] log p_t[v]                  # p_t = softmax(z_t)
+              = logsumexp_v z_t[v] - sum_v p_t[v] z_t[v]  # computed as the first form
+
+The log-probs are those of the temperature-scaled distribution ``softmax(logits / tau)``: the one a
+rollout engine samples from at temperature ``tau``. ``tau = 1`` gives the model's own distribution.
+
+Memory: positions are processed ``chunk_size`` rows at a time, so the largest live tensors are a few
+``[chunk_size, V]`` float32 buffers: peak extra memory ~ ``k * chunk_size * V * 4`` bytes with
+``k ~ 3`` without autograd and ``k ~ 5`` during backward (measured by
+``benchmarks/bench_logprobs.py``), instead of ``>= 2 * T * V * 4`` for the naive path. Under
+autograd each chunk's head + softmax runs inside a non-reentrant :func:`torch.utils.checkpoint`,
+so the graph keeps only the ``[chunk_size, H]`` inputs per chunk and backward recomputes the
+chunk's logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "TokenLogProbs",
+    "sequence_log_probs",
+    "token_log_probs_from_hidden",
+]
+
+# Rows of [chunk, V] logits processed at once. 512 keeps the peak at V = 151,552 (GLM-5) to
+# ~0.1x the naive path and is as fast as it on CPU (benchmarks/bench_logprobs.py).
+DEFAULT_CHUNK_SIZE = 512
+
+# Config attributes of Hugging Face heads that post-process logits after the LM head; the chunked
+# path applies the head module alone, so it refuses such models rather than return wrong numbers.
+_LOGIT_POSTPROCESSING_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """Result of :func:`token_log_probs_from_hidden` and :func:`sequence_log_probs`.
+
+    Attributes:
+        log_probs: float32, ``log softmax(z / tau)[target]`` where ``mask`` is True, 0.0 elsewhere.
+        entropy: float32 entropy of ``softmax(z / tau)`` where ``mask`` is True, 0.0 elsewhere;
+            None unless requested.
+        mask: bool, True where a value was computed. Same shape as ``log_probs``.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    mask: torch.Tensor
+
+
+def token_log_probs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    lm_head_bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_entropy: bool = False,
+) -> TokenLogProbs:
+    """Log-prob (and entropy) of ``targets`` under ``softmax((hidden @ W.T + b).float() / tau)``.
+
+    A pure tensor function: ``logp[i] = log_softmax(z_i)[targets[i]]`` with
+    ``z_i = float32(hidden[i] @ lm_head_weight.T + lm_head_bias) / temperature``, computed
+    ``chunk_size`` rows at a time (see the module docstring for the entropy formula and memory).
+
+    Args:
+        hidden: ``[..., H]`` hidden states (any float dtype, same as the weight's).
+        lm_head_weight: ``[V, H]``.
+        targets: ``[...]`` integer token ids in ``[0, V)`` (only checked where ``mask`` is True).
+        lm_head_bias: optional ``[V]``.
+        mask: optional bool ``[...]``; rows where it is False are skipped and read 0.0.
+        temperature: ``tau > 0``.
+        chunk_size: rows per chunk, > 0.
+        return_entropy: also return the entropy per row.
+
+    Returns:
+        :class:`TokenLogProbs` with float32 ``[...]`` tensors.
+
+    Raises:
+        ValueError: on a non-positive temperature or chunk size, mismatched shapes or dtypes, or a
+            target outside the vocabulary.
+    """
+    if hidden.dim() < 1 or lm_head_weight.dim() != 2:
+        raise ValueError(
+            f"hidden must be [..., H] and lm_head_weight [V, H]; got {tuple(hidden.shape)} "
+            f"and {tuple(lm_head_weight.shape)}"
+        )
+    if hidden.shape[-1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: hidden is {tuple(hidden.shape)} but lm_head_weight is "
+            f"{tuple(lm_head_weight.shape)} (expected [V, {hidden.shape[-1]}])"
+        )
+    if hidden.dtype != lm_head_weight.dtype:
+        raise ValueError(
+            f"hidden dtype {hidden.dtype} differs from lm_head_weight dtype {lm_head_weight.dtype}"
+        )
+    if lm_head_bias is not None and tuple(lm_head_bias.shape) != (lm_head_weight.shape[0],):
+        raise ValueError(
+            f"lm_head_bias must be [V] = [{lm_head_weight.shape[0]}]; "
+            f"got {tuple(lm_head_bias.shape)}"
+        )
+    head = functools.partial(F.linear, weight=lm_head_weight, bias=lm_head_bias)
+    return _chunked_log_probs(
+        hidden,
+        head,
+        lm_head_weight.shape[0],
+        targets,
+        mask=mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
+
+
+def sequence_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    response_start: int | torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_entropy: bool = False,
+) -> TokenLogProbs:
+    """Causal-shifted per-token log-probs of ``input_ids`` under a Hugging Face causal LM.
+
+    Entry ``[b, t]`` (``0 <= t < L-1``) is ``log p_tau(input_ids[b, t+1] | input_ids[b, :t+1])``,
+    where ``p_tau = softmax(logits / temperature)`` is the distribution a rollout engine samples
+    from at that temperature. Runs the decoder body once (``use_cache=False``), then applies the
+    model's own LM head module chunk by chunk via the same code as
+    :func:`token_log_probs_from_hidden` (the module, not its weight, so fake-quant heads and
+    ZeRO-3 parameter gathering behave as in ``model(...)``). Gradients flow to the body and the
+    head when grad is enabled and equal those of ``log_softmax(model(...).logits.float())``.
+
+    Args:
+        model: a causal LM exposing ``get_output_embeddings()`` and a decoder body
+            (``get_decoder()``, ``.model`` or ``.base_model``) returning ``last_hidden_state``.
+        input_ids: int ``[B, L]``, ``L >= 2``.
+        attention_mask: optional ``[B, L]``, 1 for real tokens; batches must be right-padded
+            (each row is ones then zeros); None means no padding.
+        response_start: optional int or int ``[B]``: index into ``input_ids`` of the first token
+            to score (e.g. the prompt length); entries with ``t + 1 < response_start`` are skipped.
+        score_mask: optional bool ``[B, L-1]``: entries to score (e.g. action tokens only).
+        temperature: ``tau > 0``.
+        chunk_size: positions per chunk.
+        return_entropy: also return the entropy of ``p_tau`` at each scored position.
+
+    Returns:
+        :class:`TokenLogProbs` with float32 ``log_probs`` (and ``entropy``) ``[B, L-1]`` and the
+        bool ``mask`` of scored entries: those whose target ``input_ids[b, t+1]`` is a real token,
+        at or after ``response_start`` and in ``score_mask``. Every other entry (padding, prompt)
+        is 0.0 and never reaches the LM head.
+
+    Raises:
+        ValueError: on bad shapes, a left-padded mask, a non-positive temperature or chunk size,
+            or a model whose head post-processes logits (soft-capping, logit scaling).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, L] with L >= 2; got {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor; got {input_ids.dtype}")
+    batch, length = input_ids.shape
+    device = input_ids.device
+    _check_temperature_and_chunk(temperature, chunk_size)
+
+    scored = torch.ones(batch, length - 1, dtype=torch.bool, device=device)
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, length):
+            raise ValueError(
+                f"attention_mask must match input_ids [B, L] = {(batch, length)}; "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        real = attention_mask.bool()
+        if bool((real[:, 1:] & ~real[:, :-1]).any()):
+            raise ValueError(
+                "attention_mask must be right-padded (each row ones then zeros); "
+                "left padding would change position ids"
+            )
+        scored &= real[:, 1:]
+    if response_start is not None:
+        start = torch.as_tensor(response_start, device=device)
+        if start.dim() == 0:
+            start = start.expand(batch)
+        if tuple(start.shape) != (batch,) or start.dtype.is_floating_point:
+            raise ValueError(
+                f"response_start must be an int or an int tensor [B] = [{batch}]; "
+                f"got {tuple(start.shape)} {start.dtype}"
+            )
+        target_index = torch.arange(1, length, device=device)
+        scored &= target_index[None, :] >= start[:, None]
+    if score_mask is not None:
+        if tuple(score_mask.shape) != (batch, length - 1) or score_mask.dtype != torch.bool:
+            raise ValueError(
+                f"score_mask must be bool [B, L-1] = {(batch, length - 1)}; "
+                f"got {tuple(score_mask.shape)} {score_mask.dtype}"
+            )
+        scored &= score_mask
+
+    body, head = _split_causal_lm(model)
+    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    return _chunked_log_probs(
+        hidden[:, :-1],
+        head,
+        _vocab_size(head),
+        input_ids[:, 1:],
+        mask=scored,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
+
+
+def _chunked_log_probs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int | None,
+    targets: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+    return_entropy: bool,
+) -> TokenLogProbs:
+    """Shared core: select the masked rows of ``hidden [..., H]``, score them chunk by chunk."""
+    _check_temperature_and_chunk(temperature, chunk_size)
+    lead = tuple(hidden.shape[:-1])
+    if tuple(targets.shape) != lead:
+        raise ValueError(
+            f"targets must have the leading shape of hidden {lead}; got {tuple(targets.shape)}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor; got {targets.dtype}")
+    if mask is None:
+        mask = torch.ones(lead, dtype=torch.bool, device=hidden.device)
+    elif tuple(mask.shape) != lead or mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be bool with the leading shape of hidden {lead}; "
+            f"got {tuple(mask.shape)} {mask.dtype}"
+        )
+
+    rows = hidden[mask]  # [N, H]
+    row_targets = targets[mask].long()  # [N]
+    if vocab_size is not None and row_targets.numel() > 0:
+        low, high = int(row_targets.min()), int(row_targets.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"target ids must lie in [0, {vocab_size}); got min {low}, max {high}"
+            )
+
+    chunk_fn = functools.partial(
+        _chunk_log_probs, head=head, temperature=temperature, return_entropy=return_entropy
+    )
+    use_checkpoint = torch.is_grad_enabled()
+    log_prob_parts, entropy_parts = [], []
+    # At least one (possibly empty) chunk, so a batch with nothing to score still returns tensors
+    # connected to the graph and loss.backward() works.
+    for begin in range(0, max(rows.shape[0], 1), chunk_size):
+        chunk_rows = rows[begin : begin + chunk_size]
+        chunk_targets = row_targets[begin : begin + chunk_size]
+        if use_checkpoint:
+            log_prob, entropy = checkpoint(chunk_fn, chunk_rows, chunk_targets, use_reentrant=False)
+        else:
+            log_prob, entropy = chunk_fn(chunk_rows, chunk_targets)
+        log_prob_parts.append(log_prob)
+        entropy_parts.append(entropy)
+
+    log_probs = _scatter_rows(torch.cat(log_prob_parts), mask)
+    entropy = _scatter_rows(torch.cat(entropy_parts), mask) if return_entropy else None
+    return TokenLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+
+def _chunk_log_probs(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log_softmax(z)[targets], entropy(z) or None)``, ``z = float(head(rows)) / tau``.
+
+    Uses the fused row-wise ``log_softmax`` kernel (one pass per row in cache, the same kernel as
+    the naive path). Without autograd, temporaries are freed or updated in place so at most two
+    ``[C, V]`` float32 buffers are alive; with autograd the ops are out of place (they run inside a
+    checkpoint, which discards them after the forward).
+    """
+    inplace = not torch.is_grad_enabled()
+    logits = head(rows).float()  # a fresh [C, V] tensor, safe to update in place
+    if temperature != 1.0:
+        logits = logits.div_(temperature) if inplace else logits / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    del logits
+    log_prob = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+    if not return_entropy:
+        return log_prob, None
+    if inplace:
+        entropy = log_softmax.exp().mul_(log_softmax).sum(-1).neg_()
+    else:
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_prob, entropy
+
+
+def _scatter_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place ``values [N]`` at the True entries of ``mask`` in a float32 zeros tensor."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(
+        mask, values
+    )
+
+
+def _check_temperature_and_chunk(temperature: float, chunk_size: int) -> None:
+    if not temperature > 0:  # also rejects NaN
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+
+
+def _split_causal_lm(
+    model: torch.nn.Module,
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """``(decoder body, LM head module)`` of a Hugging Face causal LM."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} exposes no LM head (get_output_embeddings())")
+    config = getattr(model, "config", None)
+    for attr in _LOGIT_POSTPROCESSING_ATTRS:
+        value = getattr(config, attr, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} post-processes its logits (config.{attr}={value}); "
+                "chunked log-probs apply the LM head alone and do not support it"
+            )
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if body is None or body is model:
+        body = getattr(model, "model", None)
+    if body is None or body is model:
+        body = getattr(model, "base_model", None)
+    if body is None or body is model:
+        raise ValueError(
+            f"{type(model).__name__} exposes no decoder body (get_decoder(), .model, .base_model)"
+        )
+    return body, head
+
+
+def _vocab_size(head: torch.nn.Module) -> int | None:
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0:
+        return weight.shape[0]
+    out_features = getattr(head, "out_features", None)
+    return out_features if isinstance(out_features, int) else None

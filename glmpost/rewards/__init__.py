@@ -1,0 +1,77 @@
+"""Rewards for ``glmpost judge``: verifiers and rules, reward models, and the mixture.
+
+- :mod:`glmpost.rewards.verifiers` — verifiers routed by a record's ``domain`` (built in ``math``
+  and ``count``, or any ``package.module:function``) and the format / length / truncation rules.
+- :mod:`glmpost.rewards.models` — an Outcome Reward Model and a generative judge, run locally.
+- :mod:`glmpost.rewards.mixture` — components, the formula
+  ``R(tau) = sum_k w_k R_k(tau) - sum_j lambda_j P_j(tau)`` and :class:`RewardMixture`, which adds
+  ``rewards``, ``reward`` and ``reward_info`` to records.
+
+Importing this package does not import torch or transformers; the model classes do, when built.
+"""
+
+from glmpost.rewards.mixture import (
+    SOURCES,
+    ComponentResult,
+    ComponentSpec,
+    RewardMixture,
+    RewardStats,
+    check_components,
+    combine,
+    default_components,
+    parse_component,
+    parse_spec_string,
+    scalarize,
+    uses_domain_routing,
+)
+from glmpost.rewards.verifiers import (
+    VERIFIERS,
+    Verdict,
+    VerifierError,
+    VerifierTable,
+    VerifyContext,
+    count_verifier,
+    extract_math_answer,
+    format_score,
+    last_boxed,
+    length_penalty,
+    load_hook,
+    math_answers_equal,
+    math_verifier,
+    normalize_math_answer,
+    register_verifier,
+    resolve_verifier,
+    truncated_penalty,
+)
+
+__all__ = [
+    "SOURCES",
+    "VERIFIERS",
+    "ComponentResult",
+    "ComponentSpec",
+    "RewardMixture",
+    "RewardStats",
+    "Verdict",
+    "VerifierError",
+    "VerifierTable",
+    "VerifyContext",
+    "check_components",
+    "combine",
+    "count_verifier",
+    "default_components",
+    "extract_math_answer",
+    "format_score",
+    "last_boxed",
+    "length_penalty",
+    "load_hook",
+    "math_answers_equal",
+    "math_verifier",
+    "normalize_math_answer",
+    "parse_component",
+    "parse_spec_string",
+    "register_verifier",
+    "resolve_verifier",
+    "scalarize",
+    "truncated_penalty",
+    "uses_domain_routing",
+]

@@ -1,0 +1,344 @@
+"""Rule-based rewards: verifiers routed by a record's ``domain``, and the format / length / truncation rules.
+
+A *verifier* is a function ``fn(ctx: VerifyContext) -> float | Verdict`` returning a score in
+``[0, 1]``. It may raise: the judge records that as a failed component (``reward`` NaN, the reason in
+``reward_info``), never as a silent 0. Verifiers are looked up by name in :data:`VERIFIERS`
+(built in: ``math``, ``count``) or imported from a ``package.module:function`` spec
+(:func:`load_hook`); :class:`VerifierTable` routes each record's ``domain`` to one.
+
+Rules are small pure functions on what the record already says: :func:`format_score` (a regex the
+response text must match), :func:`length_penalty` (action tokens over a budget, scaled to [0, 1])
+and :func:`truncated_penalty` (1 when the rollout hit its token limit).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Mapping, Union
+
+import numpy as np
+
+from glmpost.errors import UsageError
+
+
+class VerifierError(Exception):
+    """A verifier cannot judge this record (e.g. the task lacks its reference answer)."""
+
+
+@dataclass(frozen=True)
+class VerifyContext:
+    """What a verifier sees of one trajectory.
+
+    ``text`` is the whole response decoded with special tokens removed; ``response_token_ids`` and
+    ``action_mask`` are the record's exact arrays (``[T]``); ``task``, ``status``, ``domain`` and
+    ``sampling`` are the record's fields (empty when absent); ``tokenizer`` is the policy's.
+    """
+
+    text: str
+    response_token_ids: np.ndarray
+    action_mask: np.ndarray
+    task: Mapping[str, Any]
+    status: str
+    tokenizer: Any
+    domain: str = ""
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    record_id: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A score in [0, 1] plus details worth keeping in ``reward_info`` (e.g. the extracted answer)."""
+
+    score: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+Verifier = Callable[[VerifyContext], Union[float, Verdict]]
+VERIFIERS: dict[str, Verifier] = {}
+
+
+def register_verifier(name: str) -> Callable[[Verifier], Verifier]:
+    """Decorator adding a built-in verifier to :data:`VERIFIERS` under ``name``."""
+
+    def decorate(fn: Verifier) -> Verifier:
+        VERIFIERS[name] = fn
+        return fn
+
+    return decorate
+
+
+def check_score(value: Any, *, low: float = 0.0, high: float = 1.0) -> float:
+    """``value`` as a float in ``[low, high]``; anything else raises :class:`VerifierError`."""
+    if isinstance(value, (bool, np.bool_)):
+        return float(value)
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        raise VerifierError(f"returned {type(value).__name__}, expected a number in [{low:g}, {high:g}]")
+    score = float(value)
+    if not math.isfinite(score) or not low <= score <= high:
+        raise VerifierError(f"returned {score!r}, outside [{low:g}, {high:g}]")
+    return score
+
+
+def run_verifier(fn: Verifier, ctx: VerifyContext) -> Verdict:
+    """Call a verifier and check its answer (a number or :class:`Verdict` with a score in [0, 1])."""
+    result = fn(ctx)
+    if isinstance(result, Verdict):
+        return Verdict(check_score(result.score), dict(result.details))
+    return Verdict(check_score(result))
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks and routing
+
+
+def is_hook_spec(spec: str) -> bool:
+    """``package.module:function`` (a colon with a dotted module path before it)."""
+    module, sep, attr = spec.partition(":")
+    return bool(sep and module and attr) and all(part.isidentifier() for part in module.split(".") + attr.split("."))
+
+
+def load_hook(spec: str, *, where: str) -> Verifier:
+    """Import ``package.module:function``; ``where`` names the option or recipe key in errors.
+
+    Raises :class:`UsageError` (one line) when the module does not import, the attribute is missing
+    or is not callable.
+    """
+    if not is_hook_spec(spec):
+        raise UsageError(f"{where}: {spec!r} is not package.module:function")
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is the user's to fix
+        raise UsageError(f"{where}: cannot import {module_name} for {spec} ({_one_line(exc)})") from None
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise UsageError(f"{where}: {module_name} has no attribute {attr_path!r} (from {spec})")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise UsageError(f"{where}: {spec} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def resolve_verifier(spec: str, *, where: str) -> Verifier:
+    """A built-in verifier name (``math``, ``count``) or a ``package.module:function`` hook."""
+    if spec in VERIFIERS:
+        return VERIFIERS[spec]
+    if ":" in spec:
+        return load_hook(spec, where=where)
+    raise UsageError(
+        f"{where}: unknown verifier {spec!r} (built in: {', '.join(sorted(VERIFIERS))}; "
+        "or name a package.module:function)"
+    )
+
+
+class VerifierTable:
+    """Routes a record's ``domain`` to a verifier.
+
+    A domain named like a built-in verifier uses it; ``routes`` (domain -> built-in name or
+    ``package.module:function``) add or override domains; ``default`` (a spec, optional) serves
+    every other domain, including records without one. Hooks are imported on construction, so a
+    bad spec fails before any work starts.
+    """
+
+    def __init__(self, routes: Mapping[str, str] | None = None, default: str | None = None):
+        self.specs: dict[str, str] = {name: name for name in VERIFIERS}
+        self.specs.update(routes or {})
+        self._fns = {d: resolve_verifier(s, where=f"verifier for domain {d!r}") for d, s in self.specs.items()}
+        self.default = default
+        self._default_fn = resolve_verifier(default, where="--default-verifier") if default else None
+
+    def lookup(self, domain: str | None) -> tuple[str, Verifier]:
+        """``(spec, verifier)`` for ``domain``; raises :class:`UsageError` naming it and the known ones."""
+        if domain and domain in self._fns:
+            return self.specs[domain], self._fns[domain]
+        if self._default_fn is not None:
+            return self.default, self._default_fn  # type: ignore[return-value]
+        known = ", ".join(sorted(self._fns))
+        if not domain:
+            raise UsageError(
+                f"no domain to route to a verifier (known: {known}); set 'domain' in the prompt data "
+                "or give --default-verifier"
+            )
+        raise UsageError(
+            f"domain {domain!r} has no verifier (known: {known}); map it with "
+            "--verifier DOMAIN=package.module:function, [judge.domains], or give --default-verifier"
+        )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# math: exact final answers
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = re.compile(
+    r"(?:(?<![\w)\]}])-)?"  # a minus sign, unless it is a binary minus after a word or bracket
+    r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"  # 12, 1,234, 3.5, .5
+    r"(?:\s*/\s*\d+(?:\.\d+)?)?"  # a/b
+)
+_LATEX_DROP = (
+    r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\ ", r"\displaystyle",
+    r"\$", "$", r"\%", "%", r"^{\circ}", r"^\circ",
+)
+_LATEX_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
+_VARIABLE_PREFIX = re.compile(r"^[A-Za-z]\s*=(?!=)")
+_EXACT_NUMBER = re.compile(r"^-?(?:\d+(?:\.\d+)?|\.\d+)$")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
+    found = None
+    for match in _BOXED.finditer(text):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    found = text[start:i]
+                    break
+    return found
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The final answer of a response: the last balanced ``\\boxed{...}``, else the last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_math_answer(answer: Any) -> Fraction | str:
+    """A canonical form of a final answer, so that equal answers compare equal.
+
+    Rules, in order: drop ``$``, ``%``, degree signs ``^\\circ``, ``\\left``/``\\right``, LaTeX
+    spacing (``\\,`` ``\\!`` ...) and ``\\displaystyle``; unwrap ``\\text{..}``/``\\mathrm{..}``/``\\mathbf{..}``; ``\\dfrac`` and
+    ``\\tfrac`` become ``\\frac``; remove all whitespace, trailing ``.`` and a leading ``x=``; then
+    ``\\frac{a}{b}`` and ``\\frac ab`` become ``a/b``, and thousands commas (``1,234``) go. If what
+    is left is a number, integer or decimal, or a ratio of two (``-3/4``, ``0.5/2``), the result is
+    an exact :class:`~fractions.Fraction` (so ``2.0 == 2`` and ``1/2 == 0.5``); otherwise the
+    normalised string.
+    """
+    s = str(answer)
+    for token in _LATEX_DROP:
+        s = s.replace(token, "")
+    s = _LATEX_WRAPPERS.sub(r"\1", s)
+    s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
+    s = "".join(s.split()).rstrip(".")
+    s = _VARIABLE_PREFIX.sub("", s)
+    s = _FRAC.sub(r"(\1)/(\2)", s)
+    s = _FRAC_SHORT.sub(r"(\1)/(\2)", s)
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    value = _as_fraction(s)
+    return value if value is not None else s
+
+
+def _as_fraction(s: str) -> Fraction | None:
+    sign = 1
+    if s.startswith("-") and s[1:].startswith("("):
+        sign, s = -1, s[1:]
+    parts = [p[1:-1] if p.startswith("(") and p.endswith(")") else p for p in s.split("/")]
+    if not 1 <= len(parts) <= 2 or not all(_EXACT_NUMBER.match(p) for p in parts):
+        return None
+    numerator = Fraction(parts[0])
+    if len(parts) == 1:
+        return sign * numerator
+    denominator = Fraction(parts[1])
+    if denominator == 0:
+        return None
+    return sign * numerator / denominator
+
+
+def math_answers_equal(predicted: Any, reference: Any) -> bool:
+    """Whether two answers are equal after :func:`normalize_math_answer` (exact, no tolerance)."""
+    return normalize_math_answer(predicted) == normalize_math_answer(reference)
+
+
+@register_verifier("math")
+def math_verifier(ctx: VerifyContext) -> Verdict:
+    """1.0 when the response's final answer equals ``task["answer"]`` (or one of a list of
+    acceptable answers), else 0.0.
+
+    The final answer is the last ``\\boxed{...}`` or else the last number (see
+    :func:`extract_math_answer`); a response with neither scores 0. A task without ``answer`` raises.
+    """
+    if "answer" not in ctx.task:
+        raise VerifierError("task has no 'answer' to compare with")
+    reference = ctx.task["answer"]
+    accepted = reference if isinstance(reference, list) else [reference]
+    if not accepted:
+        raise VerifierError("task 'answer' is an empty list")
+    predicted = extract_math_answer(ctx.text)
+    expected = [str(a) for a in accepted] if isinstance(reference, list) else str(reference)
+    details = {"extracted": predicted, "expected": expected}
+    if predicted is None:
+        return Verdict(0.0, details)
+    return Verdict(float(any(math_answers_equal(predicted, a) for a in accepted)), details)
+
+
+# --------------------------------------------------------------------------------------------
+# count: the tiny task the embedded model learns (prompt "count: d")
+
+
+def digit_token_id(tokenizer: Any, digit: Any) -> int:
+    """The single token id of ``digit`` (0-9, as int or one-character string)."""
+    text = str(digit)
+    if len(text) != 1 or not text.isdigit():
+        raise VerifierError(f"task digit {digit!r} is not a single digit 0-9")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise VerifierError(f"digit {text!r} is {len(ids)} tokens in this tokenizer, not one")
+    return int(ids[0])
+
+
+@register_verifier("count")
+def count_verifier(ctx: VerifyContext) -> Verdict:
+    """Fraction of action tokens that are the digit token ``task["digit"]``.
+
+    ``score = #{t : action_mask[t] and response_token_ids[t] == id(digit)} / max(A, M)`` where ``A``
+    is the number of action tokens and ``M`` the rollout's ``sampling["max_new_tokens"]`` (0 when
+    absent): a stop token counts as a non-matching token, and stopping early cannot raise the
+    fraction. Merged tokens such as ``"33"`` do not match. A random model scores about 0.002.
+    """
+    if "digit" not in ctx.task:
+        raise VerifierError("task has no 'digit'")
+    target = digit_token_id(ctx.tokenizer, ctx.task["digit"])
+    actions = np.asarray(ctx.action_mask, dtype=bool)
+    hits = int(np.count_nonzero(actions & (np.asarray(ctx.response_token_ids) == target)))
+    budget = ctx.sampling.get("max_new_tokens") if isinstance(ctx.sampling, Mapping) else None
+    denominator = max(int(actions.sum()), int(budget) if isinstance(budget, int) and budget > 0 else 0)
+    score = hits / denominator if denominator else 0.0
+    return Verdict(score, {"matches": hits, "of": denominator})
+
+
+# --------------------------------------------------------------------------------------------
+# Rules
+
+
+def format_score(text: str, pattern: re.Pattern[str]) -> float:
+    """1.0 when ``pattern`` is found anywhere in ``text`` (``re.search``), else 0.0."""
+    return 1.0 if pattern.search(text) else 0.0
+
+
+def length_penalty(num_tokens: int, max_tokens: int, ramp_tokens: int) -> float:
+    """``clip((num_tokens - max_tokens) / ramp_tokens, 0, 1)``: 0 within budget, 1 at budget + ramp."""
+    if ramp_tokens < 1:
+        raise ValueError(f"ramp_tokens must be >= 1, got {ramp_tokens}")
+    return min(1.0, max(0.0, (num_tokens - max_tokens) / ramp_tokens))
+
+
+def truncated_penalty(status: str) -> float:
+    """1.0 when the rollout stopped at its token limit (``status == "truncated"``), else 0.0."""
+    return 1.0 if status == "truncated" else 0.0

@@ -1,0 +1,153 @@
+"""``glmpost train-grpo``: refusals, version publishing, exclusions, resume, DeepSpeed ranks = one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from glmpost.checkpoints import CheckpointRoot, read_manifest
+from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
+
+GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
+
+
+def _judged(glmpost_cli, checkpoint, tmp_path, *, name="judged", nan_first=False, seed=0) -> Path:
+    """Rollout shards of the count task with a reward = fraction of tokens equal to the digit."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "count", "task": {"digit": str(d)}}) + "\n" for d in range(4)))
+    rollout = tmp_path / f"{name}-rollout"
+    result = glmpost_cli("rollout", prompts, "--checkpoint", checkpoint, "--out", rollout, "--group-size", "4",
+                         "--max-new-tokens", "6", "--stop-token-ids", "none", "--seed", seed)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / name
+    out.mkdir()
+    for path in resolve_shard_paths([rollout]):
+        reader = ShardReader(path)
+        records = list(reader)
+        with ShardWriter(out / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+            for index, record in enumerate(records):
+                reward = float(index % 4) / 4 + float(np.mean(record["response_token_ids"] % 2))
+                if nan_first and index == 0:
+                    reward = float("nan")
+                writer.write({**record, "reward": reward, "rewards": {"correct": reward},
+                              "reward_info": {"failure": "judge timed out"} if nan_first and index == 0 else {}})
+    return out
+
+
+def test_refuses_unjudged_shards_and_foreign_tokenizers(glmpost_cli, tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
+    assert glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r", "--max-new-tokens", "3").exit_code == 0
+    result = glmpost_cli("train-grpo", tmp_path / "r", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root")
+    assert result.exit_code == 1 and "has no reward: run `glmpost judge` first" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "root").exists()
+
+    other = tmp_path / "other"
+    assert glmpost_cli("init-model", "--out", other, "--set", "vocab_size=600").exit_code == 0
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    foreign = glmpost_cli("train-grpo", judged, "--checkpoint", other, "--out", tmp_path / "root")
+    assert foreign.exit_code == 1 and "differs from the checkpoint's" in foreign.stderr
+
+
+def test_publishes_the_next_version_and_counts_exclusions(glmpost_cli, tiny_checkpoint, tmp_path):
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path, nan_first=True)
+    root = tmp_path / "root"
+    args = ["train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", root, "--lr", "1e-3", "--mini-batches", "2", "--json"]
+    result = glmpost_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["policy_version"] == 1 and summary["excluded"]["nan_reward"] == 1
+    assert summary["records"] == 16 and summary["trained_records"] == 15 and summary["steps"] == 2
+    assert CheckpointRoot(root).latest() == 1
+    version = root / "v000001"
+    manifest = read_manifest(version)
+    assert manifest.stage == "train-grpo" and manifest.parent == str(tiny_checkpoint) and manifest.step == 2
+    assert manifest.tokenizer_revision == read_manifest(tiny_checkpoint).tokenizer_revision
+    before, after = load_file(tiny_checkpoint / "model.safetensors"), load_file(version / "model.safetensors")
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+    # The DSA indexer gets no gradient (transformers runs it under no_grad): it stays frozen.
+    assert all(np.array_equal(before[k], after[k]) for k in before if ".indexer." in k)
+    lines = [json.loads(line) for line in (version / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    for key in ("train/loss", "train/clip_fraction", "train/trusted_fraction", "train/mismatch_abs_logp_mean",
+                "train/mismatch_k3_kl", "train/reward_mean", "train/reward_std", "train/zero_advantage_groups",
+                "train/entropy", "train/grad_norm", "train/action_tokens_per_s", "train/excluded_nan_reward"):
+        assert key in lines[0], key
+    assert lines[0]["train/excluded_nan_reward"] == 1
+
+    again = glmpost_cli(*args)
+    assert again.exit_code == 0 and json.loads(again.stdout)["skipped"] is True
+    # From the root, the next update trains v1 into v2.
+    second = glmpost_cli("train-grpo", judged, "--checkpoint", root, "--out", root, "--lr", "1e-3", "--json")
+    assert second.exit_code == 0, second.stderr
+    assert json.loads(second.stdout)["policy_version"] == 2 and CheckpointRoot(root).latest() == 2
+    assert read_manifest(root / "v000002").parent == str(version)
+    assert (root / "v000002" / "trainer_state" / "optimizer.pt").is_file()
+
+
+def test_resume_after_a_kill_repeats_no_step_and_matches_an_uninterrupted_run(glmpost_cli, tiny_checkpoint, tmp_path):
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    common = [str(judged), "--checkpoint", str(tiny_checkpoint), "--lr", "1e-3", "--epochs", "40", "--mini-batches", "2",
+              "--micro-batch-size", "4"]
+    assert glmpost_cli("train-grpo", *common, "--out", tmp_path / "straight").exit_code == 0
+
+    root = tmp_path / "resumed"
+    state = root / ".staging-v000001" / "trainer_state" / "resume.pt"
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    process = subprocess.Popen(GLMPOST + ["train-grpo", *common, "--out", str(root), "--save-every", "3"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 120
+    while not state.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert state.exists() and not (root / "v000001").exists(), "the run finished before it could be interrupted"
+
+    refused = glmpost_cli("train-grpo", *common, "--out", root)
+    assert refused.exit_code == 2 and "pass --resume to continue it" in refused.stderr
+    resumed = glmpost_cli("train-grpo", *common, "--out", root, "--resume", "--json")
+    assert resumed.exit_code == 0, resumed.stderr
+    steps = [json.loads(line)["train/step"] for line in (root / "v000001" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(80))
+    straight, again = load_file(tmp_path / "straight" / "v000001" / "model.safetensors"), load_file(root / "v000001" / "model.safetensors")
+    for key in straight:
+        np.testing.assert_array_equal(again[key], straight[key], err_msg=key)
+
+
+def test_two_deepspeed_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp_path):
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    common = [str(judged), "--checkpoint", str(tiny_checkpoint), "--lr", "1e-3", "--mini-batches", "2",
+              "--micro-batch-size", "3", "--json"]
+    single = glmpost_cli("train-grpo", *common, "--out", tmp_path / "single")
+    assert single.exit_code == 0, single.stderr
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    for stage in ("1", "2"):
+        result = subprocess.run(torchrun + ["-m", "glmpost.commands.app", "train-grpo", *common, "--out", str(tmp_path / f"zero{stage}"),
+                                            "--zero-stage", stage], capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        ranks = json.loads(result.stdout.strip().splitlines()[-1])
+        assert ranks["world_size"] == 2
+        assert ranks["loss"] == pytest.approx(json.loads(single.stdout)["loss"], rel=1e-5, abs=1e-7)
+        one = load_file(tmp_path / "single" / "v000001" / "model.safetensors")
+        two = load_file(tmp_path / f"zero{stage}" / "v000001" / "model.safetensors")
+        for key in one:
+            np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
