@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import typer
@@ -49,8 +50,35 @@ app.command("rollout", help=rollout.__doc__)(rollout.rollout)
 app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
 
 
+class _LogsToStderr(logging.Logger):
+    """A logger whose console handlers write to stderr even when a library asks for stdout."""
+
+    def addHandler(self, handler: logging.Handler) -> None:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+        handler.addFilter(_drop_cpu_fallback_notice)
+        super().addHandler(handler)
+
+
+def _drop_cpu_fallback_notice(record: logging.LogRecord) -> bool:
+    # DeepSpeed warns on every import that it fell back to CPU; on a CPU run that is expected.
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+def _keep_stdout_for_results() -> None:
+    """stdout carries results (``--json``): DeepSpeed, which transformers imports when it saves or
+    loads a model, logs to stdout; its logger is created here first, so its messages go to stderr."""
+    previous = logging.getLoggerClass()
+    logging.setLoggerClass(_LogsToStderr)
+    try:
+        logging.getLogger("DeepSpeed")
+    finally:
+        logging.setLoggerClass(previous)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line on stderr and an exit code, never a traceback."""
+    _keep_stdout_for_results()
     try:
         app(args=argv, prog_name="glmpost")
     except GlmpostError as exc:

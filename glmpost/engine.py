@@ -96,6 +96,9 @@ class LocalEngine:
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
         self._cache_kwarg = _cache_kwarg(model)
+        # Only the last position's logits are sampled from: skip the [B, L, V] prefill logits.
+        accepts = inspect.signature(model.forward).parameters
+        self._logits_to_keep = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
 
     @property
     def device(self) -> torch.device:
@@ -116,54 +119,67 @@ class LocalEngine:
         device = self.device
         batch = len(prompts)
         width = max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
-        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding: every row's next token is at the end
             input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
             attention[row, width - len(prompt) :] = 1
-        generators = [torch.Generator(device="cpu").manual_seed(sequence_seed(params.seed, k)) for k in keys]
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        # One uniform number per sequence and step, drawn up front from the sequence's own generator:
+        # a sequence's sample depends on its seed and key only, never on its batch neighbours.
+        uniforms = torch.stack([
+            torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(sequence_seed(params.seed, k)), dtype=torch.float64)
+            for k in keys
+        ]).to(device)
         stops = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=device)
 
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        log_probs: list[list[float]] = [[] for _ in range(batch)]
+        chosen_steps, log_prob_steps = [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         cache = None
         step_ids = input_ids
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        for _ in range(params.max_new_tokens):
+        for step in range(params.max_new_tokens):
             outputs = self.model(
                 input_ids=step_ids,
                 attention_mask=attention,
                 position_ids=positions,
                 use_cache=True,
+                **self._logits_to_keep,
                 **({self._cache_kwarg: cache} if cache is not None else {}),
             )
             cache = getattr(outputs, self._cache_kwarg, None) or outputs.past_key_values
-            logits = outputs.logits[:, -1, :].float()
-            chosen, chosen_log_probs = self._sample(logits, generators, params)
-            for row in range(batch):
-                if not finished[row]:
-                    tokens[row].append(int(chosen[row]))
-                    log_probs[row].append(float(chosen_log_probs[row]))
+            chosen, chosen_log_probs = self._sample(outputs.logits[:, -1, :].float(), uniforms[:, step], params)
+            # Rows that already stopped keep decoding (a batch moves together) but record nothing.
+            chosen_steps.append(torch.where(finished, -1, chosen))
+            log_prob_steps.append(chosen_log_probs)
             finished |= torch.isin(chosen, stops)
             if bool(finished.all()):
                 break
             step_ids = chosen.unsqueeze(-1)
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=-1)
             positions = positions[:, -1:] + 1
+        tokens = torch.stack(chosen_steps, dim=1).cpu().tolist()
+        log_probs = torch.stack(log_prob_steps, dim=1).cpu().tolist()
         stop_set = set(params.stop_token_ids)
-        return [
-            Completion(t, lp, "stop" if t and t[-1] in stop_set else "length") for t, lp in zip(tokens, log_probs)
-        ]
+        results = []
+        for row_tokens, row_log_probs in zip(tokens, log_probs):
+            length = row_tokens.index(-1) if -1 in row_tokens else len(row_tokens)
+            kept = row_tokens[:length]
+            reason = "stop" if kept and kept[-1] in stop_set else "length"
+            results.append(Completion(kept, row_log_probs[:length], reason))
+        return results
 
     @staticmethod
-    def _sample(logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams):
+    def _sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams):
+        """Inverse-CDF sampling of one token per row from the filtered distribution, and its log-prob."""
         if params.temperature == 0:
             chosen = logits.argmax(dim=-1)
-            return chosen, torch.zeros(chosen.shape, dtype=torch.float32)
+            return chosen, torch.zeros(chosen.shape, dtype=torch.float32, device=logits.device)
         filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         sampling_log_probs = torch.log_softmax(filtered, dim=-1)
-        probs = sampling_log_probs.exp().cpu()
-        chosen = torch.stack([torch.multinomial(probs[row], 1, generator=g)[0] for row, g in enumerate(generators)])
-        chosen = chosen.to(logits.device)
+        cdf = torch.cumsum(sampling_log_probs.double().exp(), dim=-1)
+        # The first token whose cumulative probability exceeds u * total; zero-probability tokens
+        # have a flat CDF and are never chosen.
+        chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        chosen = chosen.clamp(max=logits.shape[-1] - 1)
         return chosen, sampling_log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)

@@ -15,13 +15,15 @@ sampling temperature ``tau > 0``::
 The log-probs are those of the temperature-scaled distribution ``softmax(logits / tau)``: the one a
 rollout engine samples from at temperature ``tau``. ``tau = 1`` gives the model's own distribution.
 
-Memory: positions are processed ``chunk_size`` rows at a time, so the largest live tensors are a few
-``[chunk_size, V]`` float32 buffers: peak extra memory ~ ``k * chunk_size * V * 4`` bytes with
-``k ~ 3`` without autograd and ``k ~ 5`` during backward (measured by
-``benchmarks/bench_logprobs.py``), instead of ``>= 2 * T * V * 4`` for the naive path. Under
-autograd each chunk's head + softmax runs inside a non-reentrant :func:`torch.utils.checkpoint`,
-so the graph keeps only the ``[chunk_size, H]`` inputs per chunk and backward recomputes the
-chunk's logits.
+Memory: positions are processed ``chunk_size`` rows at a time, so the largest live tensors are
+``[chunk_size, V]`` float32 buffers. Without autograd the peak extra memory is
+``~ 2 * chunk_size * V * 4`` bytes, against ``2 * T * V * 4`` for the naive
+``log_softmax(logits.float()).gather`` (``benchmarks/bench_logprobs.py``: 0.6 GiB vs 4.7 GiB at
+T = 4096, V = 151,552, chunk 512). Under autograd each chunk's head + softmax runs inside a
+non-reentrant :func:`torch.utils.checkpoint`, so the graph keeps only the ``[chunk_size, H]``
+inputs per chunk and backward recomputes the chunk's logits (one extra head matmul per chunk);
+backward then holds a few ``[chunk_size, V]`` buffers plus the head's weight gradient and one
+per-chunk ``[V, H]`` partial gradient that autograd adds into it.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ __all__ = [
     "token_log_probs_from_hidden",
 ]
 
-# Rows of [chunk, V] logits processed at once. 512 keeps the peak at V = 151,552 (GLM-5) to
-# ~0.1x the naive path and is as fast as it on CPU (benchmarks/bench_logprobs.py).
+# Rows of [chunk, V] logits processed at once. At V = 151,552 (GLM-5), T = 4096, 512 keeps the
+# no-grad peak at ~0.13x the naive path's and runs as fast as it on CPU
+# (benchmarks/bench_logprobs.py; 256 is slower on CPU, 1024 misses the 0.2x memory goal).
 DEFAULT_CHUNK_SIZE = 512
 
 # Config attributes of Hugging Face heads that post-process logits after the LM head; the chunked
@@ -252,16 +255,18 @@ def _chunked_log_probs(
         )
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"targets must be an integer tensor; got {targets.dtype}")
-    if mask is None:
-        mask = torch.ones(lead, dtype=torch.bool, device=hidden.device)
-    elif tuple(mask.shape) != lead or mask.dtype != torch.bool:
+    if mask is not None and (tuple(mask.shape) != lead or mask.dtype != torch.bool):
         raise ValueError(
             f"mask must be bool with the leading shape of hidden {lead}; "
             f"got {tuple(mask.shape)} {mask.dtype}"
         )
 
-    rows = hidden[mask]  # [N, H]
-    row_targets = targets[mask].long()  # [N]
+    if mask is None:  # every row: no gather copy, no scatter
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        row_targets = targets.reshape(-1).long()
+    else:
+        rows = hidden[mask]  # [N, H]
+        row_targets = targets[mask].long()  # [N]
     if vocab_size is not None and row_targets.numel() > 0:
         low, high = int(row_targets.min()), int(row_targets.max())
         if low < 0 or high >= vocab_size:
@@ -286,8 +291,13 @@ def _chunked_log_probs(
         log_prob_parts.append(log_prob)
         entropy_parts.append(entropy)
 
-    log_probs = _scatter_rows(torch.cat(log_prob_parts), mask)
-    entropy = _scatter_rows(torch.cat(entropy_parts), mask) if return_entropy else None
+    if mask is None:
+        mask = torch.ones(lead, dtype=torch.bool, device=hidden.device)
+        log_probs = torch.cat(log_prob_parts).reshape(lead)
+        entropy = torch.cat(entropy_parts).reshape(lead) if return_entropy else None
+    else:
+        log_probs = _scatter_rows(torch.cat(log_prob_parts), mask)
+        entropy = _scatter_rows(torch.cat(entropy_parts), mask) if return_entropy else None
     return TokenLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
 
 

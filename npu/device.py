@@ -122,10 +122,12 @@ def resolve_device(name: str = "auto") -> torch.device:
             raise UsageError(f"--device cpu takes no index; got {name!r}")
         return torch.device("cpu")
     if kind == "cuda" and not _cuda_available():
-        raise UsageError(
-            f"--device {name}: CUDA is not available (torch {torch.__version__} "
-            f"built for CUDA {torch.version.cuda}); use --device cpu or auto"
+        why = (
+            f"torch {torch.__version__} is a CPU-only build"
+            if torch.version.cuda is None
+            else "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
         )
+        raise UsageError(f"--device {name}: CUDA is not available: {why}; use --device cpu or auto")
     if kind == "npu":
         if not _torch_npu_installed():
             raise UsageError(f"--device {name}: {_npu_hint()}")

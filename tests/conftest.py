@@ -44,3 +44,13 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     result = run_glmpost("init-model", "--out", out, "--seed", "0")
     assert result.exit_code == 0, result.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def wide_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model with ``index_topk`` 64: on short sequences the DSA indexer selects every key,
+    so no top-k ties make logits depend on batch layout (shared/notes/tiny-glm5-rl-facts.md)."""
+    out = tmp_path_factory.mktemp("wide") / "ckpt"
+    result = run_glmpost("init-model", "--out", out, "--seed", "0", "--index-topk", "64")
+    assert result.exit_code == 0, result.stderr
+    return out
