@@ -130,7 +130,15 @@ def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra
     write_json_atomic(Path(out_dir) / "stage.json", payload)
 
 
-def check_same_options(out_dir: Path, stage: str, options: dict[str, Any], *, ignore: tuple[str, ...], overwrite: bool) -> None:
+def check_same_options(
+    out_dir: Path,
+    stage: str,
+    options: dict[str, Any],
+    *,
+    ignore: tuple[str, ...],
+    overwrite: bool,
+    facts: dict[str, Any] | None = None,
+) -> None:
     """Refuse to add shards to ``out_dir`` that an earlier run made with other options.
 
     Stages that several tasks write into one directory (``--shard-index``) resume by writing only
@@ -145,6 +153,12 @@ def check_same_options(out_dir: Path, stage: str, options: dict[str, Any], *, ig
         raise GlmpostError(f"{path}: invalid JSON; pass --overwrite to start this output over") from None
     if before.get("stage") != stage:
         raise UsageError(f"--out {out_dir} holds output of `glmpost {before.get('stage')}`, not {stage}")
+    for key, value in (facts or {}).items():  # e.g. the policy version a checkpoint root resolved to
+        if key in before and before[key] != value:
+            raise UsageError(
+                f"--out {out_dir} was written with {key} {before[key]!r}, now {value!r}; "
+                "use another --out or pass --overwrite"
+            )
     earlier = before.get("options", {})
     for key, value in options.items():
         if key in ignore or key not in earlier:

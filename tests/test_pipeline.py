@@ -20,7 +20,7 @@ def test_two_iterations_through_the_cli(glmpost_cli, tiny_checkpoint, tmp_path):
         rollout = glmpost_cli("rollout", PROMPTS, "--config", RECIPE, "--checkpoint", checkpoint, "--out", run / "rollout",
                               "--seed", iteration, "--json")
         assert rollout.exit_code == 0, rollout.stderr
-        assert json.loads(rollout.stdout)["records"] == 80
+        assert json.loads(rollout.stdout)["records"] == 320
         judged = glmpost_cli("judge", run / "rollout", "--config", RECIPE, "--checkpoint", checkpoint, "--out", run / "judged")
         assert judged.exit_code == 0, judged.stderr
         records = list(iter_records([run / "judged"]))
@@ -29,11 +29,11 @@ def test_two_iterations_through_the_cli(glmpost_cli, tiny_checkpoint, tmp_path):
         trained = glmpost_cli("train-grpo", run / "judged", "--config", RECIPE, "--checkpoint", checkpoint, "--out", root, "--json")
         assert trained.exit_code == 0, trained.stderr
         summary = json.loads(trained.stdout)
-        assert summary["policy_version"] == iteration and summary["steps"] == 4 and summary["trusted_fraction"] > 0.9
+        assert summary["policy_version"] == iteration and summary["steps"] == 8 and summary["trusted_fraction"] > 0.9
         checkpoint = root
     assert CheckpointRoot(root).versions() == [1, 2] and CheckpointRoot(root).latest() == 2
     assert read_manifest(root / "v000002").parent == str(root / "v000001")
     history = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-    assert [m["train/policy_version"] for m in history] == [1] * 4 + [2] * 4
+    assert [m["train/policy_version"] for m in history] == [1] * 8 + [2] * 8
     options = json.loads((root / "v000002" / "stage.json").read_text())["options"]
-    assert options["lr"] == 3e-3 and options["mini_batches"] == 2 and options["config"] == str(RECIPE)
+    assert options["lr"] == 3e-3 and options["mini_batches"] == 4 and options["config"] == str(RECIPE)

@@ -113,6 +113,14 @@ def test_stop_tokens_complete_and_policy_version_comes_from_latest(glmpost_cli, 
     for record in _records(tmp_path / "o"):
         assert record["status"] == "completed" and len(record["response_token_ids"]) == 1
         assert record["policy_versions"].tolist() == [3] and record["group_id"].endswith("@v3s0")
+    # LATEST moves on: the shards in --out belong to v3, so they are not silently kept for v4.
+    staged = tmp_path / "v4"
+    shutil.copytree(root.version_dir(3), staged)
+    (staged / "glmpost.json").write_text(json.dumps({**manifest, "policy_version": 4}))
+    root.publish(staged, 4)
+    stale = glmpost_cli("rollout", _prompts(tmp_path, 2), "--checkpoint", root.path, "--out", tmp_path / "o",
+                        "--group-size", "2", "--stop-token-ids", every_id)
+    assert stale.exit_code == 2 and "was written with policy_version 3, now 4" in stale.stderr
 
 
 def test_rollout_log_probs_equal_the_trainers_when_dsa_selects_every_key(glmpost_cli, wide_checkpoint, tmp_path):
