@@ -1,0 +1,41 @@
+"""The DeepSpeed config glmpost builds from its options and a user's file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glmpost.distributed import deepspeed_config
+from glmpost.errors import UsageError
+from glmpost.trainer import GRPOConfig
+
+
+def test_defaults_follow_the_trainer_options():
+    ds = deepspeed_config(GRPOConfig(lr=3e-4, grad_clip=0.5, weight_decay=0.1), zero_stage=None, path=None)
+    assert ds["zero_optimization"] == {"stage": 1}
+    assert ds["managed_gradient_accumulation"] is False  # glmpost calls step() once per mini-batch
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.999], "weight_decay": 0.1, "torch_adam": True}
+
+
+def test_user_file_wins_and_zero_stage_flag_overrides_it(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}, "gradient_clipping": 2.0,
+                                "managed_gradient_accumulation": True}))
+    ds = deepspeed_config(GRPOConfig(), zero_stage=2, path=path)
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert ds["gradient_clipping"] == 2.0 and ds["managed_gradient_accumulation"] is False
+
+
+def test_bad_configs_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UsageError, match="invalid JSON"):
+        deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "bad.json")
+    with pytest.raises(UsageError, match="--zero-stage 3: ZeRO stage 3 is not supported"):
+        deepspeed_config(GRPOConfig(), zero_stage=3, path=None)
+    (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(UsageError, match=f"--deepspeed {tmp_path / 'z3.json'}: ZeRO stage 3"):
+        deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z3.json")
