@@ -79,7 +79,6 @@ def rollout(
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
     config: Optional[Path] = config_option(),
 ) -> None:
-    import torch
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed)
     try:

@@ -38,7 +38,7 @@ from glmpost.checkpoints import (
 from glmpost.commands.common import config_option, effective_options, log, print_summary, write_stage_json
 from glmpost.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import RecordError, ShardReader, require_fields, resolve_shard_paths
+from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
 from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 STAGE = "train-grpo"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 

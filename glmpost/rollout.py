@@ -16,7 +16,7 @@ import numpy as np
 
 from glmpost.engine import Completion, SamplingParams
 from glmpost.errors import GlmpostError
-from glmpost.formats import SHARD_SUFFIX, ShardReader, require_fields, resolve_shard_paths
+from glmpost.formats import SHARD_SUFFIX, ShardReader, resolve_shard_paths
 from glmpost.prompts import encode_prompt, read_prompts
 
 

@@ -14,7 +14,7 @@ from glmpost.distributed import LocalBackend
 from glmpost.engine import LocalEngine, SamplingParams
 from glmpost.prompts import encode_prompt
 from glmpost.rollout import RolloutPrompt, rollout_record
-from glmpost.trainer import GRPOConfig, GRPOTrainer, TrainExample, prepare_batch
+from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 
 @pytest.fixture(scope="module")
