@@ -13,15 +13,16 @@ import shutil
 import sys
 import tempfile
 import time
-import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import tomllib
 import typer
 
 from glmpost import __version__
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.fsutil import write_text_atomic
 
 
 def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
@@ -110,19 +111,7 @@ def effective_options(ctx: typer.Context) -> dict[str, Any]:
 
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON to a temporary name, fsync, rename: readers never see half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(Path(path), json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra: Any) -> None:

@@ -30,9 +30,6 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 import zstandard
-
-from glmpost import __version__
-from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats.schema import (
     FIELDS,
     SCHEMA_VERSION,
@@ -41,6 +38,10 @@ from glmpost.formats.schema import (
     normalize_record,
     validate_record,
 )
+
+from glmpost import __version__
+from glmpost.errors import GlmpostError, UsageError
+from glmpost.fsutil import fsync_dir
 
 FORMAT_NAME = "glmpost-trajectories"
 SHARD_SUFFIX = ".msgpack.zst"
@@ -238,7 +239,7 @@ class ShardWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         except BaseException:
             self.abort()
             raise
@@ -269,14 +270,6 @@ def _created() -> str:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch and epoch.isdigit() else datetime.now(timezone.utc)
     return moment.isoformat(timespec="seconds")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _id_note(record: Any) -> str:

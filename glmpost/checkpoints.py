@@ -14,13 +14,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from glmpost.errors import GlmpostError
+from glmpost.fsutil import fsync_dir, write_text_atomic
 
 MANIFEST = "glmpost.json"
 LATEST = "LATEST"
@@ -98,7 +98,7 @@ def tokenizer_revision(directory: Path) -> str:
 
 
 def write_manifest(directory: Path, manifest: CheckpointManifest) -> None:
-    _write_text_atomic(Path(directory) / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
+    write_text_atomic(Path(directory) / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
 
 
 def read_manifest(directory: Path) -> CheckpointManifest:
@@ -122,31 +122,6 @@ def resolve_checkpoint(path: Path | str) -> Path:
     if (path / LATEST).is_file():
         return CheckpointRoot(path).latest_dir()
     raise CheckpointError(f"checkpoint {path}: neither a version directory (config.json, {MANIFEST}) nor a root ({LATEST})")
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointRoot:
@@ -194,7 +169,7 @@ class CheckpointRoot:
         """Point ``LATEST`` at ``version``; readers see the old or the new pointer, never a mix."""
         if not (self.version_dir(version) / MANIFEST).is_file():
             raise CheckpointError(f"{self.version_dir(version)} is not a complete version (no {MANIFEST})")
-        _write_text_atomic(self.path / LATEST, version_dir_name(version) + "\n")
+        write_text_atomic(self.path / LATEST, version_dir_name(version) + "\n")
 
     def publish(self, staged: Path, version: int, *, move_latest: bool = True) -> Path:
         """Move a fully written version directory into the root, then switch ``LATEST`` to it."""
@@ -207,7 +182,7 @@ class CheckpointRoot:
             raise CheckpointError(f"{target} already exists; policy versions are never overwritten")
         self.path.mkdir(parents=True, exist_ok=True)
         os.replace(staged, target)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         if move_latest:
             self.set_latest(version)
         return target
