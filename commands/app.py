@@ -76,17 +76,36 @@ def _keep_stdout_for_results() -> None:
         logging.setLoggerClass(previous)
 
 
+# typer may bundle its own copy of click: find its exception classes through typer's public names.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_ClickUsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line on stderr and an exit code, never a traceback."""
     _keep_stdout_for_results()
     try:
-        app(args=argv, prog_name="glmpost")
+        code = app(args=argv, prog_name="glmpost", standalone_mode=False)
     except GlmpostError as exc:
         sys.stderr.write(f"glmpost: error: {exc}\n")
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except _ClickUsageError as exc:  # a missing or invalid option: one line, and where to look
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `glmpost` or `glmpost shards`: the help
+            sys.stderr.write(exc.format_message().rstrip("\n") + "\n")
+            sys.exit(2)
+        where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        sys.stderr.write(f"glmpost: error: {exc.format_message()}{where}\n")
+        sys.exit(2)
+    except _ClickException as exc:
+        sys.stderr.write(f"glmpost: error: {exc.format_message()}\n")
+        sys.exit(exc.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
         sys.stderr.write("glmpost: interrupted\n")
         sys.exit(130)
+    except BrokenPipeError:  # a reader such as `| head` went away: not an error of ours
+        sys.stderr.close()
+        sys.exit(0)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,19 @@ def test_usage_error_exit_code_and_no_traceback(tmp_path):
     result = subprocess.run(glmpost + ["shards", "verify", str(tmp_path / "nothing-here")], capture_output=True, text=True)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert str(tmp_path / "nothing-here") in result.stderr
+
+
+def test_invocation_errors_are_one_line_with_exit_code_2(glmpost_cli, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[init-model]\nseeed = 1\n")
+    cases = {
+        ("init-model",): "glmpost: error: Missing option '--out'. (see 'glmpost init-model --help')",
+        ("init-model", "--out", tmp_path / "x", "--seed", "abc"): "Invalid value for '--seed'",
+        ("init-model", "--config", recipe, "--out", tmp_path / "x"): f"recipe {recipe}: unknown key 'seeed' in [init-model]",
+        ("no-such-stage",): "No such command 'no-such-stage'",
+    }
+    for args, expected in cases.items():
+        result = glmpost_cli(*args)
+        assert result.exit_code == 2, args
+        assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr, result.stderr
+        assert result.stdout == ""
