@@ -7,6 +7,7 @@ load it) plus glmpost.json (policy version 0). The same --seed gives byte-identi
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -14,6 +15,7 @@ import typer
 
 from glmpost.checkpoints import CheckpointManifest, tokenizer_revision, write_manifest
 from glmpost.commands.common import (
+    MetricsWriter,
     config_option,
     effective_options,
     log,
@@ -76,6 +78,7 @@ def init_model(
         raise UsageError(f"--set: unknown GlmMoeDsaConfig field(s): {', '.join(unknown)}")
 
     options = effective_options(ctx)
+    started = time.perf_counter()
     with staged_output_dir(out, overwrite=overwrite, complete_marker="glmpost.json") as staging:
         if staging is None:
             log(f"{out} already holds a checkpoint; nothing to do (--overwrite replaces it)")
@@ -107,8 +110,11 @@ def init_model(
             extra={"preset": preset, "seed": seed},
         )
         write_manifest(staging, manifest)
-        write_stage_json(staging, STAGE, options)
         parameters = sum(p.numel() for p in model.parameters())
+        with MetricsWriter(staging / "metrics.jsonl") as metrics:
+            metrics.write(**{"init/parameters": parameters, "init/vocab_size": model_config.vocab_size,
+                             "init/tokenizer_size": len(tokenizer), "init/seconds": round(time.perf_counter() - started, 3)})
+        write_stage_json(staging, STAGE, options)
 
     summary = {
         "out": str(out),

@@ -34,6 +34,8 @@ def test_checkpoint_loads_with_auto_classes_and_has_every_glm5_part(tiny_checkpo
     assert manifest.tokenizer_revision == tokenizer_revision(tiny_checkpoint)
     stage = json.loads((tiny_checkpoint / "stage.json").read_text())
     assert stage["stage"] == "init-model" and stage["options"]["seed"] == 0
+    metrics = json.loads((tiny_checkpoint / "metrics.jsonl").read_text())
+    assert metrics["init/parameters"] == sum(p.numel() for p in model.parameters()) and metrics["init/tokenizer_size"] == 512
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(glmpost_cli, tiny_checkpoint, tmp_path):
@@ -41,7 +43,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(glmpost_cli, tiny_checkpo
     other = tmp_path / "other"
     assert glmpost_cli("init-model", "--out", again, "--seed", "0").exit_code == 0
     assert glmpost_cli("init-model", "--out", other, "--seed", "1").exit_code == 0
-    for name in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja"):
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja", "generation_config.json"):
         assert (again / name).read_bytes() == (tiny_checkpoint / name).read_bytes(), name
     assert (other / "model.safetensors").read_bytes() != (tiny_checkpoint / "model.safetensors").read_bytes()
     assert (other / "tokenizer.json").read_bytes() == (tiny_checkpoint / "tokenizer.json").read_bytes()
