@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import typer
 from tqdm import tqdm
 
@@ -29,27 +28,9 @@ from glmpost.commands.common import (
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardWriter, record_from_json
-from glmpost.prompts import encode_prompt, encode_response, parse_prompt_line, read_jsonl
+from glmpost.prompts import conversation_record, parse_prompt_line, read_jsonl
 
 STAGE = "shards.import"
-
-
-def text_record(item, tokenizer, revision: str) -> dict[str, Any]:
-    """A record for a text conversation: prompt through the chat template, response as actions."""
-    response = encode_response(tokenizer, item.response) if item.response is not None else []
-    return {
-        "id": item.id,
-        "prompt_id": item.id,
-        "group_id": item.id,
-        "domain": item.domain,
-        "task": item.task,
-        "prompt_token_ids": encode_prompt(tokenizer, item.messages),
-        "response_token_ids": response,
-        "action_mask": np.ones(len(response), dtype=bool),
-        "observation_mask": np.zeros(len(response), dtype=bool),
-        "status": "completed",
-        "tokenizer_revision": revision,
-    }
 
 
 def shards_import(
@@ -136,4 +117,4 @@ def _to_record(obj: Any, *, where: str, tokenizer, revision: str | None, line_id
         raise UsageError(f"{where}: a text line needs --checkpoint (its tokenizer and chat template encode the text)")
     stem = Path(where.rsplit(":", 1)[0]).stem
     item = parse_prompt_line(obj, where=where, default_id=f"{stem}-{where.rsplit(':', 1)[1]}")
-    return text_record(item, tokenizer, revision)
+    return conversation_record(item, tokenizer, revision)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from glmpost.errors import GlmpostError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "observation")
@@ -56,6 +58,9 @@ def parse_prompt_line(obj: Any, *, where: str, default_id: str) -> PromptItem:
     response = obj.get("response")
     if response is not None and not isinstance(response, str):
         raise PromptDataError(f"{where}: 'response' must be a string")
+    if response is None and len(messages) > 1 and messages[-1].get("role") == "assistant":
+        # A chat that ends with the assistant's turn (SFT data): that turn is the response.
+        response, messages = messages[-1]["content"], messages[:-1]
     return PromptItem(
         id=str(obj.get("id", default_id)),
         messages=[{"role": m["role"], "content": m["content"]} for m in messages],
@@ -112,3 +117,25 @@ def encode_response(tokenizer, text: str, *, eos: bool = True) -> list[int]:
     if eos and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return ids
+
+
+def conversation_record(item: PromptItem, tokenizer, revision: str) -> dict[str, Any]:
+    """A trajectory record for a text conversation: the prompt through the chat template, the
+    reference response (if any) tokenized as the model would emit it, every response token an action.
+
+    For data from outside glmpost (SFT sets, imports); rollout records come from the engine instead.
+    """
+    response = encode_response(tokenizer, item.response) if item.response is not None else []
+    return {
+        "id": item.id,
+        "prompt_id": item.id,
+        "group_id": item.id,
+        "domain": item.domain,
+        "task": item.task,
+        "prompt_token_ids": np.asarray(encode_prompt(tokenizer, item.messages), dtype=np.int32),
+        "response_token_ids": np.asarray(response, dtype=np.int32),
+        "action_mask": np.ones(len(response), dtype=bool),
+        "observation_mask": np.zeros(len(response), dtype=bool),
+        "status": "completed",
+        "tokenizer_revision": revision,
+    }

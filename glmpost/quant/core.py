@@ -1,0 +1,224 @@
+"""The one quantizer: codes and scales, dequant, fake quant with a straight-through estimator.
+
+:func:`quantize_weight` is the only function that turns a float weight into ``(codes, scale)``.
+QAT's forward uses :func:`fake_quant` = ``dequant(*quantize_weight(w))``; the offline quantizer
+(``glmpost quantize``) packs the very same codes and writes the very same scale tensor, so a
+loader's ``dequant(unpack(saved))`` reproduces the QAT forward weight bit for bit. All numeric
+choices (range, scale formula and dtype, eps, rounding, clamp order) are documented in
+:mod:`glmpost.quant.spec`.
+
+Layouts. A weight is ``[..., out, in]`` (a ``nn.Linear`` weight, or a fused 3-D expert tensor
+``[experts, out, in]``); leading dims are independent.
+
+* group: ``codes`` int8 ``[..., out, in]``, ``scale`` ``[..., out, in // group_size]``;
+* channel: ``codes`` int8 ``[..., out, in]``, ``scale`` ``[..., out, 1]``;
+* block (fp8): ``codes`` float8_e4m3fn ``[..., out, in]``, ``scale`` float32
+  ``[..., ceil(out / 128), ceil(in / 128)]``.
+
+Symmetric schemes have zero-point 0 and return no zero-point.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from glmpost.errors import UsageError
+from glmpost.quant.spec import FP8_MAX, QuantSpec
+
+__all__ = [
+    "quantize_weight",
+    "dequant",
+    "fake_quant",
+    "pack_int4",
+    "unpack_int4",
+    "pack_int32",
+    "unpack_int32",
+    "quantize_activation_per_token",
+    "dequant_activation",
+    "check_shape",
+]
+
+
+# Half-way between e4m3's largest finite value 448 and the next step (480) it would have: float
+# division can land the block absmax a few ulps above 448; that is rounding, not saturation.
+_FP8_SATURATE = 464.0
+
+
+def check_shape(shape: tuple[int, ...] | torch.Size, spec: QuantSpec, name: str = "weight") -> None:
+    """Raise a one-line :class:`UsageError` when ``spec`` cannot quantize a tensor of ``shape``."""
+    if len(shape) < 2:
+        raise UsageError(f"{name}: cannot quantize a {len(shape)}-D tensor (need [..., out, in])")
+    if spec.granularity == "group" and shape[-1] % spec.group_size:
+        raise UsageError(
+            f"{name}: --group-size {spec.group_size} does not divide its input dim {shape[-1]} "
+            f"(shape {list(shape)}); use a group size that divides it or --exclude this layer"
+        )
+
+
+def _scale_from_absmax(absmax: torch.Tensor, divisor: float, scale_dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``absmax / divisor``, clamped to the stored dtype's smallest normal, then cast (stored)."""
+    scale = absmax.float() / divisor
+    return scale.clamp_min(torch.finfo(scale_dtype).tiny).to(scale_dtype)
+
+
+def _expand_block_scale(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    return scale.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
+
+
+def _block_absmax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = w.shape[-2:]
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    a = w.detach().float().abs()
+    # zero padding of partial edge blocks cannot change an absolute maximum
+    a = torch.nn.functional.pad(a, (0, nc * block[1] - cols, 0, nr * block[0] - rows))
+    a = a.reshape(*a.shape[:-2], nr, block[0], nc, block[1])
+    return a.amax(dim=(-3, -1))
+
+
+def _quantize(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
+    """``(codes, scale, in_range)``; ``in_range`` (only with ``need_mask``, else None) marks elements
+    the clamp did not touch (for the STE)."""
+    check_shape(tuple(w.shape), spec)
+    if spec.granularity == "block":
+        rows, cols = w.shape[-2:]
+        scale = _scale_from_absmax(_block_absmax(w, spec.block_size), FP8_MAX, torch.float32)
+        x = w.detach().float() / _expand_block_scale(scale, spec.block_size, rows, cols)
+        in_range = x.abs() < _FP8_SATURATE if need_mask else None  # would round to <= 448 anyway
+        codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return codes, scale, in_range
+    if spec.granularity not in ("group", "channel"):
+        raise UsageError(f"scheme {spec.scheme!r} does not quantize weights")
+    group = spec.group_size if spec.granularity == "group" else w.shape[-1]
+    scale_dtype = spec.scale_dtype_for(w.dtype)
+    wg = w.detach().reshape(*w.shape[:-1], w.shape[-1] // group, group).float()
+    scale = _scale_from_absmax(wg.abs().amax(dim=-1), float(spec.qmax), scale_dtype)
+    q = torch.round(wg / scale.float().unsqueeze(-1))  # round half to even, then clamp
+    in_range = ((q >= spec.qmin) & (q <= spec.qmax)).reshape(w.shape) if need_mask else None
+    codes = q.clamp(spec.qmin, spec.qmax).to(torch.int8).reshape(w.shape)
+    return codes, scale, in_range
+
+
+def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE quantizer: ``(codes, scale)`` of ``w`` under ``spec`` (symmetric: no zero-point)."""
+    codes, scale, _ = _quantize(w, spec)
+    return codes, scale
+
+
+def dequant(codes: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scale`` in float32 (scale broadcast over its group/channel/block), cast to ``dtype``."""
+    if spec.granularity == "block":
+        rows, cols = codes.shape[-2:]
+        return (codes.float() * _expand_block_scale(scale, spec.block_size, rows, cols)).to(dtype)
+    n = scale.shape[-1]
+    cg = codes.reshape(*codes.shape[:-1], n, codes.shape[-1] // n).float()
+    return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape).to(dtype)
+
+
+class _FakeQuant(torch.autograd.Function):
+    """Forward: ``dequant(quantize_weight(w))`` exactly. Backward: straight-through estimator.
+
+    The gradient of round is taken as the identity; the clamp is differentiated as it is: identity
+    for elements whose rounded value lies inside ``[qmin, qmax]`` (fp8: ``|w / s| < 464``, i.e. it
+    would round to at most 448), zero for elements the clamp saturated. With ``scale = absmax / qmax``
+    computed from the same weight nothing saturates (a bf16 scale is off by at most 2**-9, which
+    moves ``absmax / scale`` by < 0.25 of a step), so in practice the gradient is exactly the
+    upstream gradient; the mask matters only for codes/scales produced otherwise. The scale is a
+    constant for autograd (no gradient flows through the absmax).
+    """
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+        codes, scale, in_range = _quantize(w, spec, need_mask=True)
+        ctx.save_for_backward(in_range)
+        return dequant(codes, scale, spec, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (in_range,) = ctx.saved_tensors
+        return grad * in_range.to(grad.dtype), None
+
+
+def fake_quant(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The QAT forward weight (same dtype as ``w``), differentiable by the STE; ``none`` is identity."""
+    if spec.scheme == "none":
+        return w
+    return _FakeQuant.apply(w, spec)
+
+
+# ---- int4 packing (compressed-tensors ``pack-quantized``) -----------------------------------------
+
+def pack_int32(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Signed ``bits``-bit codes ``[..., n]`` (int8) -> int32 ``[..., n // (32 // bits)]``, bits 4 or 8.
+
+    compressed-tensors' ``pack-quantized`` layout: each code is stored offset by ``2**(bits-1)``
+    (int4: unsigned 0..15); element ``f * j + i`` of a row (``f = 32 // bits`` values per word) goes
+    to bits ``bits * i ..`` of int32 ``j`` (lowest bits first); the uint32 bit pattern is stored as
+    int32. ``n`` must be a multiple of ``f`` (group sizes are multiples of 8, so rows are).
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"pack_int32: bits must be 4 or 8, got {bits}")
+    factor, offset = 32 // bits, 1 << (bits - 1)
+    if codes.shape[-1] % factor:
+        raise UsageError(f"int{bits} packing needs a multiple of {factor} values per row, got {codes.shape[-1]}")
+    if codes.numel() and (int(codes.min()) < -offset or int(codes.max()) > offset - 1):
+        raise ValueError(f"int{bits} codes must lie in {-offset}..{offset - 1}")
+    if sys.byteorder == "little":  # bytes of a word, lowest first: same layout, no int64 detour
+        u = (codes.to(torch.int8) + offset) if bits == 4 else codes.to(torch.int8)
+        u = u.view(torch.uint8) if bits == 4 else u.view(torch.uint8) ^ 0x80  # + offset, mod 256
+        if bits == 4:
+            u = u[..., 0::2] | (u[..., 1::2] << 4)
+        return u.contiguous().view(torch.int32)
+    shifts = torch.arange(factor, dtype=torch.int64) * bits
+    u = (codes.to(torch.int64) + offset).reshape(*codes.shape[:-1], codes.shape[-1] // factor, factor)
+    packed = (u << shifts).sum(dim=-1)  # < 2**32, exact in int64
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int = 4, n: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int32 ``[..., m]`` -> int8 codes ``[..., n]`` (default all)."""
+    factor, offset = 32 // bits, 1 << (bits - 1)
+    if sys.byteorder == "little":
+        b = packed.contiguous().view(torch.uint8)
+        if bits == 4:
+            b = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * factor)
+        codes = (b.to(torch.int16) - offset).to(torch.int8)
+        return codes if n is None else codes[..., :n]
+    shifts = torch.arange(factor, dtype=torch.int64) * bits
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    u = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = (u - offset).to(torch.int8).reshape(*packed.shape[:-1], packed.shape[-1] * factor)
+    return codes if n is None else codes[..., :n]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes -> int32, 8 per word, lowest nibble first, offset by 8 (see :func:`pack_int32`)."""
+    return pack_int32(codes, 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    return unpack_int32(packed, 4, n)
+
+
+# ---- activations (w8a8-dynamic) ----------------------------------------------------------------------
+
+
+def quantize_activation_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per-token dynamic activation quantization, as ``w8a8-dynamic`` runs it at inference.
+
+    Each token (a row over the last dim) gets ``scale = absmax / 127`` in float32 (clamped to fp32
+    tiny for an all-zero token), computed at run time from that token alone; codes are
+    ``clamp(round_half_even(x / scale), -128, 127)`` as int8. Returns ``(codes, scale[..., 1])``;
+    ``dequant_activation(codes, scale)`` = ``codes * scale``. The int8 GEMM computes
+    ``(x_codes @ w_codes.T) * x_scale * w_scale.T``; weights use :func:`quantize_weight` with the
+    per-channel ``w8a8-dynamic`` spec.
+    """
+    scale = _scale_from_absmax(x.detach().abs().amax(dim=-1, keepdim=True), 127.0, torch.float32)
+    codes = torch.round(x.detach().float() / scale).clamp(-128, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequant_activation(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (codes.float() * scale).to(dtype)

@@ -1,0 +1,93 @@
+"""Fake quantization inside a model for QAT: the forward sees ``dequant(quantize(w))``, the optimizer
+updates the float master weight through the straight-through estimator (brief, "STE 的反向").
+
+Each targeted weight gets a :mod:`torch.nn.utils.parametrize` parametrization calling
+:func:`glmpost.quant.core.fake_quant` — the same function, codes and stored scale as the offline
+quantizer, so the deployed weights equal the QAT forward bit for bit (DESIGN.md §5). Targets are the
+``nn.Linear`` weights and the fused MoE expert tensors (``experts.gate_up_proj [E, 2I, H]`` and
+``experts.down_proj [E, H, I]``; their rows are the on-disk per-expert ``gate/up/down_proj`` rows,
+and integer group / channel scales never cross rows), minus the default skips of
+:mod:`glmpost.quant.targets` (embeddings, ``lm_head``, the MoE router, the DSA indexer).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch.nn.utils import parametrize
+
+from glmpost.errors import UsageError
+from glmpost.quant.core import check_shape, fake_quant
+from glmpost.quant.spec import QuantSpec
+from glmpost.quant.targets import DEFAULT_SKIP
+
+QAT_SCHEMES = ("none", "w4a16", "w8a16", "w8a8-dynamic")
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+class FakeQuantWeight(torch.nn.Module):
+    """Parametrization: the weight as the quantized model will see it."""
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return fake_quant(weight, self.spec)
+
+
+def qat_targets(
+    model: torch.nn.Module, *, targets: str = "all", include: Iterable[str] = (), exclude: Iterable[str] = ()
+) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(name, module, parameter)`` of every weight QAT fake-quantizes (names as in ``named_modules``)."""
+    if targets not in ("all", "moe-only"):
+        raise UsageError(f"--targets {targets!r}: expected all or moe-only")
+    include = [re.compile(p) for p in include]
+    exclude = [re.compile(p) for p in exclude]
+    skip = [re.compile(p) for p in DEFAULT_SKIP]
+    found: list[tuple[str, torch.nn.Module, str]] = []
+    candidates: list[tuple[str, torch.nn.Module, str, bool]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            candidates.append((name, module, "weight", False))
+        for param in FUSED_EXPERT_PARAMS:
+            value = getattr(module, param, None) if name.endswith(".experts") else None
+            if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
+                candidates.append((f"{name}.{param}", module, param, True))
+    names = [c[0] for c in candidates]
+    for flag, patterns in (("--include", include), ("--exclude", exclude)):
+        for pattern in patterns:
+            if not any(pattern.search(n) for n in names):
+                raise UsageError(f"{flag} {pattern.pattern!r} matches no quantizable layer of this model")
+    for name, module, param, is_expert in candidates:
+        chosen = (is_expert or targets == "all") and not any(p.search(name) for p in skip)
+        chosen = (chosen or any(p.search(name) for p in include)) and not any(p.search(name) for p in exclude)
+        if chosen:
+            found.append((name, module, param))
+    if not found:
+        raise UsageError(f"--targets {targets}: no layer of this model is selected for quantization")
+    return found
+
+
+def apply_fake_quant(model: torch.nn.Module, spec: QuantSpec, **selection) -> list[str]:
+    """Parametrize the targeted weights with fake quant; returns their names."""
+    if spec.scheme not in QAT_SCHEMES:
+        raise UsageError(f"--scheme {spec.scheme}: QAT supports {', '.join(QAT_SCHEMES)} (fp8-block is a rollout checkpoint format for `glmpost quantize`)")
+    if spec.scheme == "none":
+        return []
+    chosen = qat_targets(model, **selection)
+    for name, module, param in chosen:
+        check_shape(tuple(getattr(module, param).shape), spec, name)
+    for name, module, param in chosen:
+        parametrize.register_parametrization(module, param, FakeQuantWeight(spec), unsafe=True)
+    return [name for name, _, _ in chosen]
+
+
+def remove_fake_quant(model: torch.nn.Module) -> None:
+    """Drop the parametrizations, keeping the float master weights (what a checkpoint stores)."""
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for param in list(module.parametrizations.keys()):
+                parametrize.remove_parametrizations(module, param, leave_parametrized=False)

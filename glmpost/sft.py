@@ -1,0 +1,148 @@
+"""Supervised fine-tuning on exact token ids: the loss of the QAT stage (GLM-5 puts INT4 QAT in SFT).
+
+    L = - sum_{t in M} log p_theta(y_t | s_t) / |M|
+
+over the response tokens ``M`` marked as actions (prompt and observation tokens never enter the
+loss), with ``|M|`` counted over the whole optimizer batch on every rank, so the gradient does not
+depend on the micro-batch or data-parallel split. Weights may carry a fake-quant parametrization
+(``glmpost.quant``): the forward then sees the quantized weight and the optimizer updates the float
+master weight through the straight-through estimator.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from glmpost.distributed import LocalBackend
+from glmpost.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.trainer import TrainExample, collate
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    epochs: int = 1
+    batch_size: int = 32  # trajectories per optimizer step
+    micro_batch_size: int = 8
+    grad_clip: float = 1.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name, ok in {
+            "lr": self.lr > 0,
+            "epochs": self.epochs >= 1,
+            "batch_size": self.batch_size >= 1,
+            "micro_batch_size": self.micro_batch_size >= 1,
+            "grad_clip": self.grad_clip >= 0,
+        }.items():
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+
+
+def sft_examples(records: Sequence[dict[str, Any]]) -> list[TrainExample]:
+    """Records with at least one action token, as trainer examples (the loss tokens are the actions)."""
+    examples = []
+    for record in records:
+        actions = record["action_mask"] & ~record["observation_mask"]
+        if not actions.any():
+            continue
+        examples.append(TrainExample(
+            input_ids=record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist(),
+            prompt_length=len(record["prompt_token_ids"]),
+            action_mask=actions,
+            rollout_log_probs=np.zeros(len(actions), dtype=np.float32),
+            advantage=0.0,
+            group_id=record["id"],
+        ))
+    return examples
+
+
+class SFTTrainer:
+    """Token-mean negative log-likelihood over response actions, split-invariant across ranks."""
+
+    def __init__(self, model: torch.nn.Module, config: SFTConfig, *, pad_token_id: int, backend: Any = None):
+        config.validate()
+        self.model = model
+        self.config = config
+        self.pad_token_id = pad_token_id
+        self.backend = backend or LocalBackend(model, config)
+        self.device = next(model.parameters()).device
+
+    def total_steps(self, count: int) -> int:
+        return self.config.epochs * math.ceil(count / self.config.batch_size)
+
+    def _nll_sum(self, examples: Sequence[TrainExample]) -> tuple[torch.Tensor, int]:
+        batch = collate(examples, pad_token_id=self.pad_token_id, device=self.device)
+        result = sequence_log_probs(self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
+                                    chunk_size=self.config.chunk_size)
+        return -result.log_probs.sum(), int(batch.action_mask.sum())
+
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[TrainExample]) -> float:
+        """Mean negative log-likelihood per loss token (this rank's examples, summed over ranks)."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for start in range(0, len(examples), self.config.micro_batch_size):
+            nll, tokens = self._nll_sum(examples[start : start + self.config.micro_batch_size])
+            sums += torch.tensor([float(nll), tokens], dtype=torch.float64)
+        total = self.backend.all_reduce_sum(sums).tolist()
+        return total[0] / max(total[1], 1.0)
+
+    def train(self, examples: Sequence[TrainExample], *, start_step: int = 0,
+              on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        config = self.config
+        rank, world = self.backend.rank, self.backend.world_size
+        order = list(range(len(examples)))
+        rng = random.Random(config.seed)
+        history, step = [], 0
+        for epoch in range(config.epochs):
+            rng.shuffle(order)
+            for start in range(0, len(order), config.batch_size):
+                part = order[start : start + config.batch_size]
+                if step < start_step:
+                    step += 1
+                    continue
+                metrics = self._step(examples, part, rank, world)
+                metrics.update({"sft/epoch": epoch, "sft/step": step})
+                history.append(metrics)
+                if on_step is not None:
+                    on_step(step, metrics)
+                step += 1
+        return history
+
+    def _step(self, examples, part: list[int], rank: int, world: int) -> dict[str, float]:
+        config = self.config
+        self.model.train()
+        started = time.perf_counter()
+        shares = [[i for i in part if i % world == r] for r in range(world)]
+        mine = shares[rank]
+        local_tokens = sum(int(examples[i].action_mask.sum()) for i in mine)
+        total_tokens = float(self.backend.all_reduce_sum(torch.tensor([float(local_tokens)], dtype=torch.float64))[0])
+        micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
+        loss_sum = 0.0
+        for micro in range(micro_steps):
+            chunk = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+            if not chunk:  # keep every rank's backward count equal (see GRPOTrainer)
+                nll, _ = self._nll_sum([examples[part[0]]])
+                self.backend.backward(nll * 0.0)
+                continue
+            nll, _ = self._nll_sum([examples[i] for i in chunk])
+            loss = nll / max(total_tokens, 1.0)
+            self.backend.backward(loss)
+            loss_sum += float(loss.detach())
+        grad_norm = self.backend.step()
+        loss_total = float(self.backend.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))[0])
+        seconds = time.perf_counter() - started
+        return {"sft/loss": loss_total, "sft/tokens": total_tokens, "sft/grad_norm": grad_norm,
+                "sft/tokens_per_s": total_tokens / max(seconds, 1e-9)}

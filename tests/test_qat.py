@@ -1,0 +1,79 @@
+"""``glmpost qat``: SFT with the quantizer's fake quant; what `glmpost quantize` deploys equals the QAT forward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from glmpost.checkpoints import load_model, read_manifest
+from glmpost.quant.formats import load_quantized_state
+from glmpost.quant.qat import apply_fake_quant
+from glmpost.quant.spec import make_spec
+
+DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+QAT = ["--lr", "3e-3", "--epochs", "2", "--batch-size", "16", "--micro-batch-size", "8"]
+
+
+def _qat_weights(checkpoint: Path, spec) -> dict[str, torch.Tensor]:
+    """The weights the QAT forward uses, under their on-disk (per-expert) names."""
+    model = load_model(checkpoint)
+    apply_fake_quant(model, spec)
+    weights = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(".experts") and hasattr(module, "gate_up_proj"):
+                gate_up, down = module.gate_up_proj, module.down_proj  # fake-quantized views
+                rows = gate_up.shape[1] // 2
+                for e in range(gate_up.shape[0]):
+                    weights[f"{name}.{e}.gate_proj.weight"] = gate_up[e, :rows]
+                    weights[f"{name}.{e}.up_proj.weight"] = gate_up[e, rows:]
+                    weights[f"{name}.{e}.down_proj.weight"] = down[e]
+            elif isinstance(module, torch.nn.Linear):
+                weights[f"{name}.weight"] = module.weight
+    return weights
+
+
+def test_deployed_int4_weights_equal_the_qat_forward_bit_for_bit(glmpost_cli, tiny_checkpoint, tmp_path):
+    trained = glmpost_cli("qat", DATA / "sft-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root",
+                          "--scheme", "w4a16", "--group-size", "16", *QAT, "--eval", DATA / "sft-heldout.jsonl", "--json")
+    assert trained.exit_code == 0, trained.stderr
+    summary = json.loads(trained.stdout)
+    assert summary["policy_version"] == 1 and summary["quantized_layers"] == 18 and summary["steps"] == 10
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    version = tmp_path / "root" / "v000001"
+    assert read_manifest(version).extra["quantization"]["group_size"] == 16
+
+    deployed = tmp_path / "deployed"
+    result = glmpost_cli("quantize", version, "--out", deployed, "--scheme", "w4a16", "--group-size", "16")
+    assert result.exit_code == 0, result.stderr
+    on_disk = load_quantized_state(deployed, dtype=torch.float32)
+    qat_forward = _qat_weights(version, make_spec("w4a16", group_size=16))
+    quantized = [n for n in qat_forward if not n.startswith(("lm_head", "model.embed_tokens")) and ".indexer." not in n]
+    assert len(quantized) == 28  # 16 linear layers + 4 experts x (gate, up, down)
+    for name in quantized:
+        assert torch.equal(on_disk[name], qat_forward[name]), name
+
+
+def test_scheme_none_is_plain_sft_and_bad_options_are_refused(glmpost_cli, tiny_checkpoint, tmp_path):
+    plain = glmpost_cli("qat", DATA / "sft-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root",
+                        "--scheme", "none", *QAT, "--eval", DATA / "sft-heldout.jsonl", "--json")
+    assert plain.exit_code == 0, plain.stderr
+    summary = json.loads(plain.stdout)
+    assert summary["quantized_layers"] == 0 and summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
+    lines = [json.loads(line) for line in (tmp_path / "root" / "v000001" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["sft/step"] for m in lines if "sft/step" in m] == list(range(10))
+
+    cases = {
+        ("--scheme", "fp8-block"): "QAT supports none, w4a16, w8a16, w8a8-dynamic",
+        ("--scheme", "w4a16", "--group-size", "32"): "--group-size 32 does not divide its input dim 48",
+        ("--scheme", "int3"): "--scheme 'int3': unknown scheme",
+        ("--exclude", "nothing-like-this"): "--exclude 'nothing-like-this' matches no quantizable layer",
+    }
+    for options, message in cases.items():
+        result = glmpost_cli("qat", DATA / "sft-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "bad", *options)
+        assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "bad").exists()
+    prompts_only = glmpost_cli("qat", DATA / "count-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "bad")
+    assert prompts_only.exit_code == 1 and "no response to learn" in prompts_only.stderr

@@ -1,0 +1,203 @@
+"""``glmpost quantize``: packed checkpoints whose dequantized weights equal the QAT forward bit for bit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from glmpost.quant import fake_quant, make_spec, unpack_int4
+from glmpost.quant.formats import load_quantized_state, read_tensors
+
+SKIPPED = ("embed_tokens", "lm_head", ".mlp.gate.", ".indexer.")
+
+
+def _quantize(glmpost_cli, src, out, *args):
+    result = glmpost_cli("quantize", src, "--out", out, *args)
+    assert result.exit_code == 0, result.stderr
+    return result
+
+
+def _layers(out):
+    return [json.loads(line)["layer"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_bit_exact(src, out, spec, dtype=None):
+    original = read_tensors(src)
+    deployed = load_quantized_state(out)
+    layers = _layers(out)
+    assert layers
+    for module in layers:
+        w = original[f"{module}.weight"]
+        assert torch.equal(deployed[f"{module}.weight"], fake_quant(w, spec)), module
+        assert deployed[f"{module}.weight"].dtype == (dtype or w.dtype)
+    for name, t in original.items():  # everything else is copied unchanged
+        if name[: -len(".weight")] not in layers:
+            assert torch.equal(deployed[name], t), name
+    assert set(deployed) == set(original)
+    return layers
+
+
+def test_w4a16_pack_quantized_checkpoint(glmpost_cli, tiny_checkpoint, tmp_path):
+    out = tmp_path / "w4"
+    result = _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "w4a16", "--group-size", "16", "--json", "--report")
+    summary = json.loads(result.stdout)
+    assert summary["scheme"] == "w4a16" and summary["format"] == "compressed-tensors"
+    assert "SQNR dB" in result.stderr  # --report table (stderr because stdout carries --json)
+    spec = make_spec("w4a16", group_size=16)
+    layers = _assert_bit_exact(tiny_checkpoint, out, spec)
+    assert summary["layers"] == len(layers)
+    assert not [m for m in layers if any(s in m + "." for s in SKIPPED)]
+    assert any(".mlp.experts.3.down_proj" in m for m in layers)  # routed experts are quantized
+    assert any(".mlp.shared_experts." in m for m in layers)
+
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["strategy"], weights["group_size"], weights["symmetric"]) == (4, "group", 16, True)
+    assert "lm_head" in qc["ignore"] and "model.layers.0.self_attn.indexer.wk" in qc["ignore"]
+
+    saved = read_tensors(out)
+    m = "model.layers.0.mlp.down_proj"  # [64, 128]
+    assert saved[f"{m}.weight_packed"].dtype == torch.int32
+    assert tuple(saved[f"{m}.weight_packed"].shape) == (64, 16)
+    assert tuple(saved[f"{m}.weight_scale"].shape) == (64, 8)
+    assert saved[f"{m}.weight_shape"].tolist() == [64, 128]
+    assert f"{m}.weight" not in saved
+    assert unpack_int4(saved[f"{m}.weight_packed"]).abs().max() <= 8
+
+    manifest = json.loads((out / "glmpost.json").read_text())
+    parent = json.loads((tiny_checkpoint / "glmpost.json").read_text())
+    assert manifest["stage"] == "quantize" and manifest["policy_version"] == parent["policy_version"]
+    assert manifest["tokenizer_revision"] == parent["tokenizer_revision"]
+    assert (out / "tokenizer.json").read_bytes() == (tiny_checkpoint / "tokenizer.json").read_bytes()
+    stage = json.loads((out / "stage.json").read_text())
+    assert stage["stage"] == "quantize" and stage["options"]["scheme"] == "w4a16"
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        assert row["sqnr_db"] > 15 and row["max_abs_err"] > 0
+
+
+def test_fp8_block_checkpoint_with_partial_blocks(glmpost_cli, tiny_checkpoint, tmp_path):
+    out = tmp_path / "fp8"
+    result = _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "fp8-block", "--report")
+    assert "SQNR dB" in result.stdout
+    _assert_bit_exact(tiny_checkpoint, out, make_spec("fp8-block"))
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    assert qc["activation_scheme"] == "dynamic"
+    saved = read_tensors(out)
+    for m, blocks in (("model.layers.0.mlp.down_proj", (1, 1)), ("model.layers.0.self_attn.q_b_proj", (1, 1))):
+        assert saved[f"{m}.weight"].dtype == torch.float8_e4m3fn
+        assert saved[f"{m}.weight_scale_inv"].dtype == torch.float32
+        assert tuple(saved[f"{m}.weight_scale_inv"].shape) == blocks
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8-dynamic"])
+def test_int8_schemes(glmpost_cli, tiny_checkpoint, tmp_path, scheme):
+    out = tmp_path / scheme
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", scheme)
+    _assert_bit_exact(tiny_checkpoint, out, make_spec(scheme))
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["strategy"] == "channel"
+    if scheme == "w8a8-dynamic":
+        assert qc["format"] == "int-quantized"
+        assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"] is True
+        assert read_tensors(out)["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    else:
+        assert qc["format"] == "pack-quantized" and group["input_activations"] is None
+
+
+def test_moe_only_include_exclude(glmpost_cli, tiny_checkpoint, tmp_path):
+    out = tmp_path / "moe"
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "w4a16", "--group-size", "32", "--targets", "moe-only",
+              "--include", r"mlp\.gate$", "--exclude", r"experts\.0\.")
+    layers = _layers(out)
+    assert all(".mlp.experts." in m or m.endswith(".mlp.gate") for m in layers)
+    assert "model.layers.1.mlp.gate" in layers
+    assert not [m for m in layers if ".experts.0." in m]
+    assert len(layers) == 3 * 3 + 1
+    _assert_bit_exact(tiny_checkpoint, out, make_spec("w4a16", group_size=32))
+
+
+def test_bf16_master_weights(glmpost_cli, tmp_path):
+    src = tmp_path / "bf16"
+    assert glmpost_cli("init-model", "--out", src, "--dtype", "bfloat16").exit_code == 0
+    out = tmp_path / "bf16-w4"
+    _quantize(glmpost_cli, src, out, "--scheme", "w4a16", "--group-size", "16")
+    _assert_bit_exact(src, out, make_spec("w4a16", group_size=16))
+    assert read_tensors(out)["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
+
+
+def test_scheme_none_copies(glmpost_cli, tiny_checkpoint, tmp_path):
+    out = tmp_path / "none"
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "none")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    original, copied = read_tensors(tiny_checkpoint), read_tensors(out)
+    assert set(original) == set(copied) and all(torch.equal(original[k], copied[k]) for k in original)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scheme", "w4a16", "--group-size", "48"], "does not divide"),
+        (["--scheme", "w4a16"], "does not divide"),  # default group 128 > hidden 64
+        (["--scheme", "w3a16"], "unknown scheme"),
+        (["--scheme", "w4a16", "--group-size", "16", "--include", "no_such_layer"], "matches no quantizable layer"),
+        (["--scheme", "w4a16", "--group-size", "16", "--exclude", "no_such_layer"], "matches no quantizable layer"),
+        (["--scheme", "w4a16", "--group-size", "16", "--format", "fp8"], "cannot hold"),
+        (["--scheme", "fp8-block", "--format", "msmodelslim"], "not implemented"),
+        (["--scheme", "w4a16", "--group-size", "16", "--targets", "attention"], "--targets"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_no_output(glmpost_cli, tiny_checkpoint, tmp_path, args, message):
+    out = tmp_path / "bad"
+    result = glmpost_cli("quantize", tiny_checkpoint, "--out", out, *args)
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("glmpost: error:") and message in lines[-1]
+    assert "Traceback" not in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".bad*"))
+
+
+def test_already_quantized_checkpoint_is_refused(glmpost_cli, tiny_checkpoint, tmp_path):
+    first = tmp_path / "q"
+    _quantize(glmpost_cli, tiny_checkpoint, first, "--scheme", "fp8-block")
+    out = tmp_path / "again"
+    result = glmpost_cli("quantize", first, "--out", out, "--scheme", "w8a16")
+    assert result.exit_code == 2 and "already quantized" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and not out.exists()
+
+
+def test_rerun_skips_and_recipe_config(glmpost_cli, tiny_checkpoint, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[quantize]\nscheme = "w4a16"\ngroup-size = 32\ntargets = "moe-only"\n')
+    out = tmp_path / "cfg"
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--config", recipe)
+    stage = json.loads((out / "stage.json").read_text())["options"]
+    assert (stage["scheme"], stage["group_size"], stage["targets"]) == ("w4a16", 32, "moe-only")
+    again = glmpost_cli("quantize", tiny_checkpoint, "--out", out, "--config", recipe, "--json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["skipped"] is True
+    assert math.isfinite(min(json.loads(l)["sqnr_db"] for l in (out / "metrics.jsonl").read_text().splitlines()))
+
+
+def test_in_memory_fused_experts_fake_quant_equal_the_deployed_per_expert_weights(glmpost_cli, tiny_checkpoint, tmp_path):
+    """QAT sees GlmMoeDsa's fused 3-D expert parameters; the checkpoint holds per-expert Linears."""
+    from glmpost.checkpoints import load_model
+
+    out = tmp_path / "experts"
+    spec = make_spec("w4a16", group_size=16)
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "w4a16", "--group-size", "16", "--targets", "moe-only")
+    deployed = load_quantized_state(out)
+    params = dict(load_model(tiny_checkpoint).named_parameters())
+    prefix = "model.layers.1.mlp.experts."
+    gate_up = fake_quant(params[prefix + "gate_up_proj"].detach(), spec)  # [E, 2I, H]
+    down = fake_quant(params[prefix + "down_proj"].detach(), spec)  # [E, H, I]
+    for e in range(gate_up.shape[0]):
+        p = f"{prefix}{e}."
+        both = torch.cat([deployed[p + "gate_proj.weight"], deployed[p + "up_proj.weight"]])
+        assert torch.equal(gate_up[e], both)
+        assert torch.equal(down[e], deployed[p + "down_proj.weight"])
