@@ -41,7 +41,7 @@ def check_format(scheme: str, fmt: str) -> None:
     from glmpost.errors import UsageError
 
     if fmt == "msmodelslim":
-        raise UsageError("--format msmodelslim: Ascend msModelSlim W8A8_DYNAMIC is not implemented yet")
+        raise UsageError("--format msmodelslim: Ascend msModelSlim W8A8_DYNAMIC output is not supported yet; use --format compressed-tensors")
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r}: unknown format (known: {', '.join(FORMATS)})")
     ok = {"compressed-tensors": ("w4a16", "w8a16", "w8a8-dynamic"), "fp8": ("fp8-block",)}[fmt]
