@@ -25,23 +25,29 @@ from typing import List, Optional
 
 import torch
 import typer
+from glmpost.commands.common import (
+    config_option,
+    effective_options,
+    log,
+    print_summary,
+    write_stage_json,
+)
+from glmpost.formats import (
+    SHARD_SUFFIX,
+    ShardReader,
+    normalize_record,
+    resolve_shard_paths,
+)
 from tqdm import tqdm
 
 from glmpost.checkpoints import (
-    TOKENIZER_FILES,
     CheckpointManifest,
-    CheckpointRoot,
+    NextVersion,
     load_model,
     load_tokenizer,
-    read_manifest,
-    resolve_checkpoint,
-    version_dir_name,
-    write_manifest,
 )
-from glmpost.commands.common import config_option, effective_options, log, print_summary, write_stage_json
 from glmpost.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import SHARD_SUFFIX, ShardReader, normalize_record, resolve_shard_paths
 from glmpost.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import apply_fake_quant, remove_fake_quant
@@ -115,14 +121,8 @@ def qat(
     config: Optional[Path] = config_option(),
 ) -> None:
     spec = make_spec(scheme, group_size=group_size)
-    parent = resolve_checkpoint(checkpoint)
-    try:
-        parent_version = read_manifest(parent).policy_version
-    except GlmpostError:
-        parent_version = 0
-    version = parent_version + 1
-    root = CheckpointRoot(out)
-    target = root.version_dir(version)
+    plan = NextVersion.plan(checkpoint, out)
+    parent, version, target = plan.parent, plan.version, plan.target
     if target.exists():
         log(f"{target} already exists: this run was done; nothing to do")
         print_summary({"out": str(target), "skipped": True, "policy_version": version}, as_json=as_json,
@@ -146,7 +146,7 @@ def qat(
     mine = lambda items: items[session.rank :: session.world_size]  # noqa: E731 - evaluation split
     eval_before = trainer.evaluate(mine(held_out)) if held_out else None
 
-    staging = root.path / f".staging-{version_dir_name(version)}"
+    staging = plan.staging
     if session.is_main:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -167,18 +167,14 @@ def qat(
     remove_fake_quant(model)  # checkpoints hold the float master weights
     trainer.backend.save_model(staging)
     if session.is_main:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (parent / name).is_file() and not (staging / name).exists():
-                shutil.copy2(parent / name, staging / name)
         with open(staging / "metrics.jsonl", "w") as f:
             for line in [*history, *errors, {"qat/eval_loss_before": eval_before, "qat/eval_loss_after": eval_after}]:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
-        write_manifest(staging, CheckpointManifest(
+        write_stage_json(staging, STAGE, effective_options(ctx), parent=str(parent), world_size=session.world_size)
+        plan.publish(CheckpointManifest(
             policy_version=version, tokenizer_revision=revision, stage=STAGE, step=len(history), parent=str(parent),
             extra={"quantization": spec.to_json(), "qat_targets": names},
         ))
-        write_stage_json(staging, STAGE, effective_options(ctx), parent=str(parent), world_size=session.world_size)
-        root.publish(staging, version)
     session.barrier()
     session.close()
     if not session.is_main:

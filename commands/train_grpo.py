@@ -22,23 +22,24 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from glmpost.commands.common import (
+    config_option,
+    effective_options,
+    log,
+    print_summary,
+    write_stage_json,
+)
+from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
 from tqdm import tqdm
 
 from glmpost.checkpoints import (
-    TOKENIZER_FILES,
     CheckpointManifest,
-    CheckpointRoot,
+    NextVersion,
     load_model,
     load_tokenizer,
-    read_manifest,
-    resolve_checkpoint,
-    version_dir_name,
-    write_manifest,
 )
-from glmpost.commands.common import config_option, effective_options, log, print_summary, write_stage_json
 from glmpost.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
 from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 STAGE = "train-grpo"
@@ -98,21 +99,14 @@ def train_grpo(
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
     config: Optional[Path] = config_option(),
 ) -> None:
-    parent = resolve_checkpoint(checkpoint)
-    try:
-        parent_manifest = read_manifest(parent)
-    except GlmpostError:
-        parent_manifest = None
-    parent_version = parent_manifest.policy_version if parent_manifest else 0
-    version = parent_version + 1
-    root = CheckpointRoot(out)
-    target = root.version_dir(version)
+    plan = NextVersion.plan(checkpoint, out)
+    parent, version, root, target = plan.parent, plan.version, plan.root, plan.target
     if target.exists():
         log(f"{target} already exists: this update was done; nothing to do")
         print_summary({"out": str(target), "skipped": True, "policy_version": version}, as_json=as_json,
                       human=f"{target}: already trained (skipped)")
         return
-    staging = root.path / f".staging-{version_dir_name(version)}"
+    staging = plan.staging
     resume_state = staging / "trainer_state" / "resume.pt"
     if staging.exists() and not (resume or overwrite):
         raise UsageError(f"an interrupted run left {staging}; pass --resume to continue it or --overwrite to start over")
@@ -193,14 +187,10 @@ def train_grpo(
     backend.save_model(staging)
     backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
     if session.is_main:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (parent / name).is_file() and not (staging / name).exists():
-                shutil.copy2(parent / name, staging / name)
         resume_state.unlink(missing_ok=True)
-        write_manifest(staging, manifest)
         write_stage_json(staging, STAGE, options, parent=str(parent), world_size=session.world_size,
                          excluded=batch.excluded, zero_advantage_groups=batch.zero_advantage_groups)
-        root.publish(staging, version)
+        plan.publish(manifest)
         with open(root.path / "metrics.jsonl", "a") as f:  # the run's history across versions
             for metrics in history:
                 f.write(json.dumps(metrics, sort_keys=True) + "\n")

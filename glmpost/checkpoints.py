@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,3 +225,42 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass
+class NextVersion:
+    """Where a training stage publishes: ``root/v(N+1)`` for a parent at policy version ``N``.
+
+    Work is built in ``staging`` (a hidden sibling in the root, where a resumable run keeps its
+    state) and moved into place by :meth:`publish` with the parent's tokenizer files.
+    """
+
+    parent: Path
+    parent_version: int
+    root: CheckpointRoot
+    version: int
+
+    @classmethod
+    def plan(cls, checkpoint: Path | str, out: Path | str) -> "NextVersion":
+        parent = resolve_checkpoint(checkpoint)
+        try:
+            parent_version = read_manifest(parent).policy_version
+        except CheckpointError:  # a plain Hugging Face directory is policy version 0
+            parent_version = 0
+        return cls(parent, parent_version, CheckpointRoot(out), parent_version + 1)
+
+    @property
+    def target(self) -> Path:
+        return self.root.version_dir(self.version)
+
+    @property
+    def staging(self) -> Path:
+        return self.root.path / f".staging-{version_dir_name(self.version)}"
+
+    def publish(self, manifest: CheckpointManifest) -> Path:
+        """Copy the parent's tokenizer files into staging, write the manifest, move it in, move LATEST."""
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (self.parent / name).is_file() and not (self.staging / name).exists():
+                shutil.copy2(self.parent / name, self.staging / name)
+        write_manifest(self.staging, manifest)
+        return self.root.publish(self.staging, self.version)
