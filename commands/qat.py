@@ -25,19 +25,6 @@ from typing import List, Optional
 
 import torch
 import typer
-from glmpost.commands.common import (
-    config_option,
-    effective_options,
-    log,
-    print_summary,
-    write_stage_json,
-)
-from glmpost.formats import (
-    SHARD_SUFFIX,
-    ShardReader,
-    normalize_record,
-    resolve_shard_paths,
-)
 from tqdm import tqdm
 
 from glmpost.checkpoints import (
@@ -46,8 +33,21 @@ from glmpost.checkpoints import (
     load_model,
     load_tokenizer,
 )
+from glmpost.commands.common import (
+    config_option,
+    effective_options,
+    log,
+    print_summary,
+    write_stage_json,
+)
 from glmpost.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.formats import (
+    SHARD_SUFFIX,
+    ShardReader,
+    normalize_record,
+    resolve_shard_paths,
+)
 from glmpost.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import apply_fake_quant, remove_fake_quant

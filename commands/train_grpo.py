@@ -22,14 +22,6 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from glmpost.commands.common import (
-    config_option,
-    effective_options,
-    log,
-    print_summary,
-    write_stage_json,
-)
-from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
 from tqdm import tqdm
 
 from glmpost.checkpoints import (
@@ -38,8 +30,16 @@ from glmpost.checkpoints import (
     load_model,
     load_tokenizer,
 )
+from glmpost.commands.common import (
+    config_option,
+    effective_options,
+    log,
+    print_summary,
+    write_stage_json,
+)
 from glmpost.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
 from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 STAGE = "train-grpo"

@@ -30,6 +30,9 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 import zstandard
+
+from glmpost import __version__
+from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats.schema import (
     FIELDS,
     SCHEMA_VERSION,
@@ -38,9 +41,6 @@ from glmpost.formats.schema import (
     normalize_record,
     validate_record,
 )
-
-from glmpost import __version__
-from glmpost.errors import GlmpostError, UsageError
 from glmpost.fsutil import fsync_dir
 
 FORMAT_NAME = "glmpost-trajectories"
