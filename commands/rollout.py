@@ -74,6 +74,10 @@ def rollout(
     shard_index: int = typer.Option(0, "--shard-index", min=0, help="This task's index among --num-shards (Slurm array task id)."),
     num_shards: int = typer.Option(1, "--num-shards", min=1, help="Number of tasks splitting the prompts."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N]."),
+    deterministic_topk: bool = typer.Option(
+        True, "--deterministic-topk/--torch-topk",
+        help="DSA indexer top-k with ties to the lower position (the same keys in rollout and training); --torch-topk keeps torch.topk's tie order.",
+    ),
     zstd_level: int = typer.Option(3, "--zstd-level", min=1, max=22, help="zstd level of the shards."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Regenerate this task's shards even where they exist."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
@@ -94,7 +98,7 @@ def rollout(
         policy_version = 0
     tokenizer, revision = load_tokenizer(version_dir)
     prompts = load_rollout_prompts(inputs, tokenizer, revision)[:limit]
-    model = load_model(version_dir, device=torch_device)
+    model = load_model(version_dir, device=torch_device, deterministic_topk=deterministic_topk)
     default_stops = model.generation_config.eos_token_id
     params.stop_token_ids = parse_stop_ids(stop_token_ids, default_stops if isinstance(default_stops, list) else [default_stops] if default_stops is not None else [])
     check_context(prompts, max_new_tokens=max_new_tokens, context=model.config.max_position_embeddings)

@@ -92,6 +92,10 @@ def train_grpo(
     zero_stage: Optional[int] = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (default under a multi-process launcher: 1)."),
     deepspeed_config: Optional[Path] = typer.Option(None, "--deepspeed", help="DeepSpeed JSON config (its optimizer, ZeRO and clipping settings are used)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N] (under a launcher: this rank's local device)."),
+    deterministic_topk: bool = typer.Option(
+        True, "--deterministic-topk/--torch-topk",
+        help="DSA indexer top-k with ties to the lower position (the same keys in rollout and training); --torch-topk keeps torch.topk's tie order.",
+    ),
     deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic algorithms (torch, cuBLAS, HCCL switches)."),
     save_every: int = typer.Option(0, "--save-every", min=0, help="Save resumable training state every N optimizer steps (0 = only at the end)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its saved state without repeating a step."),
@@ -131,10 +135,11 @@ def train_grpo(
     batch = prepare_batch(records, advantage_eps=grpo.advantage_eps)
     if not batch.examples:
         raise GlmpostError(f"{STAGE}: no usable records (excluded: {batch.excluded})")
-    model = load_model(parent, device=session.device, dtype="float32" if session.device.type == "cpu" else None)
+    model = load_model(parent, device=session.device, dtype="float32" if session.device.type == "cpu" else None,
+                       deterministic_topk=deterministic_topk)
     reference = None
     if kl_coef > 0:
-        reference = load_model(ref_checkpoint or parent, device=session.device)
+        reference = load_model(ref_checkpoint or parent, device=session.device, deterministic_topk=deterministic_topk)
     backend = session.backend(model, grpo)
     optimizer_state = parent / "trainer_state" / "optimizer.pt"
     if not reset_optimizer and not (resume and resume_state.exists()):

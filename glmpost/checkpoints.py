@@ -208,8 +208,13 @@ def load_tokenizer(checkpoint: Path | str):
     return tokenizer, revision
 
 
-def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None):
-    """``AutoModelForCausalLM`` from a root or version directory, in eval mode."""
+def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True):
+    """``AutoModelForCausalLM`` from a root or version directory, in eval mode.
+
+    With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
+    :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
+    and the trainer attend to the same keys for the same tokens.
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -219,6 +224,10 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto")
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{directory}: model does not load ({_first_line(exc)})") from None
+    if deterministic_topk:
+        from glmpost.npu.topk import install_deterministic_topk
+
+        install_deterministic_topk(model)
     return model.to(device).eval()
 
 
