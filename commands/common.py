@@ -127,6 +127,7 @@ def check_same_options(
     ignore: tuple[str, ...],
     overwrite: bool,
     facts: dict[str, Any] | None = None,
+    ctx: typer.Context | None = None,
 ) -> None:
     """Refuse to add shards to ``out_dir`` that an earlier run made with other options.
 
@@ -153,11 +154,20 @@ def check_same_options(
         if key in ignore or key not in earlier:
             continue
         if earlier[key] != value:
-            flag = "--" + key.replace("_", "-")
+            flag = option_flag(ctx, key) if ctx is not None else "--" + key.replace("_", "-")
             raise UsageError(
                 f"--out {out_dir} was written with {flag} {earlier[key]!r}, now {value!r}; "
                 "use another --out or pass --overwrite"
             )
+
+
+def option_flag(ctx: typer.Context, name: str) -> str:
+    """The command-line spelling of a parameter (``penalties`` -> ``--penalty``)."""
+    for param in ctx.command.params:
+        if param.name == name:
+            longs = [o for o in param.opts if o.startswith("--")]
+            return longs[0] if longs else name.upper()
+    return "--" + name.replace("_", "-")
 
 
 @contextmanager

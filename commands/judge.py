@@ -165,7 +165,7 @@ def judge(
     options = _json_options(ctx, specs)
     paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
     targets = _output_paths(paths, out)
-    check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite)
+    check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite, ctx=ctx)
     tokenizer, revision = load_tokenizer(checkpoint)
     routes = {**(domains or {}), **dict(verifiers)}
     table = VerifierTable(routes, default_verifier)

@@ -106,7 +106,7 @@ def rollout(
     options = effective_options(ctx)
     out.mkdir(parents=True, exist_ok=True)
     check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite,
-                       facts={"policy_version": policy_version, "checkpoint": str(version_dir)})
+                       facts={"policy_version": policy_version, "checkpoint": str(version_dir)}, ctx=ctx)
     write_stage_json(out, STAGE, options, checkpoint=str(version_dir), policy_version=policy_version)
 
     parts = [prompts[i : i + prompts_per_shard] for i in range(0, len(prompts), prompts_per_shard)]

@@ -315,7 +315,7 @@ def test_rerun_finishes_only_what_is_missing(glmpost_cli, tiny_checkpoint, datas
     assert len(judged(out)) == 4
 
     result = glmpost_cli(*args, "--json", "--penalty", "source=truncated")  # other options: refused
-    failed_cleanly(result, 2, "was written with --penalties [], now [{", "pass --overwrite")
+    failed_cleanly(result, 2, "was written with --penalty [], now [{", "pass --overwrite")
     result = glmpost_cli(*args, "--json", "--overwrite", "--penalty", "source=truncated")
     assert json.loads(result.stdout)["shards"] == 2 and first.stat().st_mtime_ns != kept
     assert set(judged(out)["m1"]["rewards"]) == {"correct", "truncated"}
