@@ -10,7 +10,7 @@ import typer
 from glmpost import __version__
 from glmpost.commands import init_model, rollout, shards, shards_import, train_grpo
 from glmpost.commands import judge
-from glmpost.commands import qat, quantize
+from glmpost.commands import diff_logprobs, qat, quantize
 from glmpost.errors import GlmpostError
 
 app = typer.Typer(
@@ -49,6 +49,7 @@ app.add_typer(shards.app, name="shards")
 app.command("judge", help=judge.__doc__)(judge.judge)
 app.command("rollout", help=rollout.__doc__)(rollout.rollout)
 app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
+app.command("diff-logprobs", help=diff_logprobs.__doc__)(diff_logprobs.diff_logprobs)
 app.command("qat", help=qat.__doc__)(qat.qat)
 app.command("quantize", help=quantize.__doc__)(quantize.quantize)
 
