@@ -13,7 +13,6 @@ Compare --deterministic-topk (glmpost's default DSA top-k) with --torch-topk to 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional
 
