@@ -161,6 +161,16 @@ def check_same_options(
             )
 
 
+def skip_published(target: Path, version: int, *, as_json: bool) -> bool:
+    """A training stage whose new version already exists reports the skip and does nothing."""
+    if not Path(target).exists():
+        return False
+    log(f"{target} already exists: this update was done; nothing to do")
+    print_summary({"out": str(target), "skipped": True, "policy_version": version}, as_json=as_json,
+                  human=f"{target}: already trained (skipped)")
+    return True
+
+
 def option_flag(ctx: typer.Context, name: str) -> str:
     """The command-line spelling of a parameter (``penalties`` -> ``--penalty``)."""
     for param in ctx.command.params:

@@ -36,8 +36,8 @@ from glmpost.checkpoints import (
 from glmpost.commands.common import (
     config_option,
     effective_options,
-    log,
     print_summary,
+    skip_published,
     write_stage_json,
 )
 from glmpost.distributed import TrainingSession
@@ -123,10 +123,7 @@ def qat(
     spec = make_spec(scheme, group_size=group_size)
     plan = NextVersion.plan(checkpoint, out)
     parent, version, target = plan.parent, plan.version, plan.target
-    if target.exists():
-        log(f"{target} already exists: this run was done; nothing to do")
-        print_summary({"out": str(target), "skipped": True, "policy_version": version}, as_json=as_json,
-                      human=f"{target}: already trained (skipped)")
+    if skip_published(target, version, as_json=as_json):
         return
     sft = SFTConfig(lr=lr, weight_decay=weight_decay, epochs=epochs, batch_size=batch_size,
                     micro_batch_size=micro_batch_size, grad_clip=grad_clip, chunk_size=chunk_size, seed=seed)

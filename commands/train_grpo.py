@@ -35,6 +35,7 @@ from glmpost.commands.common import (
     effective_options,
     log,
     print_summary,
+    skip_published,
     write_stage_json,
 )
 from glmpost.distributed import TrainingSession
@@ -105,10 +106,7 @@ def train_grpo(
 ) -> None:
     plan = NextVersion.plan(checkpoint, out)
     parent, version, root, target = plan.parent, plan.version, plan.root, plan.target
-    if target.exists():
-        log(f"{target} already exists: this update was done; nothing to do")
-        print_summary({"out": str(target), "skipped": True, "policy_version": version}, as_json=as_json,
-                      human=f"{target}: already trained (skipped)")
+    if skip_published(target, version, as_json=as_json):
         return
     staging = plan.staging
     resume_state = staging / "trainer_state" / "resume.pt"

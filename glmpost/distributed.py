@@ -23,6 +23,25 @@ from glmpost.errors import GlmpostError, UsageError
 from glmpost.npu import distributed_backend, resolve_device, set_deterministic
 
 
+@dataclass
+class OptimizerConfig:
+    """What the optimisation backends read (AdamW and gradient clipping); trainer configs extend it."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        self._require({"lr": self.lr > 0, "grad_clip": self.grad_clip >= 0})
+
+    def _require(self, checks: dict[str, bool]) -> None:
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+
+
 class LocalBackend:
     """Single-process optimisation with torch AdamW."""
 

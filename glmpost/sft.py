@@ -20,34 +20,27 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from glmpost.distributed import LocalBackend
+from glmpost.distributed import LocalBackend, OptimizerConfig
 from glmpost.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.trainer import TrainExample, collate
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(OptimizerConfig):
     lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
     epochs: int = 1
     batch_size: int = 32  # trajectories per optimizer step
     micro_batch_size: int = 8
-    grad_clip: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     seed: int = 0
 
     def validate(self) -> None:
-        for name, ok in {
-            "lr": self.lr > 0,
+        super().validate()
+        self._require({
             "epochs": self.epochs >= 1,
             "batch_size": self.batch_size >= 1,
             "micro_batch_size": self.micro_batch_size >= 1,
-            "grad_clip": self.grad_clip >= 0,
-        }.items():
-            if not ok:
-                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+        })
 
 
 def sft_examples(records: Sequence[dict[str, Any]]) -> list[TrainExample]:

@@ -21,25 +21,26 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from glmpost.algorithms import clipped_policy_loss, group_advantages, icepop_mask, k3_kl, masked_sum_over
-from glmpost.distributed import LocalBackend
+from glmpost.algorithms import (
+    clipped_policy_loss,
+    group_advantages,
+    icepop_mask,
+    k3_kl,
+    masked_sum_over,
+)
+from glmpost.distributed import LocalBackend, OptimizerConfig
 from glmpost.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 
 TRAINABLE_STATUSES = ("completed", "truncated")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(OptimizerConfig):
     """Defaults are GLM-5's Reasoning RL values where the brief gives them."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
     epochs: int = 1
     mini_batches: int = 1
     micro_batch_size: int = 8
-    grad_clip: float = 1.0
     eps_low: float = 0.2  # PPO clip, brief: eps_l = 0.2
     eps_high: float = 0.28  # brief: eps_h = 0.28
     icepop: bool = True
@@ -52,21 +53,17 @@ class GRPOConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        checks = {
-            "lr": self.lr > 0,
+        super().validate()
+        self._require({
             "epochs": self.epochs >= 1,
             "mini_batches": self.mini_batches >= 1,
             "micro_batch_size": self.micro_batch_size >= 1,
-            "grad_clip": self.grad_clip >= 0,
             "eps_low": 0 <= self.eps_low < 1,
             "eps_high": self.eps_high >= 0,
             "icepop_beta": self.icepop_beta >= 1,
             "temperature": self.temperature > 0,
             "kl_coef": self.kl_coef >= 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+        })
 
 
 @dataclass
