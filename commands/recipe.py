@@ -1,0 +1,376 @@
+"""Check a TOML recipe before any stage runs (`glmpost recipe check FILE`).
+
+A recipe has one section per stage, named after its command (`[rollout]`, `[train-grpo]`,
+`[shards.import]`, ...), whose keys are that command's options (see `glmpost STAGE --help`), plus
+an optional `[pipeline]` section. The check reads the options from the command tree itself, so it
+knows every stage glmpost has, and reports each problem as one line naming the file, the section
+and the key (exit 2): an unknown section or key (with the known ones), a value the option's type
+refuses (a string for an integer, a choice not allowed, a number out of range, a scalar where a
+list is expected), an input file that does not exist (data files such as *.jsonl, *.json and
+DeepSpeed configs; relative paths are resolved against the current directory, as the stages
+resolve them), trainer settings out of range, and batch arithmetic that does not divide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import typer
+
+from glmpost.commands.common import print_summary
+from glmpost.errors import GlmpostError, UsageError
+
+app = typer.Typer(
+    name="recipe",
+    help="Work with TOML recipes: `glmpost recipe check FILE` validates one before any stage runs.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+)
+
+# Values of path parameters with these suffixes are input files no stage writes: they must exist.
+INPUT_FILE_SUFFIXES = (".jsonl", ".json", ".toml")
+# Sections that are not stages.
+PIPELINE_SECTION = "pipeline"
+# Commands that read their recipe section from a positional RECIPE (not --config).
+RECIPE_ARGUMENT_COMMANDS = ("plan",)
+
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+@dataclass
+class RecipeReport:
+    """What ``check_recipe`` found: values per stage (converted as the stage converts them)."""
+
+    path: Path
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    pipeline: Any = None
+    ranks: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": str(self.path),
+            "ok": not self.errors,
+            "stages": {name: {"options": sorted(values)} for name, values in self.stages.items()},
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "ranks": self.ranks,
+        }
+
+
+def load_recipe(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"recipe {path} does not exist") from None
+    except IsADirectoryError:
+        raise UsageError(f"recipe {path} is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"recipe {path} is not valid TOML: {exc}") from None
+
+
+def stage_commands(root: Any) -> dict[str, Any]:
+    """``{section name: click command}`` for every command that reads a recipe section."""
+    found: dict[str, Any] = {}
+
+    def walk(command: Any, prefix: list[str]) -> None:
+        subcommands = getattr(command, "commands", None)
+        if subcommands is not None:
+            for name, sub in subcommands.items():
+                walk(sub, prefix + [name])
+            return
+        names = {p.name for p in command.params}
+        if "config" in names or (prefix and prefix[-1] in RECIPE_ARGUMENT_COMMANDS):
+            found[".".join(prefix)] = command
+
+    walk(root, [])
+    return found
+
+
+def option_lookup(command: Any) -> dict[str, Any]:
+    """Recipe key (flag without dashes, or Python name; dashes = underscores) -> parameter,
+    exactly as ``commands.common`` reads a section."""
+    params: dict[str, Any] = {}
+    for p in command.params:
+        if p.name in ("config", "help") or p.name in ("recipe",) and p.param_type_name == "argument":
+            continue
+        params[p.name] = p
+        for opt in p.opts:
+            if opt.startswith("--"):
+                params[opt[2:].replace("-", "_")] = p
+    return params
+
+
+def known_keys(command: Any) -> list[str]:
+    params = option_lookup(command).values()
+    return sorted({o[2:] for p in params for o in p.opts if o.startswith("--")}
+                  | {p.name.replace("_", "-") for p in params if p.param_type_name == "argument"})
+
+
+def _message(exc: BaseException) -> str:
+    text = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    return " ".join(text.split())
+
+
+def convert_value(command: Any, param: Any, value: Any) -> Any:
+    """The value the stage would see, converted by the option's own type (raises on a bad one)."""
+    if param.param_type_name == "argument":
+        value = [str(s) for s in value] if isinstance(value, list) else [str(value)]
+    elif getattr(param, "multiple", False) and not isinstance(value, list):
+        raise ValueError(f"expects a list (a TOML array such as [{value!r}]), got {type(value).__name__} {value!r}")
+    ctx = command.context_class(command, info_name=command.name)
+    return param.process_value(ctx, value)  # the option's coercion (and checks), as for a flag
+
+
+def default_value(command: Any, param: Any) -> Any:
+    ctx = command.context_class(command, info_name=command.name)
+    return param.get_default(ctx, call=True)
+
+
+def _input_paths(param: Any, value: Any) -> list[str]:
+    """Values of a path-like parameter that name input files (not --out, not globs)."""
+    if param.name == "out":
+        return []
+    descriptor = getattr(param, "type_descriptor", None)
+    is_path = bool(getattr(descriptor, "is_path", False)) or param.param_type_name == "argument" or param.name == "eval"
+    if not is_path:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [str(v) for v in values if isinstance(v, (str, Path)) and str(v).endswith(INPUT_FILE_SUFFIXES)
+            and not any(c in str(v) for c in "*?[")]
+
+
+def check_section(report: RecipeReport, name: str, command: Any, section: dict[str, Any]) -> None:
+    where = f"{report.path}: [{name}]"
+    params = option_lookup(command)
+    values: dict[str, Any] = {}
+    for key, setting in section.items():
+        param = params.get(key.replace("-", "_"))
+        if param is None:
+            if isinstance(setting, dict):  # a structured sub-table a stage reads itself
+                report.warnings.append(f"{where}: sub-table [{name}.{key}] is not an option of `glmpost {name.replace('.', ' ')}`; not checked")
+                continue
+            report.errors.append(f"{where}: unknown key '{key}' (known: {', '.join(known_keys(command))})")
+            continue
+        try:
+            converted = convert_value(command, param, setting)
+        except (_ClickException, GlmpostError, ValueError, TypeError) as exc:
+            report.errors.append(f"{where} {key}: {_message(exc)}")
+            continue
+        for path in _input_paths(param, setting):
+            if not Path(path).exists():
+                report.errors.append(f"{where} {key}: input file {path} does not exist (relative to {Path.cwd()})")
+        values[param.name] = converted
+    report.stages[name] = values
+
+
+def stage_values(command: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """Every option of a stage: the recipe's converted value, else the command's default."""
+    out = {}
+    for p in command.params:
+        if p.name in ("config", "help"):
+            continue
+        out[p.name] = given[p.name] if p.name in given else default_value(command, p)
+    return out
+
+
+def check_pipeline(report: RecipeReport, recipe: dict[str, Any]) -> None:
+    """``[pipeline]`` is checked by glmpost.pipeline.load_pipeline when that module is installed."""
+    where = f"{report.path}: [{PIPELINE_SECTION}]"
+    try:
+        from glmpost import pipeline as pipeline_module
+    except ImportError:
+        report.warnings.append(f"{where}: not checked (glmpost.pipeline is not available in this version)")
+        return
+    load = getattr(pipeline_module, "load_pipeline", None)
+    if load is None:
+        report.warnings.append(f"{where}: not checked (glmpost.pipeline has no load_pipeline)")
+        return
+    try:
+        report.pipeline = load(report.path)
+    except (GlmpostError, ValueError, KeyError, TypeError) as exc:
+        text = _message(exc)
+        report.errors.append(text if str(report.path) in text else f"{where}: {text}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch arithmetic and trainer settings
+
+
+def trainer_config_errors(stage: str, values: dict[str, Any]) -> list[str]:
+    """Run the trainer's own ``validate()`` and DeepSpeed-config checks on the section's values."""
+    from glmpost.distributed import OptimizerConfig, deepspeed_config
+    from glmpost.sft import SFTConfig
+    from glmpost.trainer import GRPOConfig
+
+    errors = []
+    config_class = {"train-grpo": GRPOConfig, "qat": SFTConfig, "opd-merge": GRPOConfig}.get(stage)
+    if config_class is not None:
+        names = {f.name for f in fields(config_class)}
+        kwargs = {k: v for k, v in values.items() if k in names and v is not None}
+        try:
+            config_class(**kwargs).validate()
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{_message(exc).replace('_', '-')}")
+    if "zero_stage" in values or "deepspeed_config" in values:
+        ds_path = values.get("deepspeed_config")
+        zero = values.get("zero_stage")
+        if zero is not None or (ds_path is not None and Path(ds_path).exists()):
+            try:
+                deepspeed_config(OptimizerConfig(), zero_stage=zero, path=Path(ds_path) if ds_path else None)
+            except GlmpostError as exc:
+                errors.append(str(exc))
+    return errors
+
+
+def batch_arithmetic(
+    values: dict[str, dict[str, Any]], *, ranks: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The rules a recipe's batch sizes must satisfy; returns ``(errors, warnings)`` as (section, message).
+
+    ``values`` maps a stage to all its options (recipe values and the commands' defaults). For a
+    GRPO update (``train-grpo``; ``opd-merge`` likewise) fed by ``[rollout]``, one update trains
+    ``R = prompts-per-shard * group-size`` trajectories (one rollout shard per update, as the
+    brief's batch of 32 prompts x 32 samples). glmpost's trainer (glmpost/trainer.py) splits the
+    shuffled R into ``mini-batches`` optimizer steps and each step's trajectories round-robin over
+    the ``ranks`` data-parallel ranks, which run ``micro-batch-size`` trajectories per
+    forward/backward. Errors:
+
+    - ``group-size >= 2`` for train-grpo: a group of one has advantage (R - mean) / (std + eps) = 0;
+    - ``mini-batches <= R``: else a mini-batch is empty;
+    - ``R % mini-batches == 0``: every optimizer step sees the same number of trajectories;
+    - ``(R / mini-batches) % ranks == 0``: every rank gets the same share (else ranks run
+      zero-weighted filler passes to keep their collectives in step).
+
+    Warnings: a rank's share not a multiple of ``micro-batch-size`` (the last micro-batch is
+    partly filled) or smaller than it; train-grpo ``temperature`` differing from the rollout's.
+    ``qat``: ``batch-size % ranks == 0`` (error) and ``(batch-size / ranks) % micro-batch-size``
+    (warning).
+    """
+    errors: list[tuple[str, str]] = []
+    warnings: list[tuple[str, str]] = []
+    rollout = values.get("rollout")
+    for stage in ("train-grpo", "opd-merge"):
+        train = values.get(stage)
+        if train is None or rollout is None:
+            continue
+        group, prompts = rollout.get("group_size"), rollout.get("prompts_per_shard")
+        mini, micro = train.get("mini_batches"), train.get("micro_batch_size")
+        if not all(isinstance(v, int) for v in (group, prompts, mini, micro)):
+            continue
+        records = prompts * group
+        if stage == "train-grpo" and group < 2:
+            errors.append(("rollout", (f"group-size {group} with [train-grpo]: GRPO needs at least 2 samples per "
+                                      "prompt (a group of one has advantage (R - mean) / (std + eps) = 0)")))
+        how = f"prompts-per-shard {prompts} x group-size {group} = {records} trajectories per update"
+        if mini > records:
+            errors.append((stage, f"mini-batches {mini} exceeds the {how}: some optimizer steps would be empty"))
+            continue
+        if records % mini:
+            errors.append((stage, (f"mini-batches {mini} does not divide the {how} "
+                                  f"(steps of {records // mini} and {records // mini + 1})")))
+            continue
+        per_step = records // mini
+        if per_step % ranks:
+            errors.append((stage, (f"{per_step} trajectories per optimizer step ({how} / mini-batches {mini}) "
+                                  f"do not split evenly over {ranks} ranks")))
+            continue
+        share = per_step // ranks
+        if micro > share:
+            warnings.append((stage, (f"micro-batch-size {micro} exceeds a rank's {share} trajectories per step; "
+                                    f"micro-batches hold {share}")))
+        elif share % micro:
+            warnings.append((stage, (f"micro-batch-size {micro} does not divide a rank's {share} trajectories per "
+                                    f"step; the last micro-batch holds {share % micro}")))
+        temp_train, temp_roll = train.get("temperature"), rollout.get("temperature")
+        if isinstance(temp_train, float) and isinstance(temp_roll, float) and not math.isclose(temp_train, temp_roll):
+            warnings.append((stage, (f"temperature {temp_train} differs from [rollout] temperature {temp_roll}; "
+                                    "IcePop would compare different distributions")))
+    qat = values.get("qat")
+    if qat is not None and isinstance(qat.get("batch_size"), int) and isinstance(qat.get("micro_batch_size"), int):
+        batch, micro = qat["batch_size"], qat["micro_batch_size"]
+        if batch % ranks:
+            errors.append(("qat", f"batch-size {batch} does not split evenly over {ranks} ranks"))
+        elif (batch // ranks) % micro:
+            warnings.append(("qat", (f"micro-batch-size {micro} does not divide a rank's {batch // ranks} "
+                                    "trajectories per step; the last micro-batch is partly filled")))
+    return errors, warnings
+
+
+def check_recipe(path: Path, *, ranks: int | None = None, root: Any = None) -> RecipeReport:
+    """Every check of ``glmpost recipe check``; problems are collected, not raised.
+
+    ``ranks`` (data-parallel training ranks) defaults to the ``[pipeline]``'s train-ranks x
+    train-nodes, else 1.
+    """
+    if root is None:
+        from glmpost.commands.app import app as glmpost_app
+
+        root = typer.main.get_command(glmpost_app)
+    report = RecipeReport(Path(path))
+    recipe = load_recipe(report.path)
+    commands = stage_commands(root)
+    groups = {name.split(".")[0] for name in commands if "." in name}
+
+    def visit(table: dict[str, Any], prefix: str) -> None:
+        for key, section in table.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if not prefix and key == PIPELINE_SECTION:
+                check_pipeline(report, recipe)
+            elif name in commands:
+                if not isinstance(section, dict):
+                    report.errors.append(f"{report.path}: [{name}] must be a table, got {type(section).__name__}")
+                else:
+                    check_section(report, name, commands[name], section)
+            elif name in groups and isinstance(section, dict):
+                visit(section, name)
+            else:
+                known = sorted([*commands, PIPELINE_SECTION])
+                report.errors.append(f"{report.path}: unknown section [{name}] (known: {', '.join(known)})")
+
+    visit(recipe, "")
+    if ranks is None:
+        world = getattr(report.pipeline, "world_size", None)
+        ranks = int(world()) if callable(world) else 1
+    report.ranks = ranks
+    everything = {name: stage_values(commands[name], given) for name, given in report.stages.items()}
+    for name, values in everything.items():
+        for message in trainer_config_errors(name, values):
+            report.errors.append(f"{report.path}: [{name}] {message}")
+    errors, warnings = batch_arithmetic(everything, ranks=ranks)
+    report.errors.extend(f"{report.path}: [{s}] {m}" for s, m in errors)
+    report.warnings.extend(f"{report.path}: [{s}] {m}" for s, m in warnings)
+    return report
+
+
+@app.command("check", help=__doc__)
+def check(
+    recipe: Path = typer.Argument(..., help="The TOML recipe to check.", dir_okay=False),
+    ranks: int | None = typer.Option(
+        None, "--ranks", min=1,
+        help="Data-parallel ranks the training stages run on, for the batch arithmetic. Default: [pipeline] train-ranks x train-nodes, else 1."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+) -> None:
+    import sys
+
+    report = check_recipe(recipe, ranks=ranks)
+    for warning in report.warnings:
+        sys.stderr.write(f"glmpost: warning: {warning}\n")
+    if report.errors:
+        for error in report.errors[:-1]:
+            sys.stderr.write(f"glmpost: error: {error}\n")
+        raise UsageError(report.errors[-1])
+    stages = ", ".join(f"{name} ({len(values)} option{'s' if len(values) != 1 else ''})" for name, values in report.stages.items())
+    extra = " + [pipeline]" if PIPELINE_SECTION in load_recipe(recipe) else ""
+    human = f"{recipe}: ok: {len(report.stages)} stage(s): {stages or 'none'}{extra}"
+    if report.warnings:
+        human += f"; {len(report.warnings)} warning(s)"
+    print_summary(report.to_dict(), as_json=as_json, human=human)
+

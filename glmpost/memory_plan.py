@@ -1,0 +1,492 @@
+"""Peak-memory accounting per role of a GLM-style RL / OPD run (``glmpost plan``).
+
+The brief (section "内存不是“参数量乘位宽”", memory is not "parameters x bit width") writes the
+peak as
+
+    M_peak = M_model_state + M_saved_activations + M_operator_workspace
+             + M_communication_buffers + M_live_IO + M_allocator + M_runtime_margin
+
+and asks that every object (Actor, Reference, Teacher, Critic, rollout KV, DSA index, teacher
+logits, weight-reshard buffer) be placed in one of those categories, since they "may reside on
+different NPUs, processes or time spans". :func:`plan_memory` returns one :class:`RoleMemory` per
+object with the first five terms in bytes; the allocator term is not modelled (caching allocators
+add fragmentation that only a measurement shows) and the runtime margin is ``margin`` x the sum.
+
+Exact terms (tested byte for byte against the tiny model, ``tests/test_plan.py``):
+
+- parameters of a ``GlmMoeDsaForCausalLM`` config (:meth:`ModelShape.parameter_count`);
+- weights ``P * b_w``, gradients ``P_train * b_g`` and AdamW moments ``2 * P_train * 4`` of one
+  local process. ``P_train`` excludes the DSA indexer, whose forward runs under ``no_grad`` in
+  transformers (brief: "RL 默认冻结 Indexer"), so it never gets a gradient or an optimizer state;
+- the rollout KV cache: MLA caches the compressed latent, ``kv_lora_rank + qk_rope_head_dim``
+  values per token and layer, and the DSA indexer caches ``index_head_dim`` per token and layer.
+
+ZeRO (Rajbhandari et al. 2020, section 3): with ``N`` ranks stage 1 divides the optimizer states
+(AdamW moments, plus the fp32 master copy when weights are 16-bit: K = 12 bytes per parameter) by
+``N``, stage 2 also the gradients, stage 3 also the weights.
+
+Estimated terms (within the tolerance stated in ``tests/test_plan.py``):
+
+- saved activations of one training micro-batch, summed per operator of transformers'
+  GlmMoeDsa forward (:func:`saved_activation_terms`); the ``[C, H]`` inputs of the chunked log-prob
+  head (glmpost/logprobs.py checkpoints each chunk, so ``[T, V]`` logits are never saved);
+- workspace: the largest transient of one operator (the chunked head's ``[C, V]`` float32 buffers,
+  attention scores, the DSA indexer's ``[B, S, H_idx, S]`` float32 scores), not their sum;
+- communication buffers: DeepSpeed's reduce and all-gather buckets (5e8 elements each unless the
+  DeepSpeed config says otherwise), capped at the model size; the weight-sync buffer holds a full
+  copy of the weights in the rollout format;
+- live IO: the micro-batch tensors the trainer builds (ids, masks, rollout / old log-probs) and
+  the teacher payload (sampled log-prob, or top-k ids + log-probs per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 2**30
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+COMPONENTS = ("model_state", "saved_activations", "workspace", "communication", "live_io")
+ROLES = ("actor", "reference", "teacher", "critic", "rollout_kv", "dsa_index", "teacher_payload", "weight_sync")
+
+# DeepSpeed ZeRO defaults (deepspeed/runtime/zero/config.py): elements per bucket.
+DEFAULT_REDUCE_BUCKET = 500_000_000
+DEFAULT_ALLGATHER_BUCKET = 500_000_000
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BYTES))})") from None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a GLM-5 (``GlmMoeDsaForCausalLM``) config that memory depends on."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    intermediate: int
+    moe_intermediate: int
+    experts: int
+    experts_per_token: int
+    shared_experts: int
+    dense_layers: int
+    indexer_layers: int
+    index_topk: int
+    index_head_dim: int
+    index_heads: int
+    n_group: int = 1
+    topk_group: int = 1
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers config object or its ``config.json`` dict."""
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        layers = int(get("num_hidden_layers"))
+        mlp_types = get("mlp_layer_types")
+        if mlp_types:
+            dense = sum(1 for t in mlp_types[:layers] if t == "dense")
+        else:
+            dense = min(int(get("first_k_dense_replace", 0) or 0), layers)
+        indexer_types = get("indexer_types")
+        indexer_layers = sum(1 for t in indexer_types[:layers] if t == "full") if indexer_types else layers
+        return cls(
+            vocab=int(get("vocab_size")),
+            hidden=int(get("hidden_size")),
+            layers=layers,
+            heads=int(get("num_attention_heads")),
+            q_lora_rank=get("q_lora_rank"),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_rope_head_dim=int(get("qk_rope_head_dim")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
+            intermediate=int(get("intermediate_size")),
+            moe_intermediate=int(get("moe_intermediate_size")),
+            experts=int(get("n_routed_experts")),
+            experts_per_token=int(get("num_experts_per_tok")),
+            shared_experts=int(get("n_shared_experts", 0) or 0),
+            dense_layers=dense,
+            indexer_layers=indexer_layers,
+            index_topk=int(get("index_topk")),
+            index_head_dim=int(get("index_head_dim")),
+            index_heads=int(get("index_n_heads")),
+            n_group=int(get("n_group", 1) or 1),
+            topk_group=int(get("topk_group", 1) or 1),
+            attention_bias=bool(get("attention_bias", False)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def indexer_parameters_per_layer(self) -> int:
+        """wq_b [H_idx*D_idx, q_lora], wk [D_idx, H], k_norm LayerNorm (weight + bias), weights_proj [H_idx, H]."""
+        q_in = self.q_lora_rank or self.hidden
+        d, h = self.index_head_dim, self.hidden
+        return q_in * self.index_heads * d + h * d + 2 * d + h * self.index_heads
+
+    def attention_parameters_per_layer(self) -> int:
+        """MLA: q_a / q_a_norm / q_b (or q_proj), kv_a_with_mqa / kv_a_norm / kv_b, o_proj."""
+        h, heads, bias = self.hidden, self.heads, int(self.attention_bias)
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + bias * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+        else:
+            q = h * heads * self.qk_head_dim
+        kv_a = self.kv_lora_rank + self.qk_rope_head_dim
+        kv = h * kv_a + bias * kv_a + self.kv_lora_rank + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        o = heads * self.v_head_dim * h + bias * h
+        return q + kv + o
+
+    def moe_parameters_per_layer(self) -> int:
+        """Routed experts (gate_up [E, 2I, H], down [E, H, I]), router [E, H], shared experts MLP."""
+        h, i = self.hidden, self.moe_intermediate
+        return 3 * self.experts * h * i + self.experts * h + 3 * h * i * self.shared_experts
+
+    def parameter_count(self) -> dict[str, int]:
+        """Exact parameter counts: ``total``, ``trainable`` (all but the indexer), ``indexer``,
+        ``fp32_kept`` (router weights, indexer weights_proj: kept in float32 by transformers)."""
+        h = self.hidden
+        embeddings = self.vocab * h * (1 if self.tie_word_embeddings else 2)
+        per_layer_norms = 2 * h
+        dense = self.dense_layers * (3 * h * self.intermediate + per_layer_norms)
+        moe = self.moe_layers * (self.moe_parameters_per_layer() + per_layer_norms)
+        attention = self.layers * self.attention_parameters_per_layer()
+        indexer = self.indexer_layers * self.indexer_parameters_per_layer()
+        total = embeddings + dense + moe + attention + indexer + h  # + final norm
+        fp32_kept = self.moe_layers * self.experts * h + self.indexer_layers * h * self.index_heads
+        return {"total": total, "trainable": total - indexer, "indexer": indexer, "fp32_kept": fp32_kept}
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure per-object formulas (bytes)
+
+
+def model_state_bytes(
+    shape: ModelShape, *, dtype: str, trainable: bool, zero_stage: int = 0, ranks: int = 1
+) -> dict[str, int]:
+    """``{weights, grads, optimizer}`` per rank.
+
+    weights = (P - P_fp32) * b + P_fp32 * 4; grads = P_train * b; optimizer = P_train * K with
+    K = 8 (AdamW m, v in float32) plus 4 for a float32 master copy when b < 4. ZeRO stage >= 1
+    divides the optimizer term by ``ranks``, >= 2 the gradients, 3 the weights.
+    """
+    b = dtype_bytes(dtype)
+    counts = shape.parameter_count()
+    fp32_kept = counts["fp32_kept"] if b != 4 else 0
+    weights = (counts["total"] - fp32_kept) * b + fp32_kept * 4
+    if not trainable:
+        return {"weights": weights, "grads": 0, "optimizer": 0}
+    grads = counts["trainable"] * b
+    optimizer = counts["trainable"] * (8 + (4 if b < 4 else 0))
+    n = max(ranks, 1)
+    return {
+        "weights": _ceil_div(weights, n) if zero_stage >= 3 else weights,
+        "grads": _ceil_div(grads, n) if zero_stage >= 2 else grads,
+        "optimizer": _ceil_div(optimizer, n) if zero_stage >= 1 else optimizer,
+    }
+
+
+def saved_activation_terms(
+    shape: ModelShape, *, batch: int, seq: int, dtype: str = "float32", attention: str = "math",
+    scored_tokens: int | None = None,
+) -> dict[str, int]:
+    """Bytes autograd keeps for backward for one micro-batch ``[batch, seq]``, per operator group.
+
+    N = batch * seq tokens, a = activation bytes. Per layer, following transformers' GlmMoeDsa forward:
+    RMSNorm(d) keeps its float32 input, rsqrt and the normalised output: N*d*(4 + a) + 4N; a linear
+    keeps its input; MLA keeps the norm output (q_a/kv_a input), q_a-normed (q_b input), kv_a-normed
+    (kv_b input), query and key [N, heads, qk_head], value and o_proj input [N, heads, v_head];
+    attention "math" (torch SDPA math path, CPU) keeps probabilities [B, heads, S, S] in a,
+    "eager" also their float32 softmax, "fused" (flash / memory-efficient) only a float32
+    logsumexp [B, heads, S]; the DSA indexer runs under no_grad and keeps nothing. A dense MLP keeps
+    its input, act input, act and up outputs, down input (N*H*a + 4*N*I*a); a MoE layer keeps the
+    router input (float32) and small routing tensors, per routed (token, expert) pair the gathered
+    input and its expert output, gate_up output, act output, product, 3 int64 indices and a float32
+    weight, and the shared-expert MLP. The chunked log-prob head keeps its [scored, H] input rows,
+    int64 targets and the bool mask (glmpost/logprobs.py checkpoints each [C, V] chunk).
+    """
+    a = dtype_bytes(dtype)
+    n = batch * seq
+    h = shape.hidden
+    heads = shape.heads
+
+    def rms(d: int) -> int:
+        return n * d * (4 + a) + 4 * n
+
+    q_in = shape.q_lora_rank or 0
+    attn_layer = (
+        n * h * a  # the input norm's output: q_a_proj / kv_a_proj input
+        + (rms(q_in) + n * q_in * a if q_in else 0)  # q_a_layernorm, q_b_proj input
+        + rms(shape.kv_lora_rank) + n * shape.kv_lora_rank * a  # kv_a_layernorm, kv_b_proj input
+        + n * heads * shape.v_head_dim * a  # o_proj input
+    )
+    qkv = n * heads * (2 * shape.qk_head_dim + shape.v_head_dim)  # query, key, value elements
+    if attention == "math":  # torch's SDPA math path computes (and saves) in float32 on CPU
+        scores = qkv * 4 + batch * heads * seq * seq * 4
+    elif attention == "eager":  # transformers' eager: float32 softmax, then a copy in the model dtype
+        scores = qkv * a + batch * heads * seq * seq * (a + 4)
+    elif attention == "fused":  # flash / memory-efficient: q, k, v, output and a float32 logsumexp
+        scores = qkv * a + n * heads * shape.v_head_dim * a + batch * heads * seq * 4
+    else:
+        raise ValueError(f"attention must be math, eager or fused; got {attention!r}")
+    rope = 2 * seq * shape.qk_rope_head_dim * a  # cos, sin halves for q and k
+    norms = 2 * rms(h)
+    dense_mlp = n * h * a + 4 * n * shape.intermediate * a
+    pairs = n * shape.experts_per_token
+    e, im = shape.experts, shape.moe_intermediate
+    router = n * h * 4 + (n * h * a if a != 4 else 0) + n * (
+        5 * e + 16 * shape.n_group + 8 * shape.topk_group + 4 + 12 * shape.experts_per_token
+    )
+    experts = pairs * (2 * h * a + 4 * im * a + 3 * 8 + 4) + 4 * e
+    shared = 4 * n * im * shape.shared_experts * a
+    scored = n - batch if scored_tokens is None else scored_tokens
+    head = scored * (h * a + 8) + batch * (seq - 1) + rms(h)  # rows, targets, mask, final norm
+    return {
+        "embedding_ids": n * 8,
+        "norms": shape.layers * norms,
+        "attention": shape.layers * (attn_layer + rope),
+        "attention_scores": shape.layers * scores,
+        "dense_mlp": shape.dense_layers * dense_mlp,
+        "moe": shape.moe_layers * (router + experts + shared),
+        "head": head,
+    }
+
+
+def saved_activation_bytes(shape: ModelShape, **kwargs: Any) -> int:
+    return sum(saved_activation_terms(shape, **kwargs).values())
+
+
+def kv_cache_bytes(shape: ModelShape, *, batch: int, seq: int, dtype: str) -> int:
+    """MLA latent cache: batch * seq * layers * (kv_lora_rank + qk_rope_head_dim) * b."""
+    return batch * seq * shape.layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * dtype_bytes(dtype)
+
+
+def indexer_cache_bytes(shape: ModelShape, *, batch: int, seq: int, dtype: str) -> int:
+    """DSA indexer key cache: batch * seq * indexer_layers * index_head_dim * b."""
+    return batch * seq * shape.indexer_layers * shape.index_head_dim * dtype_bytes(dtype)
+
+
+def indexer_workspace_bytes(shape: ModelShape, *, batch: int, queries: int, keys: int) -> int:
+    """One indexer call: float32 scores [B, Sq, H_idx, Sk], index scores [B, Sq, Sk] and the bool
+    index mask [B, Sq, Sk] (glmpost scores with transformers' formula, then takes the top-k)."""
+    return batch * queries * keys * (shape.index_heads * 4 + 4 + 1)
+
+
+def head_workspace_bytes(shape: ModelShape, *, chunk: int, dtype: str, grad: bool) -> int:
+    """The chunked log-prob head: two float32 [C, V] buffers without autograd; with autograd
+    backward holds three [C, V] float32 buffers and one [V, H] partial weight gradient."""
+    cv = chunk * shape.vocab * 4
+    if not grad:
+        return 2 * cv
+    return 3 * cv + shape.vocab * shape.hidden * dtype_bytes(dtype)
+
+
+def attention_workspace_bytes(shape: ModelShape, *, batch: int, seq: int, attention: str, grad: bool) -> int:
+    """Transient attention scores: float32 [B, heads, S, S] (x2 in backward) on the math / eager path."""
+    if attention == "fused":
+        return 0
+    return batch * shape.heads * seq * seq * 4 * (2 if grad else 1)
+
+
+def train_io_bytes(*, batch: int, seq: int) -> int:
+    """A trainer micro-batch: int64 ids and attention mask [B, S]; bool action mask, float32 rollout
+    and old log-probs, bool trust mask [B, S-1]; advantages [B]; output log-probs and entropy."""
+    t = seq - 1
+    return batch * seq * 16 + batch * t * (1 + 4 + 4 + 1) + batch * 4 + batch * t * (4 + 4 + 1)
+
+
+def teacher_payload_bytes(*, records: int, tokens: int, payload: str, topk: int) -> int:
+    """Per token: float32 sampled log-prob, or top-k int32 ids + float32 log-probs (+ the sampled one)."""
+    per_token = 4 if payload == "sampled" else 4 + topk * 8
+    return records * tokens * per_token
+
+
+def weight_sync_bytes(shape: ModelShape, *, quantize: str, dtype: str) -> int:
+    """A full copy of the weights in the rollout format: the train dtype, fp8 with one float32 scale
+    per 128x128 block, or int4 with one bf16 scale per 128 inputs."""
+    p = shape.parameter_count()["total"]
+    if quantize == "fp8-block":
+        return p + _ceil_div(p, 128 * 128) * 4
+    if quantize == "w4a16":
+        return _ceil_div(p, 2) + _ceil_div(p, 128) * 2
+    return p * dtype_bytes(dtype)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Workload:
+    """What a recipe runs (training micro-batch, rollout batch, payloads), with glmpost defaults."""
+
+    micro_batch: int = 8
+    seq: int = 576  # prompt + response tokens of one trajectory
+    response_tokens: int = 64
+    chunk_size: int = 512
+    dtype: str = "bfloat16"
+    zero_stage: int = 0
+    ranks: int = 1
+    attention: str = "math"
+    rollout_batch: int = 32
+    rollout_prompt: int = 512
+    rollout_dtype: str = "bfloat16"
+    records_per_update: int = 64
+    reference: bool = False
+    teacher: bool = False
+    critic: bool = False
+    training: bool = True
+    rollout: bool = True
+    teacher_payload: str = "sampled"
+    teacher_topk: int = 0
+    sync_quantize: str = "none"
+    sync: bool = False
+    reduce_bucket: int = DEFAULT_REDUCE_BUCKET
+    allgather_bucket: int = DEFAULT_ALLGATHER_BUCKET
+    margin: float = 0.0
+
+
+@dataclass
+class RoleMemory:
+    role: str
+    used: bool
+    model_state: int = 0
+    saved_activations: int = 0
+    workspace: int = 0
+    communication: int = 0
+    live_io: int = 0
+    margin: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return sum(getattr(self, c) for c in COMPONENTS) + self.margin
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["peak"] = self.peak
+        return out
+
+
+def plan_memory(shape: ModelShape, w: Workload) -> list[RoleMemory]:
+    """One :class:`RoleMemory` per role in :data:`ROLES` (unused roles are present with used=False)."""
+    deepspeed = w.zero_stage > 0 or w.ranks > 1
+    counts = shape.parameter_count()
+    rows: list[RoleMemory] = []
+
+    def comm_buffers(train: bool) -> int:
+        if not deepspeed:
+            return 0
+        b = dtype_bytes(w.dtype)
+        reduce = min(w.reduce_bucket, counts["trainable"]) * b if train else 0
+        return reduce + min(w.allgather_bucket, counts["total"]) * b
+
+    # Actor: the policy being trained (train-grpo / opd-merge / qat).
+    state = model_state_bytes(shape, dtype=w.dtype, trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
+    acts = saved_activation_terms(shape, batch=w.micro_batch, seq=w.seq, dtype=w.dtype, attention=w.attention)
+    ws = {
+        "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype=w.dtype, grad=True),
+        "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=True),
+        "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq),
+    }
+    rows.append(RoleMemory(
+        "actor", w.training, sum(state.values()), sum(acts.values()), max(ws.values()), comm_buffers(True),
+        train_io_bytes(batch=w.micro_batch, seq=w.seq), details={**state, "activations": acts, "workspace": ws},
+    ))
+    # Reference and teacher: frozen forward passes without autograd.
+    frozen = model_state_bytes(shape, dtype=w.dtype, trainable=False)
+    frozen_ws = {
+        "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype=w.dtype, grad=False),
+        "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=False),
+        "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq),
+    }
+    io = train_io_bytes(batch=w.micro_batch, seq=w.seq)
+    rows.append(RoleMemory("reference", w.reference, sum(frozen.values()), 0, max(frozen_ws.values()),
+                           comm_buffers(False) if w.reference else 0, io, details={**frozen, "workspace": frozen_ws}))
+    payload_micro = teacher_payload_bytes(records=w.micro_batch, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
+    rows.append(RoleMemory("teacher", w.teacher, sum(frozen.values()), 0, max(frozen_ws.values()), 0, io + payload_micro,
+                           details={**frozen, "workspace": frozen_ws}))
+    # Critic (SAO): the body plus a scalar value head instead of the LM head.
+    critic_params_saved = (shape.vocab * shape.hidden - shape.hidden - 1) if not shape.tie_word_embeddings else 0
+    b = dtype_bytes(w.dtype)
+    critic_state = {k: max(v - critic_params_saved * (b if k != "optimizer" else 8 + (4 if b < 4 else 0)), 0)
+                    for k, v in state.items()}
+    rows.append(RoleMemory("critic", w.critic, sum(critic_state.values()), sum(acts.values()) - acts["head"],
+                           max(ws["attention"], ws["dsa_indexer"]), comm_buffers(True),
+                           train_io_bytes(batch=w.micro_batch, seq=w.seq), details=critic_state))
+    # Rollout KV cache: the whole rollout batch at prompt + max-new-tokens.
+    rollout_seq = w.rollout_prompt + w.response_tokens
+    kv = kv_cache_bytes(shape, batch=w.rollout_batch, seq=rollout_seq, dtype=w.rollout_dtype)
+    rows.append(RoleMemory(
+        "rollout_kv", w.rollout, 0, kv,
+        # decode: [B, V] float32 logits, scaled copy and softmax / sort buffers
+        3 * w.rollout_batch * shape.vocab * 4,
+        0, w.rollout_batch * rollout_seq * 8 * 2 + w.rollout_batch * w.response_tokens * 4,
+        details={"batch": w.rollout_batch, "seq": rollout_seq, "per_token": kv // max(w.rollout_batch * rollout_seq, 1)},
+    ))
+    # DSA index: indexer key cache in rollout, top-k indices and scoring workspace in training.
+    index_cache = indexer_cache_bytes(shape, batch=w.rollout_batch, seq=rollout_seq, dtype=w.rollout_dtype)
+    topk = min(shape.index_topk, w.seq)
+    rows.append(RoleMemory(
+        "dsa_index", w.rollout or w.training, 0, index_cache,
+        max(indexer_workspace_bytes(shape, batch=w.rollout_batch, queries=w.rollout_prompt, keys=w.rollout_prompt),
+            indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq)),
+        0, 2 * w.micro_batch * w.seq * topk * 4,  # int32 top-k of this layer and the previous one
+        details={"rollout_key_cache": index_cache},
+    ))
+    payload = teacher_payload_bytes(records=w.records_per_update, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
+    rows.append(RoleMemory("teacher_payload", w.teacher, 0, 0, 0, 0, payload,
+                           details={"records": w.records_per_update, "kind": w.teacher_payload}))
+    sync = weight_sync_bytes(shape, quantize=w.sync_quantize, dtype=w.rollout_dtype)
+    rows.append(RoleMemory("weight_sync", w.sync, 0, 0, 0, sync, 0, details={"quantize": w.sync_quantize}))
+    for row in rows:
+        row.margin = int(w.margin * sum(getattr(row, c) for c in COMPONENTS))
+    return rows
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_table(rows: list[RoleMemory]) -> str:
+    """Rows = roles, columns = components, peak per role; unused roles read '-'."""
+    headers = ["role", *COMPONENTS, "margin", "peak"]
+    table = [headers]
+    for row in rows:
+        if not row.used:
+            table.append([row.role] + ["-"] * (len(headers) - 1))
+            continue
+        table.append([row.role, *(format_bytes(getattr(row, c)) for c in COMPONENTS), format_bytes(row.margin), format_bytes(row.peak)])
+    used = [r for r in rows if r.used]
+    table.append(["all roles co-located", *(format_bytes(sum(getattr(r, c) for r in used)) for c in COMPONENTS),
+                  format_bytes(sum(r.margin for r in used)), format_bytes(sum(r.peak for r in used))])
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(line)) for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
