@@ -6,8 +6,14 @@ IcePop and DIS compare against (DESIGN.md §5). Greedy decoding (temperature 0) 
 mass, so its log-probs are 0.
 
 Reproducibility: each sequence draws from its own ``torch.Generator`` seeded from
-``(seed, sequence key)``, so a sequence's sample does not depend on which other sequences share its
-batch or on ``--shard-index``; the same seed gives the same tokens bit for bit on the same machine.
+``(seed, sequence key)`` (:func:`sequence_seed`) or from an explicit per-sequence seed (what
+``glmpost serve`` receives as SGLang's ``sampling_params.sampling_seed``), so a sequence's sample does
+not depend on which other sequences share its batch or on ``--shard-index``; the same seed gives the
+same tokens bit for bit on the same machine (log-probs bit for bit for the same batch composition).
+
+:meth:`LocalEngine.score` is the prefill-only path (teacher scoring, SGLang's ``max_new_tokens`` 0):
+log-probs of given tokens under the model's own distribution, by the trainer's formula
+(:func:`glmpost.logprobs.sequence_log_probs`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,19 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str  # "stop" (a stop token, included) or "length" (max_new_tokens)
+    # With ``top_logprobs_num`` k > 0: per sampled position, the k most likely token ids of the
+    # sampling distribution and their log-probs (ties to the lower id).
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
+
+
+@dataclass
+class Scores:
+    """Prefill-only scoring of one sequence from position ``start`` (see :meth:`LocalEngine.score`)."""
+
+    log_probs: list[float]  # log p(ids[t] | ids[:t]) for t = start .. len(ids) - 1
+    top_ids: list[list[int]] | None = None  # per scored position, the k most likely ids there
+    top_log_probs: list[list[float]] | None = None
 
 
 def sequence_seed(seed: int, key: str) -> int:
@@ -104,18 +123,78 @@ class LocalEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: Sequence[Sequence[int]], keys: Sequence[str], params: SamplingParams) -> list[Completion]:
-        """Sample one completion per prompt; ``keys`` (unique per sequence) seed each sequence."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[str] | None,
+        params: SamplingParams,
+        *,
+        seeds: Sequence[int] | None = None,
+        top_logprobs_num: int = 0,
+    ) -> list[Completion]:
+        """Sample one completion per prompt, in batches of ``batch_size``.
+
+        Each sequence's generator is seeded with ``seeds[i]`` when given, else with
+        ``sequence_seed(params.seed, keys[i])`` (``keys`` unique per sequence).
+        """
         params.validate()
-        if len(prompts) != len(keys):
-            raise ValueError("one key per prompt")
+        if seeds is None:
+            if keys is None or len(prompts) != len(keys):
+                raise ValueError("one key per prompt")
+            seeds = [sequence_seed(params.seed, k) for k in keys]
+        elif len(seeds) != len(prompts):
+            raise ValueError("one seed per prompt")
         results: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
-            results.extend(self._generate_batch(prompts[start : start + self.batch_size], keys[start : start + self.batch_size], params))
+            end = start + self.batch_size
+            results.extend(self._generate_batch(prompts[start:end], seeds[start:end], params, top_logprobs_num))
         return results
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], keys: Sequence[str], params: SamplingParams) -> list[Completion]:
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], *, top_logprobs_num: int = 0) -> list[Scores]:
+        """Log-probs of ``sequences[i][starts[i]:]``, each token under its own prefix (temperature 1).
+
+        ``starts[i] >= 1`` (the first token has no prefix). Runs in batches of ``batch_size``, right
+        padded, through :func:`glmpost.logprobs.sequence_log_probs`; the top-k lists come from the
+        same forward's full logits.
+        """
+        from glmpost.logprobs import sequence_log_probs
+
+        if len(sequences) != len(starts):
+            raise ValueError("one start per sequence")
+        for seq, start in zip(sequences, starts):
+            if not 1 <= start <= len(seq):
+                raise ValueError(f"start must be in [1, {len(seq)}], got {start}")
+        device = self.device
+        results: list[Scores] = []
+        for first in range(0, len(sequences), self.batch_size):
+            chunk, chunk_starts = sequences[first : first + self.batch_size], starts[first : first + self.batch_size]
+            width = max(2, max(len(s) for s in chunk))
+            ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, seq in enumerate(chunk):
+                ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+                mask[row, : len(seq)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            scored = sequence_log_probs(self.model, ids, mask, response_start=torch.tensor(list(chunk_starts), device=device))
+            values = scored.log_probs.cpu()
+            top = None
+            if top_logprobs_num > 0:
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+                top = torch.topk(torch.log_softmax(logits, dim=-1), top_logprobs_num, dim=-1)
+                top_values, top_indices = top.values.cpu(), top.indices.cpu()
+            for row, (seq, start) in enumerate(zip(chunk, chunk_starts)):
+                span = slice(start - 1, len(seq) - 1)  # entry t predicts token t + 1
+                results.append(Scores(
+                    values[row, span].tolist(),
+                    top_indices[row, span].tolist() if top is not None else None,
+                    top_values[row, span].tolist() if top is not None else None,
+                ))
+        return results
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams,
+                        top_logprobs_num: int = 0) -> list[Completion]:
         device = self.device
         batch = len(prompts)
         width = max(len(p) for p in prompts)
@@ -128,12 +207,12 @@ class LocalEngine:
         # One uniform number per sequence and step, drawn up front from the sequence's own generator:
         # a sequence's sample depends on its seed and key only, never on its batch neighbours.
         uniforms = torch.stack([
-            torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(sequence_seed(params.seed, k)), dtype=torch.float64)
-            for k in keys
+            torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+            for seed in seeds
         ]).to(device)
         stops = torch.tensor(sorted(set(params.stop_token_ids)) or [-1], device=device)
 
-        chosen_steps, log_prob_steps = [], []
+        chosen_steps, log_prob_steps, top_steps = [], [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         cache = None
         step_ids = input_ids
@@ -148,7 +227,8 @@ class LocalEngine:
                 **({self._cache_kwarg: cache} if cache is not None else {}),
             )
             cache = getattr(outputs, self._cache_kwarg, None) or outputs.past_key_values
-            chosen, chosen_log_probs = self._sample(outputs.logits[:, -1, :].float(), uniforms[:, step], params)
+            chosen, chosen_log_probs, top = self._sample(outputs.logits[:, -1, :].float(), uniforms[:, step], params, top_logprobs_num)
+            top_steps.append(top)
             # Rows that already stopped keep decoding (a batch moves together) but record nothing.
             chosen_steps.append(torch.where(finished, -1, chosen))
             log_prob_steps.append(chosen_log_probs)
@@ -160,21 +240,34 @@ class LocalEngine:
             positions = positions[:, -1:] + 1
         tokens = torch.stack(chosen_steps, dim=1).cpu().tolist()
         log_probs = torch.stack(log_prob_steps, dim=1).cpu().tolist()
+        top_ids = top_values = None
+        if top_logprobs_num > 0:
+            top_values = torch.stack([t[0] for t in top_steps], dim=1).cpu().tolist()
+            top_ids = torch.stack([t[1] for t in top_steps], dim=1).cpu().tolist()
         stop_set = set(params.stop_token_ids)
         results = []
-        for row_tokens, row_log_probs in zip(tokens, log_probs):
+        for row, (row_tokens, row_log_probs) in enumerate(zip(tokens, log_probs)):
             length = row_tokens.index(-1) if -1 in row_tokens else len(row_tokens)
             kept = row_tokens[:length]
             reason = "stop" if kept and kept[-1] in stop_set else "length"
-            results.append(Completion(kept, row_log_probs[:length], reason))
+            results.append(Completion(
+                kept, row_log_probs[:length], reason,
+                top_ids[row][:length] if top_ids is not None else None,
+                top_values[row][:length] if top_values is not None else None,
+            ))
         return results
 
     @staticmethod
-    def _sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams):
-        """Inverse-CDF sampling of one token per row from the filtered distribution, and its log-prob."""
+    def _sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, top_logprobs_num: int = 0):
+        """Inverse-CDF sampling of one token per row from the filtered distribution, and its log-prob.
+
+        With ``top_logprobs_num`` k > 0 also returns the k largest log-probs of the sampling
+        distribution and their ids (greedy: the temperature-1 distribution), else None.
+        """
         if params.temperature == 0:
             chosen = logits.argmax(dim=-1)
-            return chosen, torch.zeros(chosen.shape, dtype=torch.float32, device=logits.device)
+            top = _top(torch.log_softmax(logits, dim=-1), top_logprobs_num) if top_logprobs_num > 0 else None
+            return chosen, torch.zeros(chosen.shape, dtype=torch.float32, device=logits.device), top
         filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         sampling_log_probs = torch.log_softmax(filtered, dim=-1)
         cdf = torch.cumsum(sampling_log_probs.double().exp(), dim=-1)
@@ -182,4 +275,11 @@ class LocalEngine:
         # have a flat CDF and are never chosen.
         chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         chosen = chosen.clamp(max=logits.shape[-1] - 1)
-        return chosen, sampling_log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        return chosen, sampling_log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), _top(sampling_log_probs, top_logprobs_num)
+
+
+def _top(log_probs: torch.Tensor, k: int):
+    if k <= 0:
+        return None
+    top = torch.topk(log_probs, min(k, log_probs.shape[-1]), dim=-1)
+    return top.values, top.indices

@@ -94,9 +94,15 @@ def rollout_record(
     policy_version: int,
     tokenizer_revision: str,
     engine: dict[str, Any],
+    token_policy_version: int | None = None,
 ) -> dict[str, Any]:
-    """The trajectory record of one single-turn completion: every response token is an action."""
+    """The trajectory record of one single-turn completion: every response token is an action.
+
+    ``token_policy_version`` (default ``policy_version``) stamps ``policy_versions``: the version a
+    server reported for the weights that produced the tokens.
+    """
     length = len(completion.token_ids)
+    stamp = policy_version if token_policy_version is None else token_policy_version
     group = group_id(prompt.prompt_id, seed=params.seed, policy_version=policy_version)
     return {
         "id": f"{group}/{sample_index}",
@@ -109,9 +115,77 @@ def rollout_record(
         "action_mask": np.ones(length, dtype=bool),
         "observation_mask": np.zeros(length, dtype=bool),
         "rollout_log_probs": np.asarray(completion.log_probs, dtype=np.float32),
-        "policy_versions": np.full(length, policy_version, dtype=np.int32),
+        "policy_versions": np.full(length, stamp, dtype=np.int32),
         "sampling": {**params.to_json(), **engine},
         "tokenizer_revision": tokenizer_revision,
         "segments": [{"start": 0, "end": length, "kind": "action", "turn": 0}],
         "status": "completed" if completion.finish_reason == "stop" else "truncated",
     }
+
+
+def aborted_record(
+    prompt: RolloutPrompt,
+    reason: str,
+    *,
+    sample_index: int,
+    params: SamplingParams,
+    policy_version: int,
+    tokenizer_revision: str,
+    engine: dict[str, Any],
+) -> dict[str, Any]:
+    """The record of a sequence the engine never delivered: status ``aborted``, no response tokens,
+    and why in ``extra.status_reason`` — a failed request is recorded, never a lost prompt."""
+    record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
+                            policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
+    record["status"] = "aborted"
+    record["extra"] = {"status_reason": reason}
+    return record
+
+
+def sglang_sampling_params(params: SamplingParams, eos_ids: Sequence[int]) -> dict[str, Any]:
+    """SGLang ``sampling_params`` that sample exactly as ``params`` do in the local engine.
+
+    SGLang stops at the model's eos ids unless ``ignore_eos`` (which turns off every token stop;
+    python/sglang/srt/managers/schedule_batch.py ``_check_token_based_finish``), so a stop set must
+    be empty or contain every eos id. Add ``sampling_seed`` per sequence.
+    """
+    stops = sorted(set(params.stop_token_ids))
+    if stops and not set(eos_ids) <= set(stops):
+        raise ValueError(f"SGLang always stops at the eos ids {sorted(eos_ids)}: the stop ids {stops} must include them "
+                         "(or be 'none')")
+    return {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k or -1,
+        "stop_token_ids": stops,
+        "ignore_eos": not stops,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+
+
+def completion_from_sglang(answer: dict[str, Any], stop_token_ids: Sequence[int]) -> tuple[Completion | None, str | None, str | None]:
+    """``(completion, weight_version, abort_reason)`` from one SGLang ``/generate`` answer.
+
+    The finish reason is decided as the local engine decides it (the last token is a stop id), since
+    SGLang reports ``length`` when a stop token is also the last allowed one.
+
+    The completion is None (and the reason set) when the server aborted the sequence or its answer
+    lacks the evidence a record needs (output ids with their log-probs).
+    """
+    meta = answer.get("meta_info") or {}
+    finish = meta.get("finish_reason") or {}
+    version = meta.get("weight_version")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in ("stop", "length"):
+        return None, version, f"server finish_reason {finish!r}"
+    entries = meta.get("output_token_logprobs") or []
+    ids = answer.get("output_ids")
+    if ids is None:
+        ids = [e[1] for e in entries]
+    if len(entries) != len(ids) or any(e[0] is None or e[1] != t for e, t in zip(entries, ids)):
+        return None, version, "server answer has no log-prob for every output token"
+    ids = [int(t) for t in ids]
+    reason = "stop" if ids and ids[-1] in set(stop_token_ids) else "length"
+    return Completion(ids, [float(e[0]) for e in entries], reason), version, None

@@ -1,0 +1,79 @@
+"""Serve a checkpoint over the subset of SGLang's native HTTP API that glmpost uses.
+
+POST /generate (input_ids, sampling_params with sampling_seed, return_logprob, logprob_start_len,
+top_logprobs_num; max_new_tokens 0 scores the input only), POST /update_weights_from_disk
+(model_path, weight_version, flush_cache, abort_all_requests; a checkpoint of another architecture
+or tokenizer revision, or with missing tensors, is refused and the old weights stay), GET
+/get_weight_version, GET /model_info (model path, weight version, tokenizer revision), GET /health.
+Answers are shaped as SGLang shapes them, so `rollout --engine sglang`, `score-teacher` and
+`sync-weights` work against this server and real SGLang servers alike.
+
+One engine thread runs the model: concurrent requests are batched (up to --batch-size); a batch
+request runs exactly as the in-process engine runs the same list, so with the same seeds the server
+reproduces `rollout --engine local` bit for bit. Listens on loopback by default; --port 0 picks a
+free port. When ready it prints one line `glmpost serve: listening on http://HOST:PORT` to stdout.
+SIGTERM or SIGINT stops it cleanly (queued requests are answered with HTTP 503).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from glmpost.commands.common import config_option, log
+from glmpost.errors import UsageError
+from glmpost.npu import resolve_device
+
+STAGE = "serve"
+
+
+def serve(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint to serve: a root (its LATEST) or a version directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default; 0.0.0.0 exposes it)."),
+    port: int = typer.Option(30000, "--port", min=0, max=65535, help="TCP port; 0 picks a free one (printed when ready)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N]."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Most sequences decoded together in one engine batch."),
+    batch_wait_ms: float = typer.Option(
+        50.0, "--batch-wait-ms", min=0.0,
+        help="Most time the engine waits for as many single requests as its last batch had before it starts a batch.",
+    ),
+    weight_version: Optional[str] = typer.Option(
+        None, "--weight-version", help="Initial weight_version reported; default: the checkpoint's policy version."
+    ),
+    deterministic_topk: bool = typer.Option(
+        True, "--deterministic-topk/--torch-topk",
+        help="DSA indexer top-k with ties to the lower position (as rollout and training); --torch-topk keeps torch.topk's tie order.",
+    ),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request to stderr."),
+    config: Optional[Path] = config_option(),
+) -> None:
+    from glmpost.server import (
+        EngineServer,
+        bound_address,
+        make_http_server,
+        serve_until_signalled,
+    )
+
+    torch_device = resolve_device(device)
+    engine = EngineServer(checkpoint, device=torch_device, batch_size=batch_size, deterministic_topk=deterministic_topk,
+                          weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
+    try:
+        server = make_http_server(engine, host, port, quiet=not log_requests)
+    except OSError as exc:
+        raise UsageError(f"--host {host} --port {port}: cannot listen ({exc.strerror or exc})") from None
+    bound_host, bound_port = bound_address(server)
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+
+    def ready() -> None:
+        log(f"serving {engine.loaded.version_dir} (weight_version {engine.weight_version}, tokenizer "
+            f"{engine.loaded.revision}) on {torch_device}, batch size {batch_size}")
+        sys.stdout.write(f"glmpost serve: listening on http://{shown}:{bound_port}\n")
+        sys.stdout.flush()
+
+    serve_until_signalled(engine, server, on_ready=ready)
+    stats = engine.stats
+    log(f"stopped after {stats['batches']} engine batches, {stats['sequences']} sequences, "
+        f"{stats['generated_tokens']} generated tokens")

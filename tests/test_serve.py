@@ -1,0 +1,257 @@
+"""``glmpost serve`` (SGLang's native API subset), the SGLang client and ``rollout --engine sglang``.
+
+Every server here is a real ``glmpost serve`` process on 127.0.0.1 with ``--port 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from glmpost.checkpoints import load_model
+from glmpost.engine import LocalEngine, SamplingParams
+from glmpost.formats import ShardReader, resolve_shard_paths
+from glmpost.sglang_client import (
+    ServerError,
+    SGLangClient,
+    SGLangPool,
+    parse_server_urls,
+)
+
+
+def start_server(checkpoint, *extra) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glmpost.commands.app", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+         "--device", "cpu", *map(str, extra)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()  # blocks until the server is ready (or exits)
+    if "listening on" not in line:
+        proc.kill()
+        raise AssertionError(f"serve did not start: {line!r} {proc.stderr.read()}")
+    return proc, line.strip().rsplit(" ", 1)[-1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    proc, url = start_server(tiny_checkpoint, "--batch-size", "8")
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LocalEngine(load_model(tiny_checkpoint), batch_size=8, pad_token_id=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompts(tmp_path, count=4):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "count"}) + "\n" for d in range(count)))
+    return path
+
+
+def _records(directory):
+    return [r for p in resolve_shard_paths([directory]) for r in ShardReader(p)]
+
+
+def test_generate_answers_as_sglang_shapes_them(server, engine):
+    client = SGLangClient(server)
+    assert client.health() == {} and client.get_weight_version() == "0"
+    info = client.model_info()
+    assert info["weight_version"] == "0" and info["tokenizer_revision"].startswith("sha256:")
+    assert info["architectures"] == ["GlmMoeDsaForCausalLM"] and info["is_generation"] is True
+
+    prompt, seed = [5, 6, 7, 8, 9], 1234
+    answer = client.generate(prompt, {"max_new_tokens": 4, "temperature": 0.8, "top_k": 50, "ignore_eos": True,
+                                      "sampling_seed": seed}, logprob_start_len=2, top_logprobs_num=3)
+    meta = answer["meta_info"]
+    local = engine.generate([prompt], None, SamplingParams(temperature=0.8, top_k=50, max_new_tokens=4), seeds=[seed],
+                            top_logprobs_num=3)[0]
+    assert answer["output_ids"] == local.token_ids and len(local.token_ids) == 4
+    assert meta["output_token_logprobs"] == [[lp, t, None] for lp, t in zip(local.log_probs, local.token_ids)]
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (5, 4, "0")
+    # input_token_logprobs: positions 2..4, the first without a log-prob (SGLang's leading None)
+    assert [e[1] for e in meta["input_token_logprobs"]] == [7, 8, 9] and meta["input_token_logprobs"][0][0] is None
+    scored = engine.score([prompt], [3], top_logprobs_num=3)[0]
+    assert [e[0] for e in meta["input_token_logprobs"][1:]] == scored.log_probs
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == 3
+    assert [[e[1] for e in row] for row in meta["input_top_logprobs"][1:]] == scored.top_ids
+    for row in meta["output_top_logprobs"]:  # k entries per output token, most likely first
+        assert len(row) == 3 and row[0][0] >= row[1][0] >= row[2][0]
+    # the input log-probs are the model's own: they match an independent log_softmax
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[[2, 3], [8, 9]]
+    np.testing.assert_allclose([e[0] for e in meta["input_token_logprobs"][1:]], expected.numpy(), atol=1e-5)
+
+    # stop tokens: finish_reason stop with the matched id, the stop token kept
+    stop = local.token_ids[1]
+    stopped = client.generate(prompt, {"max_new_tokens": 4, "temperature": 0.8, "top_k": 50, "ignore_eos": False,
+                                       "stop_token_ids": [stop], "sampling_seed": seed})
+    assert stopped["output_ids"] == local.token_ids[:2]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # a batch request answers a list; max_new_tokens 0 scores the input only
+    batch = client.generate([prompt, [9, 8]], {"max_new_tokens": 0}, logprob_start_len=0)
+    assert isinstance(batch, list) and [b["output_ids"] for b in batch] == [[], []]
+    assert batch[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(batch[0]["meta_info"]["input_token_logprobs"]) == 5 and len(batch[1]["meta_info"]["input_token_logprobs"]) == 2
+    assert client.score(prompt, 3)["token_log_probs"] == scored.log_probs
+
+
+def test_bad_requests_are_json_errors_and_the_server_keeps_serving(server):
+    client = SGLangClient(server, retries=0)
+    for body, expected in [
+        ({"input_ids": [], "sampling_params": {}}, "input_ids"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"input_ids": [1, 99999], "sampling_params": {}}, "vocabulary"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "hello"}, "input_ids"),
+    ]:
+        with pytest.raises(ServerError) as info:
+            client.request("POST", "/generate", body)
+        assert info.value.status == 400 and expected in str(info.value) and not info.value.retryable
+    with pytest.raises(ServerError) as info:
+        client.request("GET", "/nope")
+    assert info.value.status == 404
+    assert client.health() == {}
+
+
+def test_client_retries_then_fails_and_the_pool_fails_over(server):
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError) as info:
+        SGLangClient(dead, retries=2, backoff=0.01).health()
+    assert info.value.retryable and info.value.status is None and "after 3 attempts" in str(info.value)
+    assert parse_server_urls(f"{dead}/, 127.0.0.1:1") == [dead, "http://127.0.0.1:1"]
+    with SGLangPool([dead, server], concurrency=2, retries=0) as pool:
+        versions = pool.map(lambda client, _: client.get_weight_version(), range(4))
+    assert versions == ["0"] * 4  # requests meant for the dead server went to the live one
+
+
+def test_rollout_through_the_server_equals_the_local_engine(glmpost_cli, server, tiny_checkpoint, tmp_path):
+    prompts = _prompts(tmp_path)
+    common = [prompts, "--checkpoint", tiny_checkpoint, "--group-size", "3", "--max-new-tokens", "6", "--seed", "11",
+              "--batch-size", "5", "--prompts-per-shard", "3", "--temperature", "0.9", "--top-p", "0.95"]
+    local = glmpost_cli("rollout", *common, "--out", tmp_path / "local")
+    assert local.exit_code == 0, local.stderr
+    remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", server,
+                         "--concurrency", "3", "--json")
+    assert remote.exit_code == 0, remote.stderr
+    assert json.loads(remote.stdout)["aborted"] == 0
+    a, b = _records(tmp_path / "local"), _records(tmp_path / "remote")
+    assert len(a) == len(b) == 12
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], np.ndarray):  # token ids, masks, log-probs: bit for bit
+                assert x[key].dtype == y[key].dtype and x[key].tobytes() == y[key].tobytes(), key
+            elif key == "sampling":
+                assert {**x[key], "engine": "sglang"} == y[key]
+            else:
+                assert x[key] == y[key], key
+
+
+def test_update_weights_from_disk_swaps_or_refuses(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "root"
+    shutil.copytree(tiny_checkpoint, root / "v000000")
+    (root / "LATEST").write_text("v000000\n")
+    new = root / "v000001"
+    shutil.copytree(tiny_checkpoint, new)
+    manifest = json.loads((new / "glmpost.json").read_text())
+    (new / "glmpost.json").write_text(json.dumps({**manifest, "policy_version": 1}))
+    weights = sorted(new.glob("*.safetensors"))[0]
+    tensors = load_file(weights)
+    tensors = {k: (v * 1.5 if v.is_floating_point() else v) for k, v in tensors.items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    missing = sorted(load_file(sorted(broken.glob("*.safetensors"))[0]))[0]
+    save_file({k: v for k, v in load_file(sorted(broken.glob("*.safetensors"))[0]).items() if k != missing},
+              sorted(broken.glob("*.safetensors"))[0], metadata={"format": "pt"})
+
+    proc, url = start_server(root)
+    try:
+        client = SGLangClient(url)
+        request = ([3, 4, 5], {"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 5})
+        before = client.generate(*request)
+        for path, reason in [(tmp_path / "nowhere", "does not exist"), (broken, f"missing tensors {missing}")]:
+            answer = client.update_weights_from_disk(str(path), weight_version="9")
+            assert answer["success"] is False and reason in answer["message"]
+            assert client.get_weight_version() == "0"
+            assert client.generate(*request)["output_ids"] == before["output_ids"]
+        answer = client.update_weights_from_disk(str(new), weight_version="1")
+        assert answer["success"] is True and client.get_weight_version() == "1"
+        assert client.model_info()["model_path"] == str(new) and client.model_info()["policy_version"] == 1
+        after = client.generate(*request)
+        assert after["meta_info"]["weight_version"] == "1"
+        assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    finally:
+        stop_server(proc)
+
+
+def test_unreachable_server_is_a_one_line_error(glmpost_cli, tiny_checkpoint, tmp_path):
+    result = glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", tiny_checkpoint, "--out", tmp_path / "o",
+                         "--engine", "sglang", "--server", f"127.0.0.1:{free_port()}", "--retries", "0")
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and "unreachable" in result.stderr and "Traceback" not in result.stderr
+    missing = glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", tiny_checkpoint, "--out", tmp_path / "o",
+                          "--engine", "sglang")
+    assert missing.exit_code == 2 and "--server" in missing.stderr
+
+
+def test_a_server_killed_mid_run_leaves_aborted_records_with_reasons(tiny_checkpoint, tmp_path):
+    proc, url = start_server(tiny_checkpoint)
+    out = tmp_path / "out"
+    rollout = subprocess.Popen(
+        [sys.executable, "-m", "glmpost.commands.app", "rollout", str(_prompts(tmp_path, 8)), "--checkpoint",
+         str(tiny_checkpoint), "--out", str(out), "--group-size", "4", "--max-new-tokens", "24", "--stop-token-ids", "none",
+         "--prompts-per-shard", "1", "--batch-size", "4", "--engine", "sglang", "--server", url, "--retries", "1",
+         "--timeout", "20", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("rollout-*.msgpack.zst")) and rollout.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()  # the server dies with the rest of the prompts still to do
+        stdout, stderr = rollout.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert rollout.returncode == 0, stderr
+    summary = json.loads(stdout)
+    records = _records(out)
+    assert len(records) == summary["records"] == 32  # no prompt is lost
+    aborted = [r for r in records if r["status"] == "aborted"]
+    assert 0 < len(aborted) == summary["aborted"] < 32
+    for record in aborted:
+        assert url in record["extra"]["status_reason"] and len(record["response_token_ids"]) == 0
+    assert records[0]["status"] == "truncated" and len(records[0]["response_token_ids"]) == 24
