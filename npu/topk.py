@@ -13,14 +13,16 @@ right-padded) attend to different keys and compute different log-probs for the s
   ``k`` numbers;
 * **indices are int32**, as the transformers indexer returns them.
 
-:func:`install_deterministic_topk` makes the indexers of a loaded model use it.
+:func:`install_deterministic_topk` makes the indexers of a loaded model use it,
+:func:`set_indexer_topk` switches them either way, and :func:`observe_indexer_topk` lets
+``diff-logprobs --indexer`` see every selection (scores and indices) on either rule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,14 +39,36 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return order[..., :k].to(torch.int32)
 
 
+def _eligible(scores: torch.Tensor, dim: int, largest: bool, out) -> bool:
+    return out is None and largest and dim in (-1, scores.dim() - 1)
+
+
 def _topk_values(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *, out=None):
-    if out is not None or not largest or dim not in (-1, self.dim() - 1):
+    if not _eligible(self, dim, largest, out):
         return _original_topk(self, k, dim, largest, sorted, out=out)
     indices = deterministic_topk(self, k).long()
     return torch.return_types.topk((self.gather(-1, indices), indices))
 
 
 _original_topk = torch.Tensor.topk
+
+# The indexer whose forward is running (innermost last): its rule and observers decide what
+# ``Tensor.topk`` does while it runs.
+_active: list[torch.nn.Module] = []
+
+
+def _indexer_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *, out=None):
+    module = _active[-1]
+    if module._glmpost_deterministic_topk:
+        result = _topk_values(self, k, dim, largest, sorted, out=out)
+    elif out is not None:
+        result = _original_topk(self, k, dim, largest, sorted, out=out)
+    else:
+        result = _original_topk(self, k, dim, largest, sorted)
+    if _eligible(self, dim, largest, out):
+        for observer in list(module._glmpost_topk_observers):
+            observer(module, self, result.indices)
+    return result
 
 
 @contextlib.contextmanager
@@ -57,23 +81,69 @@ def _topk_is_deterministic() -> Iterator[None]:
         torch.Tensor.topk = previous
 
 
+def indexers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every DSA indexer in ``model`` (modules whose class ends in ``Indexer``)."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("Indexer")]
+
+
+def _wrap(module: torch.nn.Module) -> None:
+    """Route ``Tensor.topk`` inside ``module.forward`` through :func:`_indexer_topk` (once)."""
+    if getattr(module, "_glmpost_topk_wrapped", False):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args, __original=original, __module=module, **kwargs):
+        previous = torch.Tensor.topk
+        _active.append(__module)
+        torch.Tensor.topk = _indexer_topk
+        try:
+            return __original(*args, **kwargs)
+        finally:
+            torch.Tensor.topk = previous
+            _active.pop()
+
+    module.forward = forward
+    module._glmpost_topk_wrapped = True
+    module._glmpost_topk_observers = []
+    module._glmpost_deterministic_topk = False
+
+
+def set_indexer_topk(model: torch.nn.Module, *, deterministic: bool) -> int:
+    """Make every DSA indexer of ``model`` use :func:`deterministic_topk` or ``torch.topk``.
+
+    Returns the number of indexers whose rule changed. The indexer's own code runs unchanged;
+    during its forward ``Tensor.topk`` follows the chosen rule (``torch.topk`` itself is untouched
+    outside indexer forwards).
+    """
+    count = 0
+    for _, module in indexers(model):
+        _wrap(module)
+        if module._glmpost_deterministic_topk != deterministic:
+            module._glmpost_deterministic_topk = deterministic
+            count += 1
+    return count
+
+
 def install_deterministic_topk(model: torch.nn.Module) -> int:
     """Make every DSA indexer of ``model`` select keys with :func:`deterministic_topk`.
 
-    The indexer's own code runs unchanged; during its forward ``Tensor.topk`` follows the rule
-    above. Returns the number of indexers changed (0 for a model without a DSA indexer).
+    Returns the number of indexers changed (0 for a model without a DSA indexer, or when already
+    installed).
     """
-    count = 0
-    for name, module in model.named_modules():
-        if type(module).__name__.endswith("Indexer") and not getattr(module, "_glmpost_deterministic_topk", False):
-            original = module.forward
+    return set_indexer_topk(model, deterministic=True)
 
-            @functools.wraps(original)
-            def forward(*args, __original=original, **kwargs):
-                with _topk_is_deterministic():
-                    return __original(*args, **kwargs)
 
-            module.forward = forward
-            module._glmpost_deterministic_topk = True
-            count += 1
-    return count
+@contextlib.contextmanager
+def observe_indexer_topk(model: torch.nn.Module, observer: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], None]) -> Iterator[int]:
+    """Call ``observer(indexer, scores [..., T], indices [..., k])`` on every top-k an indexer of
+    ``model`` takes while the context is open (whichever rule it uses). Yields the number of indexers."""
+    found = indexers(model)
+    for _, module in found:
+        _wrap(module)
+        module._glmpost_topk_observers.append(observer)
+    try:
+        yield len(found)
+    finally:
+        for _, module in found:
+            module._glmpost_topk_observers.remove(observer)

@@ -74,3 +74,73 @@ def test_rollout_and_trainer_log_probs_agree_only_with_the_deterministic_rule(gl
     # decodes left-padded batches incrementally; the trainer scores whole right-padded sequences.
     assert _max_mismatch(glmpost_cli, tiny_checkpoint, tmp_path, "--deterministic-topk") < 1e-4
     assert _max_mismatch(glmpost_cli, tiny_checkpoint, tmp_path, "--torch-topk") > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# The indexer comparison's pure functions (glmpost.mismatch), on hand-computed cases
+
+
+def test_set_overlap_hand_computed():
+    from glmpost.mismatch import topk_set_overlap
+
+    a = torch.tensor([[3, 1, 2, -1], [0, 1, 2, 3], [5, 4, -1, -1], [-1, -1, -1, -1], [7, -1, -1, -1]])
+    b = torch.tensor([[1, 3, 2, -1], [0, 1, 2, 4], [5, 4, -1, -1], [-1, -1, -1, -1], [8, 9, -1, -1]])
+    overlap = topk_set_overlap(a, b)
+    # row 1: {0,1,2,3} vs {0,1,2,4}: 3 shared of 5 -> 0.6; row 4: {7} vs {8,9}: 0 of 3.
+    assert overlap["jaccard"].tolist() == [1.0, 0.6, 1.0, 1.0, 0.0]
+    assert overlap["same_set"].tolist() == [True, False, True, True, False]
+    assert overlap["same_order"].tolist() == [False, False, True, True, False]  # row 0: same set, other order
+    # Different widths (index_topk 2 vs 3): empty slots pad the narrower side.
+    narrow = topk_set_overlap(torch.tensor([[4, 2]]), torch.tensor([[4, 2, -1]]))
+    assert narrow["same_set"].tolist() == [True] and narrow["same_order"].tolist() == [True]
+
+
+def test_boundary_ties_and_valid_selection_hand_computed():
+    from glmpost.mismatch import boundary_ties, valid_selection
+
+    scores = torch.tensor([
+        [3.0, 0.0, 0.0, 0.0, -INF],  # k=2: s(2) = s(3) = 0 -> tie; k=3 too
+        [3.0, 2.0, 1.0, 0.0, 0.0],   # k=2: 2 != 1; k=3: 1 != 0
+        [1.0, 1.0, 1.0, NAN, -INF],  # three usable keys: k=2 ties, k=3 selects all (no tie)
+        [1.0, -INF, -INF, -INF, -INF],
+    ])
+    assert boundary_ties(scores, 2).tolist() == [True, False, True, False]
+    assert boundary_ties(scores, 3).tolist() == [True, False, False, False]
+    assert boundary_ties(scores, 5).tolist() == [False] * 4  # k >= T: everything selected
+    # Keys masked by causality (-inf) or NaN scores are selected by top-k but never attended: -1.
+    picked = torch.tensor([[0, 4], [0, 1], [3, 0], [0, 2]])
+    assert valid_selection(scores, picked).tolist() == [[0, -1], [0, 1], [-1, 0], [0, -1]]
+
+
+def test_bf16_equal_scores_select_identical_sets_and_tie_at_the_boundary():
+    from glmpost.mismatch import boundary_ties, topk_set_overlap
+
+    # Distinct in float32, all equal to 1.0 once rounded to bfloat16 (8 mantissa bits).
+    scores = torch.tensor([1.0, 1.001, 1.002, 0.5, 1.003, 0.25]).repeat(3, 1)
+    assert len(set(scores[0].tolist())) == 6 and len(set(scores[0].bfloat16().tolist())) == 3
+    low = scores.bfloat16()
+    assert boundary_ties(low, 2).tolist() == [True] * 3 and not boundary_ties(scores, 2).any()
+    selected = deterministic_topk(low, 2)
+    assert selected.tolist() == [[0, 1]] * 3  # the lower positions among the four tied 1.0s
+    # The same rule on a wider (left-padded) row, in another batch: the same set.
+    padded = torch.cat([torch.full((1, 3), -INF, dtype=torch.bfloat16), low[:1]], dim=-1)
+    assert (deterministic_topk(padded, 2) - 3).tolist() == [[0, 1]]
+    overlap = topk_set_overlap(selected, deterministic_topk(low.flip(0), 2))
+    assert overlap["same_set"].all() and overlap["same_order"].all()
+
+
+def test_observers_see_every_indexer_selection_under_either_rule(tiny_checkpoint):
+    from glmpost.npu.topk import observe_indexer_topk, set_indexer_topk
+
+    model = load_model(tiny_checkpoint, deterministic_topk=True)
+    seen = []
+    ids = torch.arange(3, 23).unsqueeze(0)
+    for deterministic in (True, False):
+        assert set_indexer_topk(model, deterministic=deterministic) == (0 if deterministic else 2)
+        with torch.no_grad(), observe_indexer_topk(model, lambda m, s, i: seen.append((m.layer_idx, s.shape, i.shape))) as n:
+            model(input_ids=ids)
+        assert n == 2
+    assert seen == [(0, (1, 20, 20), (1, 20, 8)), (1, (1, 20, 20), (1, 20, 8))] * 2
+    with torch.no_grad():
+        model(input_ids=ids)  # observers removed when the context closed
+    assert len(seen) == 4
