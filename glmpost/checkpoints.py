@@ -211,19 +211,46 @@ def load_tokenizer(checkpoint: Path | str):
 def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True):
     """``AutoModelForCausalLM`` from a root or version directory, in eval mode.
 
+    A quantized checkpoint (``glmpost quantize`` / ``sync-weights --quantize`` output: a
+    ``quantization_config`` or msModelSlim description) is dequantized with the one quantizer's
+    ``dequant`` (:func:`glmpost.quant.formats.load_quantized_state`): the float weights a rollout
+    engine computes with. A tensor the architecture needs but the checkpoint lacks is an error, never
+    a random initialisation.
+
     With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
     :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
     and the trainer attend to the same keys for the same tokens.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state
 
     hf_logging.disable_progress_bar()
     directory = resolve_checkpoint(checkpoint)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto")
-    except (OSError, ValueError) as exc:
+        config_json = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{directory}/config.json: unreadable ({_first_line(exc)})") from None
+    try:
+        if is_quantized_checkpoint(directory, config_json):
+            state = load_quantized_state(directory, dtype)
+            config = AutoConfig.from_pretrained(str(directory))
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            # from_pretrained maps on-disk names to in-memory ones (per-expert -> fused MoE weights).
+            model_class = AutoModelForCausalLM._model_mapping[type(config)]
+            model, info = model_class.from_pretrained(
+                None, config=config, state_dict=state, dtype=dtype or "auto", output_loading_info=True
+            )
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto", output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{directory}: model does not load ({_first_line(exc)})") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"{directory}: missing tensors {', '.join(missing[:3])}{more}")
     if deterministic_topk:
         from glmpost.npu.topk import install_deterministic_topk
 

@@ -457,45 +457,14 @@ DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": t
 
 
 def load_path_model(version_dir, *, dtype: str = "auto", device: Any = "cpu", deterministic_topk: bool = True):
-    """A checkpoint's model for one path: a Hugging Face version directory as
-    :func:`glmpost.checkpoints.load_model` loads it, or a quantized one (``quantization_config`` in
-    ``config.json``: ``glmpost quantize`` / ``sync-weights --quantize`` output) dequantized back to
-    float with :func:`glmpost.quant.formats.load_quantized_state`, the weights a rollout engine
-    computes with. ``dtype`` is a key of ``DTYPES`` (``auto``: the checkpoint's)."""
-    import json
-    from pathlib import Path
-
-    from glmpost.checkpoints import CheckpointError, load_model
+    """A checkpoint's model for one path, as :func:`glmpost.checkpoints.load_model` loads it (a
+    quantized checkpoint dequantized: the weights a rollout engine computes with), with the DSA
+    indexer's top-k rule set either way. ``dtype`` is a key of ``DTYPES`` (``auto``: the checkpoint's)."""
+    from glmpost.checkpoints import load_model
     from glmpost.npu.topk import set_indexer_topk
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    version_dir = Path(version_dir)
-    try:
-        config = json.loads((version_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{version_dir}/config.json: cannot read ({exc})") from None
-    if "quantization_config" not in config:
-        model = load_model(version_dir, device=device, dtype=DTYPES[dtype], deterministic_topk=deterministic_topk)
-        set_indexer_topk(model, deterministic=deterministic_topk)
-        return model
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    from glmpost.quant.formats import load_quantized_state
-
-    # Dequantize into a temporary plain Hugging Face directory and load that: from_pretrained then
-    # applies the architecture's own checkpoint conversions (e.g. per-expert -> fused MoE weights).
-    state = load_quantized_state(version_dir, dtype=DTYPES[dtype])
-    with tempfile.TemporaryDirectory(prefix="glmpost-dequant-") as tmp:
-        plain = {k: v for k, v in config.items() if k != "quantization_config"}
-        (Path(tmp) / "config.json").write_text(json.dumps(plain))
-        if (version_dir / "generation_config.json").is_file():
-            shutil.copy(version_dir / "generation_config.json", tmp)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(tmp) / "model.safetensors"))
-        del state
-        model = load_model(tmp, device=device, dtype=DTYPES[dtype], deterministic_topk=deterministic_topk)
+    model = load_model(version_dir, device=device, dtype=DTYPES[dtype], deterministic_topk=deterministic_topk)
     set_indexer_topk(model, deterministic=deterministic_topk)
     return model

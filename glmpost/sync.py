@@ -569,39 +569,6 @@ def load_rollout_state(version_dir: Path | str, dtype: Any = None) -> dict:
     return tensors
 
 
-def load_rollout_model(version_dir: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True):
-    """An ``AutoModelForCausalLM`` (eval mode) of a rollout checkpoint, quantized or not.
-
-    A float checkpoint loads as :func:`glmpost.checkpoints.load_model` loads it; a quantized one is
-    dequantized (:func:`load_rollout_state`) into the architecture of its ``config.json``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from glmpost.checkpoints import load_model
-
-    directory = resolve_checkpoint(version_dir)
-    config_json = json.loads((directory / "config.json").read_text())
-    if "quantization_config" not in config_json:
-        return load_model(directory, device=device, dtype=dtype, deterministic_topk=deterministic_topk)
-    state = load_rollout_state(directory, dtype)
-    config = AutoConfig.from_pretrained(str(directory))
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    hf_logging.disable_progress_bar()
-    # from_pretrained maps on-disk names to in-memory ones (fused experts), the inverse of to_disk_names
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    try:
-        loaded = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype or "auto")
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"{directory}: model does not load ({first})") from None
-    if deterministic_topk:
-        from glmpost.npu.topk import install_deterministic_topk
-
-        install_deterministic_topk(loaded)
-    return loaded.to(device).eval()
-
-
 def read_root_state(root: Path) -> tuple[int | None, list[int]]:
     """(``LATEST`` version or None, the complete versions) of a rollout root."""
     ckpt = CheckpointRoot(root)
@@ -619,7 +586,6 @@ __all__ = [
     "TrainSource",
     "clean_stale_staging",
     "convert",
-    "load_rollout_model",
     "load_rollout_state",
     "prune",
     "publish",

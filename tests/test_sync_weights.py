@@ -103,7 +103,8 @@ def test_plain_sync_is_bit_exact_and_published_atomically(glmpost_cli, tiny_chec
 def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_checkpoint, tmp_path, scheme, args):
     """One quantizer: the rollout checkpoint holds the same codes, scales and config as `glmpost quantize`."""
     from glmpost.quant.formats import load_quantized_state
-    from glmpost.sync import load_rollout_model, load_rollout_state
+    from glmpost.checkpoints import load_model
+    from glmpost.sync import load_rollout_state
 
     out = tmp_path / "rollout"
     result = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", out, "--quantize", scheme, *args, "--json")
@@ -121,7 +122,7 @@ def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_ch
     assert state.keys() == expected.keys() == _tensors(tiny_checkpoint).keys()
     assert all(state[k].equal(expected[k]) for k in state)
     # servers load it as a float model whose weights are the dequantized ones
-    model = load_rollout_model(out)
+    model = load_model(out)
     assert model.model.layers[0].self_attn.o_proj.weight.equal(state["model.layers.0.self_attn.o_proj.weight"])
 
 
@@ -251,17 +252,6 @@ def test_a_server_still_on_the_old_version_after_the_update_is_an_error(glmpost_
 # ---------------------------------------------------------------------------------------- real servers
 
 
-def _serve_available() -> bool:
-    try:
-        from glmpost.commands import serve  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_serve = pytest.mark.skipif(not _serve_available(), reason="glmpost serve is not built yet")
-
-
 class Served:
     def __init__(self, checkpoint: Path):
         self.proc = subprocess.Popen([GLMPOST, "serve", "--checkpoint", str(checkpoint), "--port", "0"],
@@ -301,7 +291,6 @@ def served_rollout(glmpost_cli, tiny_checkpoint, tmp_path):
     served.close()
 
 
-@needs_serve
 def test_sync_moves_a_real_server_to_the_new_version(glmpost_cli, tiny_checkpoint, tmp_path, served_rollout):
     out, served = served_rollout
     prompt = [5, 17, 42, 99, 7]
@@ -320,7 +309,6 @@ def test_sync_moves_a_real_server_to_the_new_version(glmpost_cli, tiny_checkpoin
     assert again.exit_code == 0 and json.loads(again.stdout)["servers"][0]["status"] == "current"
 
 
-@needs_serve
 def test_a_sync_killed_before_publishing_leaves_latest_and_servers_on_the_old_version(glmpost_cli, tiny_checkpoint, tmp_path,
                                                                                      served_rollout):
     out, served = served_rollout
@@ -344,7 +332,6 @@ def test_a_sync_killed_before_publishing_leaves_latest_and_servers_on_the_old_ve
     assert served.client().get_weight_version() == "1"
 
 
-@needs_serve
 def test_a_server_refusing_the_update_is_reported(glmpost_cli, tiny_checkpoint, tmp_path, served_rollout):
     """A real refusal: the new version's tokenizer differs from the one the server serves."""
     out, served = served_rollout
@@ -424,7 +411,7 @@ def test_one_sync_at_a_time_per_rollout_root(glmpost_cli, tiny_checkpoint, tmp_p
 def test_recipe_section_sets_dtype_for_rollout(glmpost_cli, tiny_checkpoint, tmp_path):
     import torch
 
-    from glmpost.sync import load_rollout_model
+    from glmpost.checkpoints import load_model
 
     recipe = tmp_path / "recipe.toml"
     recipe.write_text('[sync-weights]\ndtype = "bfloat16"\nkeep = 1\n')
@@ -435,4 +422,27 @@ def test_recipe_section_sets_dtype_for_rollout(glmpost_cli, tiny_checkpoint, tmp
     assert all(dst[k].dtype == torch.bfloat16 and dst[k].equal(src[k].to(torch.bfloat16)) for k in src)
     assert json.loads((out / "v000000" / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((out / "v000000" / "stage.json").read_text())["options"]["dtype"] == "bfloat16"
-    assert load_rollout_model(out).dtype == torch.bfloat16
+    assert load_model(out).dtype == torch.bfloat16
+
+
+def test_a_server_runs_the_dequantized_weights_of_a_quantized_rollout_version(glmpost_cli, tiny_checkpoint, tmp_path,
+                                                                              served_rollout):
+    """sync-weights --quantize w4a16: the server loads v1 through the one quantizer's dequant, so its
+    greedy tokens are those of the dequantized model in this process."""
+    import torch
+
+    from glmpost.checkpoints import load_model
+
+    out, served = served_rollout
+    train = make_version(tiny_checkpoint, tmp_path / "train", 1, noise=0.5)
+    result = glmpost_cli("sync-weights", "--checkpoint", train, "--out", out, "--quantize", "w4a16", "--group-size", "16",
+                         "--server", served.url, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert served.client().get_weight_version() == "1"
+    prompt = [5, 17, 42, 99, 7]
+    model = load_model(out / "v000001")
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=-1)
+    assert served.greedy(prompt) == ids[0, len(prompt):].tolist()
