@@ -11,6 +11,10 @@ from glmpost import __version__
 from glmpost.commands import init_model, rollout, shards, shards_import, train_grpo
 from glmpost.commands import judge
 from glmpost.commands import diff_logprobs, qat, quantize
+from glmpost.commands import plan, recipe
+from glmpost.commands import sync_weights
+from glmpost.commands import serve
+from glmpost.commands import opd_merge, score_teacher
 from glmpost.errors import GlmpostError
 
 app = typer.Typer(
@@ -52,6 +56,12 @@ app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
 app.command("diff-logprobs", help=diff_logprobs.__doc__)(diff_logprobs.diff_logprobs)
 app.command("qat", help=qat.__doc__)(qat.qat)
 app.command("quantize", help=quantize.__doc__)(quantize.quantize)
+app.add_typer(recipe.app, name="recipe")
+app.command("plan", help=plan.__doc__)(plan.plan)
+app.command("sync-weights", help=sync_weights.__doc__)(sync_weights.sync_weights)
+app.command("serve", help=serve.__doc__)(serve.serve)
+app.command("score-teacher", help=score_teacher.__doc__)(score_teacher.score_teacher)
+app.command("opd-merge", help=opd_merge.__doc__)(opd_merge.opd_merge)
 
 
 class _LogsToStderr(logging.Logger):

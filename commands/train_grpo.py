@@ -104,14 +104,10 @@ def train_grpo(
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
     config: Optional[Path] = config_option(),
 ) -> None:
-    plan = NextVersion.plan(checkpoint, out)
-    parent, version, root, target = plan.parent, plan.version, plan.root, plan.target
-    if skip_published(target, version, as_json=as_json):
+    plan = begin_update(checkpoint, out, resume=resume, overwrite=overwrite, as_json=as_json)
+    if plan is None:
         return
-    staging = plan.staging
-    resume_state = staging / "trainer_state" / "resume.pt"
-    if staging.exists() and not (resume or overwrite):
-        raise UsageError(f"an interrupted run left {staging}; pass --resume to continue it or --overwrite to start over")
+    parent, version, target = plan.parent, plan.version, plan.target
 
     tokenizer, revision = load_tokenizer(parent)
     records, sampled_temperature = read_judged_records(inputs, revision)
@@ -129,20 +125,108 @@ def train_grpo(
         log(f"warning: --temperature {temperature} differs from the sampling temperature {sampled_temperature}; "
             "IcePop will compare different distributions")
 
-    session = TrainingSession.start(device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config)
     batch = prepare_batch(records, advantage_eps=grpo.advantage_eps)
     if not batch.examples:
         raise GlmpostError(f"{STAGE}: no usable records (excluded: {batch.excluded})")
+    step_metrics = {
+        "train/reward_mean": float(batch.rewards.mean()),
+        "train/reward_std": float(batch.rewards.std()),
+        "train/zero_advantage_groups": batch.zero_advantage_groups,
+        "train/groups": batch.groups,
+        "train/excluded_nan_reward": batch.excluded["nan_reward"],
+        "train/excluded_status": batch.excluded["status"],
+        "train/policy_version": version,
+    }
+    result = run_policy_update(
+        ctx, stage=STAGE, plan=plan, tokenizer=tokenizer, revision=revision, config=grpo, trainer_cls=GRPOTrainer,
+        examples=batch.examples, step_metrics=step_metrics, device=device, deterministic=deterministic,
+        zero_stage=zero_stage, deepspeed_config=deepspeed_config, deterministic_topk=deterministic_topk,
+        ref_checkpoint=ref_checkpoint, reset_optimizer=reset_optimizer, save_every=save_every, resume=resume,
+        overwrite=overwrite, manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
+        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups},
+    )
+    if result is None:
+        return
+    history, world_size, steps = result
+    last = history[-1] if history else {}
+    summary = {
+        "out": str(target),
+        "policy_version": version,
+        "parent": str(parent),
+        "records": len(records),
+        "trained_records": len(batch.examples),
+        "excluded": batch.excluded,
+        "zero_advantage_groups": batch.zero_advantage_groups,
+        "reward_mean": float(batch.rewards.mean()),
+        "steps": steps,
+        "world_size": world_size,
+        "loss": last.get("train/loss"),
+        "trusted_fraction": last.get("train/trusted_fraction"),
+    }
+    human = (
+        f"{target}: policy v{version} from {parent.name}, {len(batch.examples)} of {len(records)} trajectories, "
+        f"reward mean {summary['reward_mean']:.4f}, {summary['steps']} step(s) on {world_size} rank(s), "
+        f"loss {summary['loss']:.5f}, trusted {summary['trusted_fraction']:.1%}"
+    )
+    print_summary(summary, as_json=as_json, human=human)
+
+
+# --------------------------------------------------------------------------------------------
+# The policy-update machinery train-grpo shares with opd-merge
+
+
+def begin_update(checkpoint: Path, out: Path, *, resume: bool, overwrite: bool, as_json: bool) -> NextVersion | None:
+    """Where the update publishes; None (after reporting the skip) when that version already exists."""
+    plan = NextVersion.plan(checkpoint, out)
+    if skip_published(plan.target, plan.version, as_json=as_json):
+        return None
+    if plan.staging.exists() and not (resume or overwrite):
+        raise UsageError(f"an interrupted run left {plan.staging}; pass --resume to continue it or --overwrite to start over")
+    return plan
+
+
+def run_policy_update(
+    ctx: typer.Context,
+    *,
+    stage: str,
+    plan: NextVersion,
+    tokenizer,
+    revision: str,
+    config: GRPOConfig,
+    trainer_cls: type,
+    examples: list,
+    step_metrics: dict,
+    device: str,
+    deterministic: bool,
+    zero_stage: Optional[int],
+    deepspeed_config: Optional[Path],
+    deterministic_topk: bool,
+    ref_checkpoint: Optional[Path],
+    reset_optimizer: bool,
+    save_every: int,
+    resume: bool,
+    overwrite: bool,
+    manifest_extra: dict,
+    stage_extra: dict,
+) -> tuple[list[dict], int, int] | None:
+    """Train ``examples`` with ``trainer_cls`` (a :class:`GRPOTrainer`) on this process's rank and publish
+    the new version: DeepSpeed session, parent optimizer state, old log-probs before any resume,
+    per-step metrics (``step_metrics`` added to each), resumable state every ``save_every`` steps,
+    ``stage.json``, the manifest and ``LATEST``. Returns ``(history, world size, steps)`` on rank 0,
+    None on the other ranks."""
+    parent, version, root, staging = plan.parent, plan.version, plan.root, plan.staging
+    resume_state = staging / "trainer_state" / "resume.pt"
+    session = TrainingSession.start(device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config)
     model = load_model(parent, device=session.device, dtype="float32" if session.device.type == "cpu" else None,
                        deterministic_topk=deterministic_topk)
     reference = None
-    if kl_coef > 0:
+    if config.kl_coef > 0:
         reference = load_model(ref_checkpoint or parent, device=session.device, deterministic_topk=deterministic_topk)
-    backend = session.backend(model, grpo)
+    backend = session.backend(model, config)
     optimizer_state = parent / "trainer_state" / "optimizer.pt"
     if not reset_optimizer and not (resume and resume_state.exists()):
         backend.load_optimizer(optimizer_state)
-    trainer = GRPOTrainer(model, grpo, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
+    trainer = trainer_cls(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
 
     options = effective_options(ctx)
     start_step, history = 0, []
@@ -152,26 +236,18 @@ def train_grpo(
         staging.mkdir(parents=True, exist_ok=True)
     session.barrier()
     metrics_path = staging / "metrics.jsonl"
-    prepared = trainer.prepare(batch.examples)  # old log-probs on the parent's weights, before any resume
+    prepared = trainer.prepare(examples)  # old log-probs on the parent's weights, before any resume
     if resume and resume_state.exists():
         start_step, history = backend.load_resume_state(resume_state)
         log(f"resuming at optimizer step {start_step} of {trainer.total_steps()}")
         if session.is_main:  # drop lines of steps that ran after the last saved state
             metrics_path.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in history))
 
-    progress = tqdm(total=trainer.total_steps(), initial=start_step, desc=STAGE, unit="step", leave=False,
+    progress = tqdm(total=trainer.total_steps(), initial=start_step, desc=stage, unit="step", leave=False,
                     disable=None if session.is_main else True)
 
     def on_step(step: int, metrics: dict) -> None:
-        metrics.update({
-            "train/reward_mean": float(batch.rewards.mean()),
-            "train/reward_std": float(batch.rewards.std()),
-            "train/zero_advantage_groups": batch.zero_advantage_groups,
-            "train/groups": batch.groups,
-            "train/excluded_nan_reward": batch.excluded["nan_reward"],
-            "train/excluded_status": batch.excluded["status"],
-            "train/policy_version": version,
-        })
+        metrics.update(step_metrics)
         history.append(metrics)
         if session.is_main:
             with open(metrics_path, "a") as f:
@@ -184,15 +260,14 @@ def train_grpo(
         trainer.train(prepared, start_step=start_step, on_step=on_step)
 
     manifest = CheckpointManifest(
-        policy_version=version, tokenizer_revision=revision, stage=STAGE, step=trainer.total_steps(),
-        parent=str(parent), extra={"records": len(records), "trained_records": len(batch.examples)},
+        policy_version=version, tokenizer_revision=revision, stage=stage, step=trainer.total_steps(),
+        parent=str(parent), extra=manifest_extra,
     )
     backend.save_model(staging)
     backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
     if session.is_main:
         resume_state.unlink(missing_ok=True)
-        write_stage_json(staging, STAGE, options, parent=str(parent), world_size=session.world_size,
-                         excluded=batch.excluded, zero_advantage_groups=batch.zero_advantage_groups)
+        write_stage_json(staging, stage, options, parent=str(parent), world_size=session.world_size, **stage_extra)
         plan.publish(manifest)
         with open(root.path / "metrics.jsonl", "a") as f:  # the run's history across versions
             for metrics in history:
@@ -200,25 +275,5 @@ def train_grpo(
     session.barrier()
     session.close()
     if not session.is_main:
-        return
-    last = history[-1] if history else {}
-    summary = {
-        "out": str(target),
-        "policy_version": version,
-        "parent": str(parent),
-        "records": len(records),
-        "trained_records": len(batch.examples),
-        "excluded": batch.excluded,
-        "zero_advantage_groups": batch.zero_advantage_groups,
-        "reward_mean": float(batch.rewards.mean()),
-        "steps": trainer.total_steps(),
-        "world_size": session.world_size,
-        "loss": last.get("train/loss"),
-        "trusted_fraction": last.get("train/trusted_fraction"),
-    }
-    human = (
-        f"{target}: policy v{version} from {parent.name}, {len(batch.examples)} of {len(records)} trajectories, "
-        f"reward mean {summary['reward_mean']:.4f}, {summary['steps']} step(s) on {session.world_size} rank(s), "
-        f"loss {summary['loss']:.5f}, trusted {summary['trusted_fraction']:.1%}"
-    )
-    print_summary(summary, as_json=as_json, human=human)
+        return None
+    return history, session.world_size, trainer.total_steps()

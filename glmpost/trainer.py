@@ -8,6 +8,10 @@ log-probs, then run ``epochs`` passes of ``mini_batches`` optimizer steps over t
 The loss of a mini-batch is a sum over its trusted action tokens divided by their number *in the
 whole mini-batch across all data-parallel ranks*, so the gradient does not depend on how records
 are split into micro-batches or ranks (a 2-process run matches a 1-process run).
+
+:class:`OPDTrainer` is the same update with another advantage source (the hooks
+``_token_advantages``, ``_train_forward`` and ``_extra_loss``): on-policy distillation's per-token
+teacher advantage and MOPD's top-k loss (:mod:`glmpost.opd`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from glmpost.algorithms import (
 )
 from glmpost.distributed import LocalBackend, OptimizerConfig
 from glmpost.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.opd import opd_advantages, sampled_reverse_kl, score_tokens, topk_reverse_kl
 
 TRAINABLE_STATUSES = ("completed", "truncated")
 
@@ -76,6 +81,11 @@ class TrainExample:
     rollout_log_probs: np.ndarray  # float32 [T]
     advantage: float
     group_id: str
+    domain: str = ""
+    teacher: str = ""
+    # Further per-response-token arrays ([T] or [T, k]) that collate lays out like rollout_log_probs,
+    # e.g. the teacher's log-probs for on-policy distillation.
+    token_fields: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,6 +140,7 @@ class MicroBatch:
     action_mask: torch.Tensor  # bool [B, L-1]: entry t scores input_ids[t+1], a response action
     rollout_log_probs: torch.Tensor  # float32 [B, L-1], NaN off actions
     advantages: torch.Tensor  # float32 [B, 1]
+    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, L-1, ...]: NaN / 0 off responses
 
 
 def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torch.device) -> MicroBatch:
@@ -147,7 +158,17 @@ def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torc
         actions[row, p - 1 : n - 1] = torch.from_numpy(e.action_mask)
         rollout[row, p - 1 : n - 1] = torch.from_numpy(e.rollout_log_probs.astype(np.float32))
     advantages = torch.tensor([[e.advantage] for e in examples], dtype=torch.float32)
-    return MicroBatch(input_ids.to(device), attention.to(device), actions.to(device), rollout.to(device), advantages.to(device))
+    fields = {}
+    for name in examples[0].token_fields:
+        first = examples[0].token_fields[name]
+        fill = float("nan") if first.dtype.kind == "f" else 0
+        laid = torch.full((batch, length - 1, *first.shape[1:]), fill, dtype=torch.from_numpy(first[:0]).dtype)
+        for row, e in enumerate(examples):
+            p, n = e.prompt_length, len(e.input_ids)
+            laid[row, p - 1 : n - 1] = torch.from_numpy(np.ascontiguousarray(e.token_fields[name]))
+        fields[name] = laid.to(device)
+    return MicroBatch(input_ids.to(device), attention.to(device), actions.to(device), rollout.to(device), advantages.to(device),
+                      fields)
 
 
 @dataclass
@@ -237,7 +258,7 @@ class GRPOTrainer:
         """
         mine = list(range(self.backend.rank, len(examples), self.backend.world_size))
         old = self.old_policy(examples, mine)
-        mismatch = self._mismatch_metrics(examples, old)
+        mismatch = self._update_metrics(examples, old)
         ref = self.reference_log_probs(examples, mine) if (self.reference is not None and self.config.kl_coef > 0) else None
         return PreparedUpdate(list(examples), old, ref, mismatch)
 
@@ -300,7 +321,7 @@ class GRPOTrainer:
         )
         trusted_total, action_total = self.backend.all_reduce_sum(counts).tolist()
         denominator = trusted_total  # global over ranks and micro-batches: split-invariant gradients
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, pg_loss, clipped, entropy, kl, ratio
+        sums = torch.zeros(7, dtype=torch.float64)  # loss, pg_loss, clipped, entropy, kl, ratio, extra
         for micro in range(micro_steps):
             chunk_idx = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
             if not chunk_idx:
@@ -314,12 +335,15 @@ class GRPOTrainer:
             width = batch.action_mask.shape[1]
             old_lp = torch.stack([_fit(old.old_log_probs[i], width) for i in chunk_idx]).to(self.device)
             trust = torch.stack([_fit(old.trust[i], width) for i in chunk_idx]).to(self.device)
-            result = self._log_probs(self.model, batch, entropy=True)
+            result = self._train_forward(batch)
             terms = clipped_policy_loss(
-                result.log_probs, old_lp, batch.advantages, eps_low=config.eps_low, eps_high=config.eps_high
+                result.log_probs, old_lp, self._token_advantages(batch, old_lp), eps_low=config.eps_low, eps_high=config.eps_high
             )
             pg = masked_sum_over(terms.losses, trust, denominator)
             loss = pg
+            extra_loss, extra_sum = self._extra_loss(batch, result, trust, denominator)
+            if extra_loss is not None:
+                loss = loss + extra_loss
             kl_sum = torch.zeros((), dtype=torch.float64)
             if ref is not None:
                 ref_lp = torch.stack([_fit(ref[i], width) for i in chunk_idx]).to(self.device)
@@ -337,6 +361,7 @@ class GRPOTrainer:
                 entropy_sum.detach().double(),
                 kl_sum,
                 torch.where(trust, terms.ratio, torch.zeros_like(terms.ratio)).sum().double(),
+                torch.as_tensor(extra_sum, dtype=torch.float64).detach(),
             ]).cpu()
         grad_norm = self.backend.step()
         totals = self.backend.all_reduce_sum(sums).tolist()
@@ -354,7 +379,29 @@ class GRPOTrainer:
             "train/trusted_fraction": trusted_total / action_total if action_total else 0.0,
             "train/grad_norm": grad_norm,
             "train/action_tokens_per_s": action_total / max(seconds, 1e-9),
+            **self._extra_step_metrics(totals[6] / per_token),
         }
+
+    # Hooks a trainer with another advantage source or an extra loss term overrides (OPDTrainer).
+
+    def _train_forward(self, batch: MicroBatch):
+        """The policy's forward with grad: per-token ``log_probs`` and ``entropy`` ``[B, L-1]``."""
+        return self._log_probs(self.model, batch, entropy=True)
+
+    def _token_advantages(self, batch: MicroBatch, old_log_probs: torch.Tensor) -> torch.Tensor:
+        """Advantages broadcastable to ``[B, L-1]``; GRPO's are one per trajectory (``[B, 1]``)."""
+        return batch.advantages
+
+    def _extra_loss(self, batch: MicroBatch, result, trust: torch.Tensor, denominator: float):
+        """``(loss term or None, its detached sum over trusted tokens)`` added to the policy loss."""
+        return None, 0.0
+
+    def _extra_step_metrics(self, extra_per_token: float) -> dict[str, float]:
+        return {}
+
+    def _update_metrics(self, examples, old: OldPolicyStats) -> dict[str, float]:
+        """Metrics of the batch on the weights before the update (logged with every step)."""
+        return self._mismatch_metrics(examples, old)
 
     def _mismatch_metrics(self, examples, old: OldPolicyStats) -> dict[str, float]:
         """Train-vs-rollout mismatch on the same weights (what IcePop sees)."""
@@ -378,6 +425,139 @@ class GRPOTrainer:
             "train/mismatch_abs_logp_mean": total[0] / count,
             "train/mismatch_k3_kl": total[1] / count,
         }
+
+
+# --------------------------------------------------------------------------------------------
+# On-policy distillation: the same update with the teacher's per-token advantage (glmpost.opd)
+
+OPD_LOSSES = ("sampled", "topk")
+
+
+@dataclass
+class OPDConfig(GRPOConfig):
+    """OPD / MOPD update (brief, "OPD：把教师变成逐 token 优势"): group size 1, advantages from the teacher.
+
+    ``loss = "sampled"``: ``A_t = sg(log pi_T - log pi_theta) + w * A_task`` in the clipped
+    policy-gradient loss; ``"topk"``: the reverse KL over the teacher's top-k set with the MOPD
+    ``pi_T - pi_theta`` correction (plus ``w * A_task`` in the policy-gradient term).
+    """
+
+    loss: str = "sampled"
+    task_advantage_weight: float = 0.0
+    topk_correction: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if self.loss not in OPD_LOSSES:
+            raise ValueError(f"loss = {self.loss!r} is not one of {', '.join(OPD_LOSSES)}")
+        self._require({"task_advantage_weight": self.task_advantage_weight >= 0})
+
+
+def prepare_opd_batch(
+    records: Sequence[dict[str, Any]], *, loss: str = "sampled", task_advantage_weight: float = 0.0, advantage_eps: float = 1e-6
+) -> PreparedBatch:
+    """Scored records as OPD examples: the teacher payload rides along in ``token_fields``.
+
+    Failed rollouts and records without action tokens are excluded and counted; with a task
+    advantage weight, records with a NaN reward are too, and the task advantage is GRPO's group
+    advantage over ``group_id`` (0 for a group of one).
+    """
+    excluded = {"nan_reward": 0, "status": 0, "no_actions": 0}
+    usable = []
+    for record in records:
+        if record["status"] not in TRAINABLE_STATUSES:
+            excluded["status"] += 1
+        elif task_advantage_weight > 0 and not math.isfinite(record["reward"]):
+            excluded["nan_reward"] += 1
+        elif not (record["action_mask"] & ~record["observation_mask"]).any():
+            excluded["no_actions"] += 1
+        else:
+            usable.append(record)
+    groups = [r["group_id"] for r in usable]
+    rewards = np.array([r["reward"] for r in usable if "reward" in r], dtype=np.float64)
+    advantages = [0.0] * len(usable)
+    zero_groups: set[str] = set()
+    if task_advantage_weight > 0 and usable:
+        values, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
+        advantages = values.tolist()
+        zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
+    fields = ("teacher_log_probs",) + (("teacher_topk_ids", "teacher_topk_log_probs") if loss == "topk" else ())
+    examples = [
+        TrainExample(
+            input_ids=r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(),
+            prompt_length=len(r["prompt_token_ids"]),
+            action_mask=r["action_mask"] & ~r["observation_mask"],
+            rollout_log_probs=r["rollout_log_probs"],
+            advantage=float(a),
+            group_id=r["group_id"],
+            domain=r.get("domain", ""),
+            teacher=str(r["teacher"].get("id", "")),
+            token_fields={name: r[name] for name in fields},
+        )
+        for r, a in zip(usable, advantages)
+    ]
+    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
+
+
+class OPDTrainer(GRPOTrainer):
+    """GRPO's update machinery (old log-probs, IcePop, PPO ratio, split-invariant token mean,
+    DeepSpeed backends, resume) with OPD advantages; per-domain teacher KL in every step's metrics.
+
+    The advantage uses the old log-probs the trainer recomputes on the weights before the update:
+    ``log pi_theta^train`` of the brief's formula, fixed (stop-gradient) for the whole update.
+    """
+
+    config: OPDConfig
+
+    def _train_forward(self, batch: MicroBatch):
+        if self.config.loss != "topk":
+            return super()._train_forward(batch)
+        return score_tokens(
+            self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
+            temperature=self.config.temperature, chunk_size=self.config.chunk_size, return_entropy=True,
+            gather_ids=batch.token_fields["teacher_topk_ids"].long(),
+        )
+
+    def _token_advantages(self, batch: MicroBatch, old_log_probs: torch.Tensor) -> torch.Tensor:
+        weight = self.config.task_advantage_weight
+        if self.config.loss == "topk":
+            return weight * batch.advantages
+        return opd_advantages(batch.token_fields["teacher_log_probs"], old_log_probs, batch.action_mask,
+                              task_advantages=batch.advantages, task_weight=weight)
+
+    def _extra_loss(self, batch: MicroBatch, result, trust: torch.Tensor, denominator: float):
+        if self.config.loss != "topk":
+            return None, 0.0
+        per_token = topk_reverse_kl(result.gathered, batch.token_fields["teacher_topk_log_probs"], trust,
+                                    correction=self.config.topk_correction)
+        return masked_sum_over(per_token, trust, denominator), per_token.detach().sum()
+
+    def _extra_step_metrics(self, extra_per_token: float) -> dict[str, float]:
+        return {"train/topk_kl": extra_per_token} if self.config.loss == "topk" else {}
+
+    def _update_metrics(self, examples, old: OldPolicyStats) -> dict[str, float]:
+        """Mismatch metrics plus ``teacher_kl/<domain>``: mean of log pi_theta - log pi_T over the
+        domain's action tokens (sampled reverse KL to the routed teacher, before the update)."""
+        metrics = super()._update_metrics(examples, old)
+        domains = sorted({e.domain for e in examples})
+        sums = torch.zeros(2 * len(domains), dtype=torch.float64)
+        for index, old_lp in old.old_log_probs.items():
+            example = examples[index]
+            start = example.prompt_length - 1
+            actions = torch.from_numpy(example.action_mask)
+            student = old_lp[start : start + len(actions)]
+            teacher = torch.from_numpy(example.token_fields["teacher_log_probs"].astype(np.float32))
+            kl = sampled_reverse_kl(student, teacher, actions)
+            d = domains.index(example.domain)
+            sums[2 * d] += kl.sum()
+            sums[2 * d + 1] += float(actions.sum())
+        total = self.backend.all_reduce_sum(sums).tolist()
+        for d, domain in enumerate(domains):
+            name = domain or "none"
+            metrics[f"teacher_kl/{name}"] = total[2 * d] / max(total[2 * d + 1], 1.0)
+            metrics[f"teacher_tokens/{name}"] = total[2 * d + 1]
+        metrics["train/teacher_kl"] = sum(total[0::2]) / max(sum(total[1::2]), 1.0)
+        return metrics
 
 
 def _fit(values: torch.Tensor, width: int) -> torch.Tensor:
