@@ -5,7 +5,7 @@
 The same spec on both sides: symmetric int4 (-8..7), groups of ``--group-size`` along the input
 dim, ``scale = absmax / 7`` stored in the weight's dtype (bf16), round half to even, then clamp.
 Throughput is GB/s of bf16 weights consumed (``numel * 2`` bytes per second), best of
-``--repeats``.
+``--repeats`` rounds that run every implementation in turn (interleaved: the CPUs are shared).
 
 - glmpost: :func:`glmpost.quant.quantize_weight` (scale + codes), and ``+ pack`` (the int32
   pack-quantized tensor ``glmpost quantize`` writes);
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -36,14 +35,18 @@ import torch
 from glmpost.quant import make_spec, pack_int4, quantize_weight
 
 
-def _best(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _best_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Best time of each function over ``repeats`` rounds; every round runs all of them in turn, so a
+    change in machine load (the CPUs are shared) hits every side alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    best = {name: float("inf") for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def _plain_scale(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -75,12 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
     weights = [(torch.randn(args.rows, args.cols, generator=g) * 0.02).to(torch.bfloat16) for _ in range(args.layers)]
     gb = sum(w.numel() * 2 for w in weights) / 1e9
 
-    results: dict[str, float] = {}
-    results["glmpost quantize_weight"] = gb / _best(lambda: [quantize_weight(w, spec) for w in weights], args.repeats)
-    results["glmpost quantize_weight + pack"] = gb / _best(
-        lambda: [pack_int4(quantize_weight(w, spec)[0]) for w in weights], args.repeats
-    )
-
+    fns = {
+        "glmpost quantize_weight": lambda: [quantize_weight(w, spec) for w in weights],
+        "glmpost quantize_weight + pack": lambda: [pack_int4(quantize_weight(w, spec)[0]) for w in weights],
+    }
     peer, agreement, note = None, None, None
     try:
         from torchao.quantization.quant_primitives import quantize_affine
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             return [torchao_one(w) for w in weights]
 
         peer = "torchao quantize_affine (plain-torch scale)"
-        results[peer] = gb / _best(torchao_run, args.repeats)
+        fns[peer] = torchao_run
         ours = [quantize_weight(w, spec)[0] for w in weights]
         theirs = torchao_run()
         same = sum(int((a == b).sum()) for a, b in zip(ours, theirs))
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError as exc:
         note = f"torchao not importable ({exc}); compared against the plain-torch reference only"
     ref = "plain-torch reference implementation"
-    results[ref] = gb / _best(lambda: [_plain_reference(w, args.group_size) for w in weights], args.repeats)
+    fns[ref] = lambda: [_plain_reference(w, args.group_size) for w in weights]
+    results = {name: gb / seconds for name, seconds in _best_interleaved(fns, args.repeats).items()}
     ref_equal = all(torch.equal(quantize_weight(w, spec)[0], _plain_reference(w, args.group_size)[0]) for w in weights)
 
     base = results[peer] if peer else results[ref]

@@ -11,8 +11,9 @@ experts only (`moe-only`); embeddings, lm_head, the MoE router and the DSA index
 
 The new version (parent's policy version + 1) is written under --out (a checkpoint root, float master
 weights, the scheme recorded in glmpost.json) and LATEST moves to it. Runs under `torchrun` /
-`deepspeed` with ZeRO 1-2 like train-grpo. metrics.jsonl: loss per step, held-out loss (--eval)
-before and after, and per-layer quantization error (SQNR, max |error|).
+`deepspeed` with ZeRO 1-2 like train-grpo. A run interrupted after --save-every steps continues with
+--resume (no step is repeated; the result equals an uninterrupted run). metrics.jsonl: loss per step,
+held-out loss (--eval) before and after, and per-layer quantization error (SQNR, max |error|).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import List, Optional
 
 import torch
 import typer
@@ -36,6 +36,7 @@ from glmpost.checkpoints import (
 from glmpost.commands.common import (
     config_option,
     effective_options,
+    log,
     print_summary,
     skip_published,
     write_stage_json,
@@ -57,7 +58,7 @@ from glmpost.sft import SFTConfig, SFTTrainer, sft_examples
 STAGE = "qat"
 
 
-def read_sft_records(inputs: List[str], tokenizer, revision: str) -> list[dict]:
+def read_sft_records(inputs: list[str], tokenizer, revision: str) -> list[dict]:
     """Records from JSONL conversations (tokenized with the checkpoint's chat template) or shards."""
     records = []
     for item in inputs:
@@ -96,15 +97,15 @@ def quantization_error(model: torch.nn.Module, spec) -> list[dict]:
 
 def qat(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL files, or trajectory shards."),
+    inputs: list[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL files, or trajectory shards."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model to fine-tune: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version and its LATEST pointer."),
     scheme: str = typer.Option("w4a16", "--scheme", help="Fake quantization: w4a16 (int4 groups), w8a16, w8a8-dynamic (weights), or none (plain SFT)."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="w4a16 group size along the input dim (32 or 128; default 128); must divide every targeted layer."),
+    group_size: int | None = typer.Option(None, "--group-size", help="w4a16 group size along the input dim (32 or 128; default 128; -1 = one scale per output channel); must divide every targeted layer."),
     targets: str = typer.Option("all", "--targets", help="all (linear layers and experts) or moe-only (experts only)."),
-    include: List[str] = typer.Option([], "--include", help="Regex of extra layers to quantize (e.g. lm_head); repeatable."),
-    exclude: List[str] = typer.Option([], "--exclude", help="Regex of layers to leave in float; repeatable."),
-    eval_data: List[str] = typer.Option([], "--eval", help="Held-out data (same forms as the inputs): loss before and after, with fake quant on."),
+    include: list[str] = typer.Option([], "--include", help="Regex of extra layers to quantize (e.g. lm_head); repeatable."),
+    exclude: list[str] = typer.Option([], "--exclude", help="Regex of layers to leave in float; repeatable."),
+    eval_data: list[str] = typer.Option([], "--eval", help="Held-out data (same forms as the inputs): loss before and after, with fake quant on."),
     lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
     epochs: int = typer.Option(1, "--epochs", min=1, help="Passes over the data."),
@@ -113,18 +114,26 @@ def qat(
     grad_clip: float = typer.Option(1.0, "--grad-clip", min=0.0, help="Clip the global gradient norm to this; 0 disables."),
     chunk_size: int = typer.Option(512, "--chunk-size", min=1, help="Positions per chunk of the log-prob computation."),
     seed: int = typer.Option(0, "--seed", help="Seed of the data shuffling."),
-    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (1 or 2)."),
-    deepspeed_config: Optional[Path] = typer.Option(None, "--deepspeed", help="DeepSpeed JSON config."),
+    zero_stage: int | None = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (1 or 2)."),
+    deepspeed_config: Path | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON config."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N]."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic algorithms (torch, cuBLAS, HCCL switches)."),
+    save_every: int = typer.Option(0, "--save-every", min=0, help="Save resumable training state every N optimizer steps (0 = only at the end)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its saved state without repeating a step."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Discard an interrupted run's state and start over."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
-    config: Optional[Path] = config_option(),
+    config: Path | None = config_option(),
 ) -> None:
     spec = make_spec(scheme, group_size=group_size)
     plan = NextVersion.plan(checkpoint, out)
     parent, version, target = plan.parent, plan.version, plan.target
     if skip_published(target, version, as_json=as_json):
         return
+    staging = plan.staging
+    state_dir = staging / "trainer_state"
+    resume_state = state_dir / "resume.pt"
+    if staging.exists() and not (resume or overwrite):
+        raise UsageError(f"an interrupted run left {staging}; pass --resume to continue it or --overwrite to start over")
     sft = SFTConfig(lr=lr, weight_decay=weight_decay, epochs=epochs, batch_size=batch_size,
                     micro_batch_size=micro_batch_size, grad_clip=grad_clip, chunk_size=chunk_size, seed=seed)
     try:
@@ -140,33 +149,39 @@ def qat(
     model = load_model(parent, device=session.device, dtype="float32" if session.device.type == "cpu" else None)
     names = apply_fake_quant(model, spec, targets=targets, include=include, exclude=exclude)
     trainer = SFTTrainer(model, sft, pad_token_id=tokenizer.pad_token_id, backend=session.backend(model, sft))
-    mine = lambda items: items[session.rank :: session.world_size]  # noqa: E731 - evaluation split
+    mine = lambda items: items[session.rank :: session.world_size]
     eval_before = trainer.evaluate(mine(held_out)) if held_out else None
 
-    staging = plan.staging
     if session.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        if staging.exists() and (overwrite or not resume_state.exists()):
+            shutil.rmtree(staging)  # --overwrite, or an interruption before the first saved state
+        staging.mkdir(parents=True, exist_ok=True)
     session.barrier()
-    history: list[dict] = []
-    progress = tqdm(total=trainer.total_steps(len(examples)), desc=STAGE, unit="step", leave=False,
+    total = trainer.total_steps(len(examples))
+    start_step, history = 0, []
+    if resume and resume_state.exists():  # weights, AdamW state, step and metrics of the last save
+        start_step, history = trainer.backend.load_resume_state(resume_state)
+        log(f"resuming at optimizer step {start_step} of {total}")
+    progress = tqdm(total=total, initial=start_step, desc=STAGE, unit="step", leave=False,
                     disable=None if session.is_main else True)
 
     def on_step(step: int, metrics: dict) -> None:
         metrics["qat/scheme"] = scheme
         history.append(metrics)
         progress.update(1)
+        if save_every and (step + 1) % save_every == 0 and step + 1 < total:
+            trainer.backend.save_resume_state(resume_state, step + 1, history)
 
     with progress:
-        trainer.train(examples, on_step=on_step)
+        trainer.train(examples, start_step=start_step, on_step=on_step)
     eval_after = trainer.evaluate(mine(held_out)) if held_out else None
     errors = quantization_error(model, spec)
     remove_fake_quant(model)  # checkpoints hold the float master weights
     trainer.backend.save_model(staging)
     if session.is_main:
+        shutil.rmtree(state_dir, ignore_errors=True)  # resume state is not part of the checkpoint
         with open(staging / "metrics.jsonl", "w") as f:
-            for line in [*history, *errors, {"qat/eval_loss_before": eval_before, "qat/eval_loss_after": eval_after}]:
-                f.write(json.dumps(line, sort_keys=True) + "\n")
+            f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in [*history, *errors, {"qat/eval_loss_before": eval_before, "qat/eval_loss_after": eval_after}])
         write_stage_json(staging, STAGE, effective_options(ctx), parent=str(parent), world_size=session.world_size)
         plan.publish(CheckpointManifest(
             policy_version=version, tokenizer_revision=revision, stage=STAGE, step=len(history), parent=str(parent),

@@ -2,7 +2,9 @@
 
 Schemes: w4a16 (int4 weights, groups of --group-size along the input dim, compressed-tensors
 pack-quantized), w8a16 (int8 per output channel, pack-quantized), w8a8-dynamic (int8 per channel
-weights, int8 per-token dynamic activations at run time, int-quantized), fp8-block (float8_e4m3fn,
+weights, int8 per-token dynamic activations at run time, int-quantized; or with --format msmodelslim
+the Ascend msModelSlim W8A8_DYNAMIC layout vLLM-Ascend loads: int8 weight, fp32 weight_scale and
+weight_offset, quant_model_description.json), fp8-block (float8_e4m3fn,
 128x128 blocks, SGLang/DeepSeek `weight_scale_inv`), none (a plain copy). The codes and scales come
 from the same function QAT's fake quant uses, so dequantizing the output reproduces the QAT forward
 weights bit for bit. Embeddings, lm_head, the MoE router and the DSA indexer stay in float unless
@@ -17,7 +19,6 @@ import math
 import shutil
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -61,7 +62,17 @@ def _skeleton(directory: Path, config: dict):
         raise GlmpostError(f"{directory}: model architecture does not load ({first})") from None
 
 
-def _sqnr_db(w, wq) -> Optional[float]:
+def _open_weights(path: Path):
+    """``safe_open`` with an unreadable or truncated file reported in one line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as exc:
+        raise GlmpostError(f"{path}: cannot read safetensors ({exc})") from None
+
+
+def _sqnr_db(w, wq) -> float | None:
     signal = float(w.double().pow(2).sum())
     noise = float((w.double() - wq.double()).pow(2).sum())
     if noise == 0.0:
@@ -76,22 +87,29 @@ def quantize(
     checkpoint: Path = typer.Argument(..., help="Checkpoint version directory or root (LATEST)."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint into."),
     scheme: str = typer.Option(..., "--scheme", help="w4a16, w8a16, w8a8-dynamic, fp8-block or none."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="w4a16 group size along the input dim (32 or 128; default 128)."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="compressed-tensors (int schemes) or fp8 (fp8-block); default by scheme."),
+    group_size: int | None = typer.Option(None, "--group-size", help="w4a16 group size along the input dim (32 or 128; default 128; -1 = one scale per output channel)."),
+    fmt: str | None = typer.Option(None, "--format", help="compressed-tensors (int schemes), fp8 (fp8-block) or msmodelslim (w8a8-dynamic for vLLM-Ascend); default by scheme."),
     targets: str = typer.Option("all", "--targets", help="all (every Linear and routed expert) or moe-only (routed experts)."),
-    include: List[str] = typer.Option([], "--include", help="Regex of module names to quantize too (overrides the default skips; repeatable)."),
-    exclude: List[str] = typer.Option([], "--exclude", help="Regex of module names to keep in float (repeatable)."),
+    include: list[str] = typer.Option([], "--include", help="Regex of module names to quantize too (overrides the default skips; repeatable)."),
+    exclude: list[str] = typer.Option([], "--exclude", help="Regex of module names to keep in float (repeatable)."),
     report: bool = typer.Option(False, "--report", help="Print a per-layer table of SQNR and max abs error (stderr with --json)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
-    config: Optional[Path] = config_option(),
+    config: Path | None = config_option(),
 ) -> None:
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from glmpost.quant.core import check_shape, dequant, quantize_weight
-    from glmpost.quant.formats import check_format, default_format, encode_layer, quantization_config
+    from glmpost.quant.formats import (
+        MODELSLIM_DESCRIPTION,
+        check_format,
+        default_format,
+        encode_layer,
+        is_quantized_checkpoint,
+        modelslim_description,
+        quantization_config,
+    )
     from glmpost.quant.spec import make_spec
     from glmpost.quant.targets import candidates_from_model, select_targets
 
@@ -106,8 +124,8 @@ def quantize(
         model_config = json.loads((src / "config.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise GlmpostError(f"{src}/config.json: cannot read ({exc})") from None
-    if "quantization_config" in model_config:
-        method = model_config["quantization_config"].get("quant_method", "?")
+    method = is_quantized_checkpoint(src, model_config)
+    if method is not None:
         raise UsageError(f"checkpoint {src} is already quantized ({method}); quantize its float parent")
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -115,8 +133,8 @@ def quantize(
 
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():
+        with _open_weights(f) as sf:
+            for key in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                 shapes[key] = tuple(sf.get_slice(key).get_shape())
     chosen: list[str] = []
     if scheme != "none":
@@ -143,19 +161,21 @@ def quantize(
         with MetricsWriter(staging / "metrics.jsonl") as metrics:
             for f in files:
                 tensors: dict[str, torch.Tensor] = {}
-                with safe_open(str(f), "pt") as sf:
-                    for key in sf.keys():
+                with _open_weights(f) as sf:
+                    for key in sf.keys():  # noqa: SIM118 - safe_open is not a dict  # noqa: SIM118 - safe_open is not a dict
                         t = sf.get_tensor(key)
                         bytes_in += t.numel() * t.element_size()
                         module = key[: -len(".weight")] if key.endswith(".weight") else None
                         if module in chosen_set:
+                            if t.numel() and not bool(torch.isfinite(t).all()):  # inf/NaN would give a NaN scale
+                                raise GlmpostError(f"{f}: {key} holds inf or NaN; cannot quantize it")
                             codes, scale = quantize_weight(t, spec)
                             wq = dequant(codes, scale, spec, t.dtype)
                             err = float((t.float() - wq.float()).abs().max()) if t.numel() else 0.0
                             row = {"layer": module, "shape": list(t.shape), "sqnr_db": _sqnr_db(t, wq), "max_abs_err": err}
                             rows.append(row)
                             metrics.write(**row)
-                            encoded = encode_layer(module, codes, scale, spec)
+                            encoded = encode_layer(module, codes, scale, spec, fmt)
                         else:
                             encoded = {key: t}
                         for name, value in encoded.items():
@@ -169,7 +189,9 @@ def quantize(
         for item in sorted(src.iterdir()):
             if item.is_file() and item.name not in _SKIP_FILES and item.suffix != ".safetensors":
                 shutil.copy2(item, staging / item.name)
-        if scheme != "none":
+        if fmt == "msmodelslim":  # vLLM-Ascend reads the per-tensor type map, not config.json
+            write_json_atomic(staging / MODELSLIM_DESCRIPTION, modelslim_description(weight_map, chosen))
+        elif scheme != "none":
             model_config["quantization_config"] = quantization_config(spec, fmt, ignore)
         write_json_atomic(staging / "config.json", model_config)
         parent = read_manifest(src) if (src / MANIFEST).is_file() else None

@@ -221,6 +221,7 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
     and the trainer attend to the same keys for the same tokens.
     """
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -245,7 +246,7 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
             )
         else:
             model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto", output_loading_info=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(f"{directory}: model does not load ({_first_line(exc)})") from None
     missing = sorted(info.get("missing_keys") or [])
     if missing:

@@ -70,6 +70,9 @@ def test_scheme_none_is_plain_sft_and_bad_options_are_refused(glmpost_cli, tiny_
         ("--scheme", "w4a16", "--group-size", "32"): "--group-size 32 does not divide its input dim 48",
         ("--scheme", "int3"): "--scheme 'int3': unknown scheme",
         ("--exclude", "nothing-like-this"): "--exclude 'nothing-like-this' matches no quantizable layer",
+        ("--include", "nothing-like-this"): "--include 'nothing-like-this' matches no quantizable layer",
+        ("--scheme", "w4a16", "--group-size", "12"): "--group-size 12: must be a positive multiple of 8",
+        ("--targets", "attention"): "--targets 'attention'",
     }
     for options, message in cases.items():
         result = glmpost_cli("qat", DATA / "sft-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "bad", *options)

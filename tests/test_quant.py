@@ -21,16 +21,25 @@ from glmpost.quant import (
     unpack_int4,
     unpack_int32,
 )
-from glmpost.quant.formats import encode_layer, load_quantized_state, quantization_config
+from glmpost.quant.formats import (
+    MODELSLIM_DESCRIPTION,
+    encode_layer,
+    load_quantized_state,
+    modelslim_description,
+    quantization_config,
+)
 from glmpost.quant.targets import Candidate, select_targets
 
 SPECS = {
     "w4a16-g32": make_spec("w4a16", group_size=32),
     "w4a16-g128": make_spec("w4a16", group_size=128),
+    "w4a16-channel": make_spec("w4a16", group_size=-1),
     "w8a16": make_spec("w8a16"),
     "w8a8-dynamic": make_spec("w8a8-dynamic"),
+    "w8a8-dynamic-msmodelslim": make_spec("w8a8-dynamic"),
     "fp8-block": make_spec("fp8-block"),
 }
+FORMAT = {"fp8-block": "fp8", "w8a8-dynamic-msmodelslim": "msmodelslim"}
 
 
 def _hard_weight(seed: int, shape: tuple[int, int], dtype: torch.dtype, group: int) -> torch.Tensor:
@@ -47,10 +56,14 @@ def _hard_weight(seed: int, shape: tuple[int, int], dtype: torch.dtype, group: i
 
 def _roundtrip_via_disk(tmp_path, module, w, spec, fmt):
     codes, scale = quantize_weight(w, spec)
-    tensors = encode_layer(module, codes, scale, spec)
+    tensors = encode_layer(module, codes, scale, spec, fmt)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    qc = quantization_config(spec, fmt, ignore=[])
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc, "dtype": "float32"}))
+    if fmt == "msmodelslim":  # the type map replaces config.json's quantization_config
+        (tmp_path / MODELSLIM_DESCRIPTION).write_text(json.dumps(modelslim_description(tensors, [module])))
+        (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    else:
+        qc = quantization_config(spec, fmt, ignore=[])
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc, "dtype": "float32"}))
     return load_quantized_state(tmp_path, dtype=w.dtype)[f"{module}.weight"], tensors
 
 
@@ -58,7 +71,7 @@ def _roundtrip_via_disk(tmp_path, module, w, spec, fmt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_tensors_dequantize_to_the_qat_forward_bit_for_bit(tmp_path, name, dtype):
     spec = SPECS[name]
-    fmt = "fp8" if name == "fp8-block" else "compressed-tensors"
+    fmt = FORMAT.get(name, "compressed-tensors")
     shape = (200, 320) if name == "fp8-block" else (48, 256)  # fp8: partial 128x128 blocks
     for seed in range(12):
         w = _hard_weight(seed, shape, dtype, spec.group_size or 128)
@@ -72,13 +85,21 @@ def test_saved_tensors_dequantize_to_the_qat_forward_bit_for_bit(tmp_path, name,
     if name.startswith("w4a16"):
         assert tensors["layer.weight_packed"].dtype == torch.int32
         assert tuple(tensors["layer.weight_packed"].shape) == (shape[0], shape[1] // 8)
-        assert tuple(tensors["layer.weight_scale"].shape) == (shape[0], shape[1] // spec.group_size)
+        assert tuple(tensors["layer.weight_scale"].shape) == (shape[0], shape[1] // (spec.group_size or shape[1]))
         assert tensors["layer.weight_scale"].dtype == dtype  # scale stored in the master's dtype
         assert tensors["layer.weight_shape"].tolist() == list(shape)
     if name == "fp8-block":
         assert tensors["layer.weight"].dtype == torch.float8_e4m3fn
         assert tuple(tensors["layer.weight_scale_inv"].shape) == (2, 3)  # ceil(200/128), ceil(320/128)
         assert tensors["layer.weight_scale_inv"].dtype == torch.float32
+    if name == "w4a16-channel":
+        assert tuple(tensors["layer.weight_scale"].shape) == (shape[0], 1)
+    if name == "w8a8-dynamic-msmodelslim":  # vLLM-Ascend's AscendW8A8DynamicLinearMethod layout
+        assert tensors["layer.weight"].dtype == torch.int8 and tuple(tensors["layer.weight"].shape) == shape
+        for key in ("layer.weight_scale", "layer.weight_offset"):
+            assert tensors[key].dtype == torch.float32 and tuple(tensors[key].shape) == (shape[0], 1)
+        assert not tensors["layer.weight_offset"].any()
+        assert torch.equal(tensors["layer.weight_scale"], quantize_weight(w, spec)[1].float())
 
 
 def test_fused_expert_tensor_quantizes_like_its_per_expert_slices():
@@ -227,7 +248,7 @@ def test_target_selection_rules():
 
 
 def test_byte_view_packing_equals_the_portable_shift_path(monkeypatch):
-    import glmpost.quant.core as core
+    from glmpost.quant import core
 
     g = torch.Generator().manual_seed(7)
     for bits, lo, hi in ((4, -8, 8), (8, -128, 128)):
@@ -238,3 +259,40 @@ def test_byte_view_packing_equals_the_portable_shift_path(monkeypatch):
             slow = core.pack_int32(codes, bits)
             assert torch.equal(core.unpack_int32(slow, bits), codes)
         assert torch.equal(fast, slow)
+
+
+def test_msmodelslim_ties_absmax_and_zero_rows_on_disk(tmp_path):
+    """int8 per channel through the msModelSlim layout: absmax 127 -> scale exactly 1, ties to even,
+    -absmax -> -127, an all-zero row -> eps scale and exact zeros; fp32 and bf16 masters."""
+    spec = make_spec("w8a8-dynamic")
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.zeros(3, 8, dtype=dtype)
+        w[0] = torch.tensor([127.0, 0.5, 1.5, -126.5, 2.5, -0.5, -127.0, 3.5])
+        w[2, 1] = -2.0  # absmax at a negative value: -2 -> -127
+        deployed, tensors = _roundtrip_via_disk(tmp_path, "m", w, spec, "msmodelslim")
+        assert tensors["m.weight"][0].tolist() == [127, 0, 2, -126, 2, 0, -127, 4]
+        assert tensors["m.weight"][2, 1] == -127 and not tensors["m.weight"][1].any()
+        assert float(tensors["m.weight_scale"][0, 0]) == 1.0
+        assert float(tensors["m.weight_scale"][1, 0]) == torch.finfo(dtype).tiny
+        assert torch.equal(deployed, fake_quant(w, spec)) and deployed.dtype == dtype
+        assert not deployed[1].any()
+        description = json.loads((tmp_path / MODELSLIM_DESCRIPTION).read_text())
+        assert description["model_quant_type"] == "W8A8_DYNAMIC"
+        assert {description[k] for k in ("m.weight", "m.weight_scale", "m.weight_offset")} == {"W8A8_DYNAMIC"}
+
+
+def test_msmodelslim_reader_refuses_what_it_cannot_reproduce(tmp_path):
+    from glmpost.errors import GlmpostError
+
+    spec = make_spec("w8a8-dynamic")
+    w = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    _roundtrip_via_disk(tmp_path, "m", w, spec, "msmodelslim")
+    tensors = encode_layer("m", *quantize_weight(w, spec), spec, "msmodelslim")
+    tensors["m.weight_offset"][2, 0] = 3.0  # asymmetric: not what the one quantizer writes
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(GlmpostError, match="weight_offset is not zero"):
+        load_quantized_state(tmp_path)
+    description = json.loads((tmp_path / MODELSLIM_DESCRIPTION).read_text())
+    (tmp_path / MODELSLIM_DESCRIPTION).write_text(json.dumps({**description, "model_quant_type": "W4A8_DYNAMIC"}))
+    with pytest.raises(GlmpostError, match="model_quant_type 'W4A8_DYNAMIC' is not supported"):
+        load_quantized_state(tmp_path)

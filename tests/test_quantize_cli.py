@@ -149,7 +149,9 @@ def test_scheme_none_copies(glmpost_cli, tiny_checkpoint, tmp_path):
         (["--scheme", "w4a16", "--group-size", "16", "--include", "no_such_layer"], "matches no quantizable layer"),
         (["--scheme", "w4a16", "--group-size", "16", "--exclude", "no_such_layer"], "matches no quantizable layer"),
         (["--scheme", "w4a16", "--group-size", "16", "--format", "fp8"], "cannot hold"),
-        (["--scheme", "fp8-block", "--format", "msmodelslim"], "not supported yet"),
+        (["--scheme", "fp8-block", "--format", "msmodelslim"], "--format msmodelslim cannot hold scheme fp8-block"),
+        (["--scheme", "w4a16", "--group-size", "16", "--format", "msmodelslim"], "cannot hold scheme w4a16"),
+        (["--scheme", "w8a16", "--format", "gguf"], "unknown format"),
         (["--scheme", "w4a16", "--group-size", "16", "--targets", "attention"], "--targets"),
     ],
 )
@@ -201,3 +203,65 @@ def test_in_memory_fused_experts_fake_quant_equal_the_deployed_per_expert_weight
         both = torch.cat([deployed[p + "gate_proj.weight"], deployed[p + "up_proj.weight"]])
         assert torch.equal(gate_up[e], both)
         assert torch.equal(down[e], deployed[p + "down_proj.weight"])
+
+
+def test_msmodelslim_w8a8_dynamic_checkpoint(glmpost_cli, tiny_checkpoint, tmp_path):
+    """Ascend msModelSlim layout (vLLM-Ascend): per-tensor type map, int8 weight, fp32 scale/offset."""
+    from glmpost.quant.formats import MODELSLIM_DESCRIPTION
+
+    out = tmp_path / "ms"
+    result = _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "w8a8-dynamic", "--format", "msmodelslim", "--json")
+    assert json.loads(result.stdout)["format"] == "msmodelslim"
+    layers = _assert_bit_exact(tiny_checkpoint, out, make_spec("w8a8-dynamic"))
+    assert len(layers) == 28 and not [m for m in layers if any(k in m + "." for k in SKIPPED)]
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    saved = read_tensors(out)
+    description = json.loads((out / MODELSLIM_DESCRIPTION).read_text())
+    assert description["model_quant_type"] == "W8A8_DYNAMIC"
+    assert set(saved) == set(description) - {"model_quant_type", "version", "group_size"}  # every tensor typed
+    for m in layers:
+        assert saved[f"{m}.weight"].dtype == torch.int8
+        for suffix in ("weight", "weight_scale", "weight_offset"):
+            assert description[f"{m}.{suffix}"] == "W8A8_DYNAMIC"
+        rows = saved[f"{m}.weight"].shape[0]
+        assert saved[f"{m}.weight_scale"].dtype == torch.float32 and tuple(saved[f"{m}.weight_scale"].shape) == (rows, 1)
+        assert not saved[f"{m}.weight_offset"].any()
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
+        assert description[name] == "FLOAT" and saved[name].dtype == torch.float32
+    # an expert's gate/up/down share one type (vLLM-Ascend fuses them and checks it)
+    assert {description[f"model.layers.1.mlp.experts.0.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")} == {"W8A8_DYNAMIC"}
+    again = glmpost_cli("quantize", out, "--out", tmp_path / "again", "--scheme", "w8a16")
+    assert again.exit_code == 2 and "already quantized (msmodelslim)" in again.stderr
+
+
+def test_msmodelslim_bf16_master(glmpost_cli, tmp_path):
+    src = tmp_path / "bf16"
+    assert glmpost_cli("init-model", "--out", src, "--dtype", "bfloat16").exit_code == 0
+    out = tmp_path / "ms"
+    _quantize(glmpost_cli, src, out, "--scheme", "w8a8-dynamic", "--format", "msmodelslim")
+    _assert_bit_exact(src, out, make_spec("w8a8-dynamic"))
+    scale = read_tensors(out)["model.layers.0.mlp.down_proj.weight_scale"]
+    assert scale.dtype == torch.float32 and torch.equal(scale.bfloat16().float(), scale)  # a bf16 value, held exactly
+
+
+def test_failed_conversion_leaves_no_partial_output(glmpost_cli, tiny_checkpoint, tmp_path):
+    """A weight that cannot be quantized (inf) is found while the output is being written: the error
+    is one line and neither the output nor its staging directory is left behind."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "broken"
+    src.mkdir()
+    for item in tiny_checkpoint.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            (src / item.name).write_bytes(item.read_bytes())
+    tensors = read_tensors(tiny_checkpoint)
+    tensors["model.layers.1.mlp.shared_experts.up_proj.weight"][3, 5] = float("inf")  # a late layer
+    save_file(tensors, str(src / "model.safetensors"))
+    out = tmp_path / "out"
+    result = glmpost_cli("quantize", src, "--out", out, "--scheme", "w4a16", "--group-size", "16")
+    assert result.exit_code == 1, result.stderr
+    assert "shared_experts.up_proj.weight holds inf or NaN" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and not out.exists() and not list(tmp_path.glob(".out*"))
+    (src / "model.safetensors").write_bytes((tiny_checkpoint / "model.safetensors").read_bytes()[:4096])  # truncated
+    truncated = glmpost_cli("quantize", src, "--out", out, "--scheme", "w8a16")
+    assert truncated.exit_code == 1 and "cannot read safetensors" in truncated.stderr and not out.exists()

@@ -28,16 +28,16 @@ from glmpost.errors import UsageError
 from glmpost.quant.spec import FP8_MAX, QuantSpec
 
 __all__ = [
-    "quantize_weight",
+    "check_shape",
     "dequant",
+    "dequant_activation",
     "fake_quant",
     "pack_int4",
-    "unpack_int4",
     "pack_int32",
-    "unpack_int32",
     "quantize_activation_per_token",
-    "dequant_activation",
-    "check_shape",
+    "quantize_weight",
+    "unpack_int4",
+    "unpack_int32",
 ]
 
 
@@ -55,6 +55,8 @@ def check_shape(shape: tuple[int, ...] | torch.Size, spec: QuantSpec, name: str 
             f"{name}: --group-size {spec.group_size} does not divide its input dim {shape[-1]} "
             f"(shape {list(shape)}); use a group size that divides it or --exclude this layer"
         )
+    if spec.code_kind == "int" and spec.bits == 4 and shape[-1] % 8:
+        raise UsageError(f"{name}: int4 packing needs an input dim that is a multiple of 8, got {shape[-1]} (shape {list(shape)})")
 
 
 def _scale_from_absmax(absmax: torch.Tensor, divisor: float, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -94,9 +96,9 @@ def _quantize(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
     scale_dtype = spec.scale_dtype_for(w.dtype)
     wg = w.detach().reshape(*w.shape[:-1], w.shape[-1] // group, group).float()
     scale = _scale_from_absmax(wg.abs().amax(dim=-1), float(spec.qmax), scale_dtype)
-    q = torch.round(wg / scale.float().unsqueeze(-1))  # round half to even, then clamp
+    q = (wg / scale.float().unsqueeze(-1)).round_()  # a new tensor: round half to even in place, then clamp
     in_range = ((q >= spec.qmin) & (q <= spec.qmax)).reshape(w.shape) if need_mask else None
-    codes = q.clamp(spec.qmin, spec.qmax).to(torch.int8).reshape(w.shape)
+    codes = q.clamp_(spec.qmin, spec.qmax).to(torch.int8).reshape(w.shape)
     return codes, scale, in_range
 
 

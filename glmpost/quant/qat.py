@@ -13,7 +13,7 @@ and integer group / channel scales never cross rows), minus the default skips of
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.nn.utils import parametrize

@@ -38,7 +38,6 @@ nearest even); dequant ``codes.float() * scale``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
@@ -59,14 +58,14 @@ class QuantSpec:
     scheme: str
     bits: int
     granularity: str
-    group_size: Optional[int] = None
+    group_size: int | None = None
     block_size: tuple[int, int] = (128, 128)
     symmetric: bool = True
     qmin: int = 0
     qmax: int = 0
-    scale_dtype: Optional[torch.dtype] = None  # None: the master weight's dtype
+    scale_dtype: torch.dtype | None = None  # None: the master weight's dtype
     code_kind: str = "int"  # "int" or "float8_e4m3fn"
-    activations: Optional[str] = None  # None (weight-only) or "int8-per-token-dynamic"
+    activations: str | None = None  # None (weight-only) or "int8-per-token-dynamic"
 
     def scale_dtype_for(self, weight_dtype: torch.dtype) -> torch.dtype:
         return self.scale_dtype if self.scale_dtype is not None else weight_dtype
@@ -88,16 +87,23 @@ class QuantSpec:
         }
 
 
-def make_spec(scheme: str, *, group_size: Optional[int] = None, scale_dtype: Optional[torch.dtype] = None) -> QuantSpec:
-    """The spec of a named scheme. ``group_size`` applies to ``w4a16`` only (32 or 128; default 128)."""
+CHANNEL = -1  # ``--group-size -1``: one scale per output channel (GPTQ's convention)
+
+
+def make_spec(scheme: str, *, group_size: int | None = None, scale_dtype: torch.dtype | None = None) -> QuantSpec:
+    """The spec of a named scheme. ``group_size`` applies to ``w4a16`` only: a positive multiple of 8
+    (32 or 128 in practice; default 128), or ``-1`` for one scale per output channel (compressed-tensors
+    ``strategy: channel``; coarser, so more sensitive to outlier weights)."""
     if scheme not in SCHEMES:
         raise UsageError(f"--scheme {scheme!r}: unknown scheme (known: {', '.join(SCHEMES)})")
     if group_size is not None and scheme != "w4a16":
         raise UsageError(f"--group-size applies to w4a16 only, not {scheme}")
     if scheme == "w4a16":
         g = 128 if group_size is None else group_size
+        if g == CHANNEL:
+            return QuantSpec(scheme, 4, "channel", qmin=-8, qmax=7, scale_dtype=scale_dtype)
         if g <= 0 or g % 8:
-            raise UsageError(f"--group-size {g}: must be a positive multiple of 8 (e.g. 32 or 128)")
+            raise UsageError(f"--group-size {g}: must be a positive multiple of 8 (e.g. 32 or 128) or -1 (per channel)")
         return QuantSpec(scheme, 4, "group", group_size=g, qmin=-8, qmax=7, scale_dtype=scale_dtype)
     if scheme in ("w8a16", "w8a8-dynamic"):
         return QuantSpec(
@@ -112,5 +118,5 @@ def make_spec(scheme: str, *, group_size: Optional[int] = None, scale_dtype: Opt
     return QuantSpec("none", 16, "none")
 
 
-def with_scale_dtype(spec: QuantSpec, dtype: Optional[torch.dtype]) -> QuantSpec:
+def with_scale_dtype(spec: QuantSpec, dtype: torch.dtype | None) -> QuantSpec:
     return replace(spec, scale_dtype=dtype)

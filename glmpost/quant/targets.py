@@ -21,8 +21,8 @@ Regexes are ``re.search``-ed against module names; one that matches no candidate
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from glmpost.errors import UsageError
 
