@@ -63,7 +63,7 @@ class CheckpointManifest:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, payload: dict[str, Any], *, where: Path) -> "CheckpointManifest":
+    def from_json(cls, payload: dict[str, Any], *, where: Path) -> CheckpointManifest:
         if payload.get("format") != MANIFEST_FORMAT:
             raise CheckpointError(f"{where}: not a glmpost checkpoint manifest (format {payload.get('format')!r})")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -278,7 +278,7 @@ class NextVersion:
     version: int
 
     @classmethod
-    def plan(cls, checkpoint: Path | str, out: Path | str) -> "NextVersion":
+    def plan(cls, checkpoint: Path | str, out: Path | str) -> NextVersion:
         parent = resolve_checkpoint(checkpoint)
         try:
             parent_version = read_manifest(parent).policy_version

@@ -7,13 +7,18 @@ import tempfile
 from pathlib import Path
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable."""
+    fsync_path(directory)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -577,5 +577,12 @@ def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:
     return (host if isinstance(host, str) else host.decode()), int(port)
 
 
-__all__ = ["EngineServer", "RequestError", "bound_address", "model_tensors", "load_checkpoint", "make_http_server",
-           "serve_until_signalled"]
+__all__ = [
+    "EngineServer",
+    "RequestError",
+    "bound_address",
+    "load_checkpoint",
+    "make_http_server",
+    "model_tensors",
+    "serve_until_signalled",
+]

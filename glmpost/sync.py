@@ -47,7 +47,7 @@ from glmpost.checkpoints import (
     version_dir_name,
 )
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.fsutil import fsync_dir
+from glmpost.fsutil import fsync_dir, fsync_path
 
 SCHEMES = ("none", "fp8-block", "w4a16")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -210,14 +210,6 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _ShardWriter:
     """Accumulates output tensors and writes ``model-XXXXX-of-YYYYY.safetensors`` shards (fsynced)."""
 
@@ -245,7 +237,7 @@ class _ShardWriter:
         path = self.directory / f".shard-{len(self.written):05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
         os.chmod(path, 0o666 & ~_umask())  # safetensors writes 0600; servers may run as another user
-        _fsync_file(path)
+        fsync_path(path)
         self.written.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -391,7 +383,7 @@ def convert(
     for name in _AUX_FILES:
         if (source.base / name).is_file():
             shutil.copy2(source.base / name, staging / name)
-            _fsync_file(staging / name)
+            fsync_path(staging / name)
     result.quantized_layers.sort()
     result.seconds = time.perf_counter() - started
     return result

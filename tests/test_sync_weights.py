@@ -102,8 +102,8 @@ def test_plain_sync_is_bit_exact_and_published_atomically(glmpost_cli, tiny_chec
 @pytest.mark.parametrize("scheme,args", [("fp8-block", []), ("w4a16", ["--group-size", "16"])])
 def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_checkpoint, tmp_path, scheme, args):
     """One quantizer: the rollout checkpoint holds the same codes, scales and config as `glmpost quantize`."""
-    from glmpost.quant.formats import load_quantized_state
     from glmpost.checkpoints import load_model
+    from glmpost.quant.formats import load_quantized_state
     from glmpost.sync import load_rollout_state
 
     out = tmp_path / "rollout"
