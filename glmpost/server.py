@@ -146,6 +146,10 @@ class EngineServer:
         self._stopping = False
         self._inflight = 0  # single-sequence generate requests received and not yet answered
         self._last_merged = 1  # sequences in the last merged batch of single requests
+        # Most single requests in flight at once while the last batch ran, and during the current
+        # one: the number of clients that will send again within milliseconds of being answered.
+        self._recent_peak = 1
+        self._peak_now = 0
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
         self.stats = {"requests": 0, "sequences": 0, "generated_tokens": 0, "batches": 0}
 
@@ -221,6 +225,7 @@ class EngineServer:
             return self.submit(_Job("generate", items, batch=True))
         with self._cond:
             self._inflight += 1
+            self._peak_now = max(self._peak_now, self._inflight)
         try:
             return self.submit(_Job("generate", items))[0]
         finally:
@@ -325,12 +330,12 @@ class EngineServer:
         jobs, count = [first], len(first.payload)
         with self._cond:
             # Wait up to batch_wait_s for at least as many single requests as the previous merged
-            # batch had (its clients are sending their next request right now) and for every one
-            # received, so clients that fell into two cohorts merge back into one batch.
+            # batch had, for every one received, and for as many as were in flight at once while
+            # the last batch ran (the clients just answered are sending their next request right
+            # now), so clients that fell into two cohorts merge back into one batch.
             deadline = time.perf_counter() + self.batch_wait_s
             while True:
-                # every single request in flight is queued, and at least as many as last time
-                target = min(self.batch_size, max(self._last_merged, self._inflight, 1))
+                target = min(self.batch_size, max(self._last_merged, self._inflight, self._recent_peak, 1))
                 waiting = sum(len(j.payload) for j in self._queue if j.kind == "generate" and not j.batch)
                 left = deadline - time.perf_counter()
                 if count + waiting >= target or left <= 0 or self._stopping:
@@ -349,6 +354,7 @@ class EngineServer:
                 else:
                     kept.append(job)
             self._queue.extendleft(reversed(kept))
+            self._recent_peak, self._peak_now = max(self._peak_now, 1), self._inflight
         self._last_merged = count
         return jobs
 
