@@ -7,8 +7,9 @@ dim, ``scale = absmax / 7`` stored in the weight's dtype (bf16), round half to e
 Throughput is GB/s of bf16 weights consumed (``numel * 2`` bytes per second), best of
 ``--repeats`` rounds that run every implementation in turn (interleaved: the CPUs are shared).
 
-- glmpost: :func:`glmpost.quant.quantize_weight` (scale + codes), and ``+ pack`` (the int32
-  pack-quantized tensor ``glmpost quantize`` writes);
+- glmpost: :func:`glmpost.quant.quantize_weight` (scale + codes), ``+ pack`` (the int32
+  pack-quantized tensor ``glmpost quantize`` writes) and ``quantize_weight_packed`` (the same
+  packed tensor, packed while the codes are computed: what ``sync-weights`` runs);
 - torchao: the same scale computed in plain torch, then ``torchao.quantization.quant_primitives.
   quantize_affine(w, (1, group), scale.float(), zeros, torch.int8, -8, 7)``. torchao multiplies by
   ``1 / scale`` where glmpost divides, so a few codes can differ by one; the agreement is reported.
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from glmpost.quant import make_spec, pack_int4, quantize_weight
+from glmpost.quant.core import quantize_weight_packed
 
 
 def _best_interleaved(fns: dict, repeats: int) -> dict[str, float]:
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     fns = {
         "glmpost quantize_weight": lambda: [quantize_weight(w, spec) for w in weights],
         "glmpost quantize_weight + pack": lambda: [pack_int4(quantize_weight(w, spec)[0]) for w in weights],
+        "glmpost quantize_weight_packed": lambda: [quantize_weight_packed(w, spec) for w in weights],
     }
     peer, agreement, note = None, None, None
     try:

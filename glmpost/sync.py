@@ -12,8 +12,9 @@ Brief, 「稀疏与版本契约」: "权重同步包含训练分片 → 推理�
    against the architecture (a missing tensor is an error naming it), written as safetensors shards
    of at most ``max_shard_bytes``.
 3. **量化**: optional ``fp8-block`` / ``w4a16`` through THE quantizer
-   (:func:`glmpost.quant.core.quantize_weight`, :func:`glmpost.quant.formats.encode_layer`, the
-   layer selection of :mod:`glmpost.quant.targets`), the same codes ``glmpost quantize`` writes.
+   (:func:`glmpost.quant.formats.encode_weight` = ``encode_layer(quantize_weight(w))``, the
+   layer selection of :mod:`glmpost.quant.targets`), the same codes ``glmpost quantize`` writes;
+   layers are quantized on one thread per core while the next tensors are read (:func:`_pipelined`).
 4. **原子切换** (:func:`publish`): every file is written into a hidden staging directory of the
    rollout root, fsynced, renamed to ``vNNNNNN`` and only then is ``LATEST`` replaced atomically.
 5. **发送 → 确认** (:func:`sync_server`): each server is told ``update_weights_from_disk`` with the
@@ -297,6 +298,38 @@ def _consolidate_deepspeed(source: TrainSource) -> dict:
     return {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state.items()}
 
 
+def _pipelined(items: Iterator[tuple[str, Any]], fn: Callable[[str, Any], Any], window: int = 4) -> Iterator[tuple[str, Any, Any]]:
+    """``(name, tensor, fn(name, tensor))`` in input order, ``fn`` running on a pool of one thread
+    per core while the caller reads the next tensors and writes finished ones (torch ops release
+    the GIL). torch's own intra-op threads are set to 1 meanwhile: on shared cores OpenMP's
+    barrier-per-op parallelism stalls whenever one core is busy elsewhere, while independent
+    tensors on independent threads simply queue. At most ``window`` tensors are in flight."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+                         torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pending: collections.deque = collections.deque()
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sync-quant") as pool:
+            for name, t in items:
+                pending.append((name, t, pool.submit(fn, name, t)))
+                while len(pending) >= max(window, workers + 1):
+                    name0, t0, fut = pending.popleft()
+                    yield name0, t0, fut.result()
+            while pending:
+                name0, t0, fut = pending.popleft()
+                yield name0, t0, fut.result()
+    finally:
+        for _, _, fut in pending:
+            fut.cancel()
+        torch.set_num_threads(threads)
+
+
 def convert(
     source: TrainSource,
     staging: Path,
@@ -315,8 +348,8 @@ def convert(
     """
     import torch
 
-    from glmpost.quant.core import check_shape, quantize_weight
-    from glmpost.quant.formats import encode_layer, quantization_config
+    from glmpost.quant.core import check_shape
+    from glmpost.quant.formats import encode_weight, quantization_config
     from glmpost.quant.spec import make_spec
     from glmpost.quant.targets import candidates_from_model, select_targets
 
@@ -353,18 +386,21 @@ def convert(
 
     staging.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(staging, max_shard_bytes)
-    for name, t in tensors:
-        result.bytes_in += t.numel() * t.element_size()
+
+    def encode(name: str, t) -> dict:
         if cast is not None and t.is_floating_point() and t.dtype != cast:
             t = t.to(cast)
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module in chosen:
-            codes, scale = quantize_weight(t, spec)
-            for out_name, value in encode_layer(module, codes, scale, spec).items():
-                writer.add(out_name, value)
+            return encode_weight(module, t, spec), module
+        return {name: t}, None
+
+    for _name, t, (encoded, module) in _pipelined(tensors, encode):
+        result.bytes_in += t.numel() * t.element_size()
+        for out_name, value in encoded.items():
+            writer.add(out_name, value)
+        if module is not None:
             result.quantized_layers.append(module)
-        else:
-            writer.add(name, t)
         result.tensors += 1
         if progress is not None:
             progress(1)

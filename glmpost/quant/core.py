@@ -36,6 +36,7 @@ __all__ = [
     "pack_int32",
     "quantize_activation_per_token",
     "quantize_weight",
+    "quantize_weight_packed",
     "unpack_int4",
     "unpack_int32",
 ]
@@ -79,9 +80,9 @@ def _block_absmax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return a.amax(dim=(-3, -1))
 
 
-def _quantize(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
-    """``(codes, scale, in_range)``; ``in_range`` (only with ``need_mask``, else None) marks elements
-    the clamp did not touch (for the STE)."""
+def _quantize_reference(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
+    """The spec written out literally on whole tensors (see :mod:`glmpost.quant.spec`): the
+    definition :func:`_quantize` must equal bit for bit (tests/test_quant_fast.py checks it)."""
     check_shape(tuple(w.shape), spec)
     if spec.granularity == "block":
         rows, cols = w.shape[-2:]
@@ -102,10 +103,149 @@ def _quantize(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
     return codes, scale, in_range
 
 
+# ---- the same arithmetic, chunked ------------------------------------------------------------------
+# Brief, "QAT：让模型在量化误差里学习" (训练与推理逐比特一致): speed may not change a single bit. The
+# chunked path below runs the reference's elementwise operations (float32 widening, IEEE division by
+# the stored scale, round half to even, clamp, cast) on slices small enough to stay in a core's
+# cache, reusing two scratch buffers instead of allocating whole-tensor float32 temporaries, and
+# broadcasting the scale over a ``[rows, groups, group]`` / ``[rows, blocks, 128]`` view instead of
+# padding and ``repeat_interleave``. Every element sees the same operations on the same operands in
+# the same order, so the results are identical (tests/test_quant_fast.py compares them bit for bit).
+
+_CHUNK_ELEMS = 1 << 18  # elements per working chunk: 1 MiB of float32, inside one core's L2 (2 MiB here)
+_INT_VIEW = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
+
+
+def _abs_max(x: torch.Tensor, dim, scratch: torch.Tensor) -> torch.Tensor:
+    """Exact ``x.abs().amax(dim)`` in ``x``'s own dtype, by clearing the sign bit of its integer view.
+
+    With the sign bit clear, IEEE bit patterns sort as their values (+0 < subnormals < normals < inf
+    < NaN), so the integer maximum *is* the absolute maximum (``-0.0`` becomes ``+0.0`` as ``abs``
+    makes it). ``abs`` and ``max`` are exact in every float format, so widening afterwards equals the
+    reference's ``x.float().abs().amax()``. float64 (no matching scratch) takes ``abs().amax()``.
+    """
+    kind = _INT_VIEW.get(x.element_size()) if x.dtype != torch.float64 else None
+    if kind is None:
+        return x.abs().amax(dim=dim)
+    int_dtype, mask = kind
+    bits = torch.bitwise_and(x.view(int_dtype), mask, out=scratch.view(int_dtype)[: x.numel()].view(x.shape))
+    return bits.amax(dim=dim).view(x.dtype)
+
+
+def _scratch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 working buffer, integer scratch for :func:`_abs_max`) of ``n`` elements each."""
+    return torch.empty(n, dtype=torch.float32), torch.empty(4 * n, dtype=torch.uint8)
+
+
+def _quantize_groups(w: torch.Tensor, spec: QuantSpec, need_mask: bool, pack: bool = False):
+    """group / channel: the reference on ``[rows, groups, group]`` chunks of whole rows. With
+    ``pack`` (int4, little-endian hosts) the codes come back as :func:`pack_int32` would pack them,
+    computed from the float32 codes of each chunk: byte ``k`` of a row is
+    ``(c[2k] + 8) + 16 * (c[2k+1] + 8)``, small integers that float32 holds exactly."""
+    cols = w.shape[-1]
+    group = spec.group_size if spec.granularity == "group" else cols
+    ngroups = cols // group
+    scale_dtype = spec.scale_dtype_for(w.dtype)
+    wg = w.detach().reshape(-1, ngroups, group)
+    rows = wg.shape[0]
+    codes = torch.empty(rows, cols // 2, dtype=torch.uint8) if pack else torch.empty(wg.shape, dtype=torch.int8)
+    scale = torch.empty(rows, ngroups, dtype=scale_dtype)
+    in_range = torch.empty(wg.shape, dtype=torch.bool) if need_mask else None
+    step = max(1, _CHUNK_ELEMS // max(cols, 1))
+    buf, ibuf = _scratch(min(rows, step) * cols)
+    for r0 in range(0, rows, step):
+        x = wg[r0:r0 + step]
+        s = _scale_from_absmax(_abs_max(x, -1, ibuf), float(spec.qmax), scale_dtype)
+        scale[r0:r0 + step] = s
+        q = buf[: x.numel()].view(x.shape)
+        q.copy_(x).div_(s.float().unsqueeze(-1)).round_()  # float32 w / stored scale, half to even
+        if in_range is not None:
+            torch.logical_and(q >= spec.qmin, q <= spec.qmax, out=in_range[r0:r0 + step])
+        q.clamp_(spec.qmin, spec.qmax)
+        if pack:
+            pairs = q.view(q.shape[0], cols // 2, 2)
+            byte = ibuf.view(torch.float32)[: pairs.shape[0] * (cols // 2)].view(pairs.shape[:2])
+            torch.add(pairs[..., 0], pairs[..., 1], alpha=16, out=byte)
+            codes[r0:r0 + step] = byte.add_(136)
+        else:
+            codes[r0:r0 + step] = q
+    scale = scale.reshape(*w.shape[:-1], ngroups)
+    if pack:
+        return codes.view(torch.int32).reshape(*w.shape[:-1], cols // 8), scale, None
+    out_mask = in_range.reshape(w.shape) if in_range is not None else None
+    return codes.reshape(w.shape), scale, out_mask
+
+
+def _quantize_blocks(w: torch.Tensor, spec: QuantSpec, need_mask: bool):
+    """fp8 128x128 blocks: the reference per block row, on column chunks of whole blocks; a partial
+    edge block (a dimension not a multiple of 128) is just a narrower or shorter slice."""
+    rows, cols = w.shape[-2:]
+    br, bc = spec.block_size
+    nr, nc = -(-rows // br), -(-cols // bc)
+    w3 = w.detach().reshape(-1, rows, cols)
+    codes = torch.empty(w3.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(w3.shape[0], nr, nc, dtype=torch.float32)
+    in_range = torch.empty(w3.shape, dtype=torch.bool) if need_mask else None
+    width = max(1, _CHUNK_ELEMS // (br * bc)) * bc  # columns per chunk, whole blocks
+    buf, ibuf = _scratch(min(rows, br) * min(cols, width))
+    for lead in range(w3.shape[0]):
+        for i in range(nr):
+            r0, r1 = i * br, min(rows, (i + 1) * br)
+            for c0 in range(0, cols, width):
+                c1 = min(cols, c0 + width)
+                x = w3[lead, r0:r1, c0:c1]
+                full, tail = (c1 - c0) // bc, (c1 - c0) % bc
+                parts = []
+                if full:
+                    xf = x[:, : full * bc].reshape(r1 - r0, full, bc)
+                    parts.append(_abs_max(xf, (0, 2), ibuf))
+                if tail:
+                    parts.append(_abs_max(x[:, full * bc:], (0, 1), ibuf).reshape(1))
+                am = parts[0] if len(parts) == 1 else torch.cat(parts)
+                s = _scale_from_absmax(am, FP8_MAX, torch.float32)
+                scale[lead, i, c0 // bc: c0 // bc + s.numel()] = s
+                q = buf[: x.numel()].view(x.shape).copy_(x)
+                if full:
+                    q[:, : full * bc].view(r1 - r0, full, bc).div_(s[:full].view(1, full, 1))
+                if tail:
+                    q[:, full * bc:].div_(s[full])
+                if in_range is not None:
+                    torch.lt(q.abs(), _FP8_SATURATE, out=in_range[lead, r0:r1, c0:c1])
+                codes[lead, r0:r1, c0:c1] = q.clamp_(-FP8_MAX, FP8_MAX)  # the cast rounds to nearest even
+    out_mask = in_range.reshape(w.shape) if in_range is not None else None
+    return codes.reshape(w.shape), scale.reshape(*w.shape[:-2], nr, nc), out_mask
+
+
+def _quantize(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
+    """``(codes, scale, in_range)``; ``in_range`` (only with ``need_mask``, else None) marks elements
+    the clamp did not touch (for the STE). Bit for bit :func:`_quantize_reference`, chunked."""
+    check_shape(tuple(w.shape), spec)
+    if not w.is_floating_point() or w.device.type != "cpu" or w.numel() == 0:
+        return _quantize_reference(w, spec, need_mask)  # accelerators: whole-tensor kernels are the fast path
+    if spec.granularity == "block":
+        return _quantize_blocks(w, spec, need_mask)
+    if spec.granularity not in ("group", "channel"):
+        raise UsageError(f"scheme {spec.scheme!r} does not quantize weights")
+    return _quantize_groups(w, spec, need_mask)
+
+
 def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """THE quantizer: ``(codes, scale)`` of ``w`` under ``spec`` (symmetric: no zero-point)."""
     codes, scale, _ = _quantize(w, spec)
     return codes, scale
+
+
+def quantize_weight_packed(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pack_int32(codes, spec.bits), scale)`` of ``quantize_weight(w, spec)`` for an integer spec:
+    what compressed-tensors ``pack-quantized`` stores, int4 codes packed as they are computed."""
+    if spec.code_kind != "int":
+        raise UsageError(f"scheme {spec.scheme!r} does not pack integer codes")
+    check_shape(tuple(w.shape), spec)
+    if spec.bits == 4 and sys.byteorder == "little" and w.is_floating_point() and w.device.type == "cpu" and w.numel():
+        packed, scale, _ = _quantize_groups(w, spec, need_mask=False, pack=True)
+        return packed, scale
+    codes, scale = quantize_weight(w, spec)
+    return pack_int32(codes, spec.bits), scale
 
 
 def dequant(codes: torch.Tensor, scale: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:

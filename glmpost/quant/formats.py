@@ -43,7 +43,13 @@ from typing import Any
 import torch
 
 from glmpost.errors import GlmpostError
-from glmpost.quant.core import dequant, pack_int32, unpack_int32
+from glmpost.quant.core import (
+    dequant,
+    pack_int32,
+    quantize_weight,
+    quantize_weight_packed,
+    unpack_int32,
+)
 from glmpost.quant.spec import QuantSpec, make_spec
 
 FORMATS = ("compressed-tensors", "fp8", "msmodelslim")
@@ -86,6 +92,17 @@ def encode_layer(module: str, codes: torch.Tensor, scale: torch.Tensor, spec: Qu
         f"{module}.weight_scale": scale.contiguous(),
         f"{module}.weight_shape": torch.tensor(list(codes.shape), dtype=torch.int32),
     }
+
+
+def encode_weight(module: str, weight: torch.Tensor, spec: QuantSpec, fmt: str | None = None) -> dict[str, torch.Tensor]:
+    """``encode_layer(module, *quantize_weight(weight, spec), spec, fmt)``: the float weight of one
+    layer straight to its stored tensors (int4 codes packed while they are computed; equal bit for bit)."""
+    if fmt is None and spec.code_kind == "int" and _ct_format(spec) == "pack-quantized":
+        packed, scale = quantize_weight_packed(weight, spec)
+        return {f"{module}.weight_packed": packed, f"{module}.weight_scale": scale,
+                f"{module}.weight_shape": torch.tensor(list(weight.shape), dtype=torch.int32)}
+    codes, scale = quantize_weight(weight, spec)
+    return encode_layer(module, codes, scale, spec, fmt)
 
 
 def _args(spec: QuantSpec) -> dict[str, Any]:
