@@ -21,22 +21,27 @@ float32 ``[T, V]`` logits (the same chunking as :mod:`glmpost.logprobs`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from glmpost.logprobs import DEFAULT_CHUNK_SIZE, _scatter_rows, _split_causal_lm, _vocab_size
+from glmpost.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    _scatter_rows,
+    _split_causal_lm,
+    _vocab_size,
+)
 
 __all__ = [
     "TeacherPayload",
     "TokenScores",
     "opd_advantages",
     "opd_pg_loss",
-    "sampled_reverse_kl",
     "payload_from_rows",
+    "sampled_reverse_kl",
     "score_records",
     "score_tokens",
     "topk_reverse_kl",
@@ -194,7 +199,6 @@ def score_tokens(
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0; got {chunk_size}")
-    batch, length = input_ids.shape
     scored = score_mask.clone()
     if attention_mask is not None:
         scored &= attention_mask.bool()[:, 1:]

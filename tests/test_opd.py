@@ -12,7 +12,13 @@ from glmpost.checkpoints import load_model, load_tokenizer
 from glmpost.distributed import LocalBackend
 from glmpost.engine import LocalEngine, SamplingParams
 from glmpost.logprobs import sequence_log_probs
-from glmpost.opd import opd_advantages, opd_pg_loss, sampled_reverse_kl, score_tokens, topk_reverse_kl
+from glmpost.opd import (
+    opd_advantages,
+    opd_pg_loss,
+    sampled_reverse_kl,
+    score_tokens,
+    topk_reverse_kl,
+)
 from glmpost.prompts import encode_prompt
 from glmpost.rollout import RolloutPrompt, rollout_record
 from glmpost.trainer import OPDConfig, OPDTrainer, collate, prepare_opd_batch

