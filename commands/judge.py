@@ -29,14 +29,22 @@ from glmpost.checkpoints import load_tokenizer
 from glmpost.commands.common import (
     MetricsWriter,
     check_same_options,
+    complete_shard,
     config_option,
     effective_options,
     log,
     print_summary,
+    shard_outputs,
     write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import ShardError, ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
+from glmpost.formats import (
+    ShardReader,
+    ShardWriter,
+    require_fields,
+    resolve_shard_paths,
+    select_shards,
+)
 from glmpost.rewards.mixture import (
     MODEL_SOURCES,
     ComponentSpec,
@@ -164,7 +172,7 @@ def judge(
     specs = check_components([*(rewards or default_components()), *penalties])
     options = _json_options(ctx, specs)
     paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
-    targets = _output_paths(paths, out)
+    targets = shard_outputs(paths, out, what="judged shards")
     check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite, ctx=ctx)
     tokenizer, revision = load_tokenizer(checkpoint)
     routes = {**(domains or {}), **dict(verifiers)}
@@ -172,7 +180,7 @@ def judge(
 
     pending, skipped = [], []
     for path in paths:
-        if not overwrite and _complete(targets[path]):
+        if not overwrite and complete_shard(targets[path], STAGE, redo="judging again"):
             skipped.append(path)
         else:
             pending.append(path)
@@ -223,40 +231,6 @@ def _json_options(ctx: typer.Context, specs: list[ComponentSpec]) -> dict[str, A
     options["penalties"] = [s.to_json() for s in specs if s.kind == "penalty"]
     options["verifiers"] = [f"{d}={v}" for d, v in ctx.params.get("verifiers") or []]
     return options
-
-
-def _output_paths(paths: list[Path], out: Path) -> dict[Path, Path]:
-    """``out/NAME`` for each input; two inputs with one name, or an output that is an input, are refused."""
-    targets: dict[Path, Path] = {}
-    by_name: dict[str, Path] = {}
-    for path in paths:
-        if path.name in by_name:
-            raise UsageError(f"input shards {by_name[path.name]} and {path} share the file name {path.name}; outputs keep input names")
-        by_name[path.name] = path
-        target = out / path.name
-        if target.resolve() == path.resolve():
-            raise UsageError(f"--out {out} holds the input {path}; judged shards must not replace their inputs")
-        targets[path] = target
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    return targets
-
-
-def _complete(target: Path) -> bool:
-    """Whether ``target`` is a complete judged shard (read through, checksum verified)."""
-    if not target.exists():
-        return False
-    try:
-        reader = ShardReader(target)
-        for _ in reader:
-            pass
-    except ShardError as exc:
-        log(f"judging again: {exc}")
-        return False
-    if reader.header["stage"] != STAGE:
-        log(f"judging again: {target} was written by {reader.header['stage']!r}, not {STAGE!r}")
-        return False
-    return True
 
 
 def _check_input(path: Path, revision: str, checkpoint: Path, table: VerifierTable | None) -> int:

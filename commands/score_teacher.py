@@ -30,18 +30,32 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
+from glmpost.checkpoints import (
+    CheckpointError,
+    load_model,
+    load_tokenizer,
+    read_manifest,
+    resolve_checkpoint,
+)
 from glmpost.commands.common import (
     MetricsWriter,
     check_same_options,
+    complete_shard,
     config_option,
     effective_options,
     log,
     print_summary,
+    shard_outputs,
     write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import ShardError, ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
+from glmpost.formats import (
+    ShardReader,
+    ShardWriter,
+    require_fields,
+    resolve_shard_paths,
+    select_shards,
+)
 from glmpost.opd import TeacherPayload, payload_from_rows, score_records
 
 STAGE = "score-teacher"
@@ -178,9 +192,9 @@ def score_teacher(
     k = topk if payload == "topk" else 0
 
     paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
-    targets = _output_paths(paths, out)
+    targets = shard_outputs(paths, out, what="scored shards")
     check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite, ctx=ctx)
-    pending = [p for p in paths if overwrite or not _complete(targets[p])]
+    pending = [p for p in paths if overwrite or not complete_shard(targets[p], STAGE, redo="scoring again")]
     skipped = len(paths) - len(pending)
 
     # Everything that can fail is checked before anything is written: teachers load, every record
@@ -266,35 +280,6 @@ def _unique(teachers: dict[str, Teacher]) -> list[Teacher]:
     for t in teachers.values():
         seen.setdefault(t.path, t)
     return list(seen.values())
-
-
-def _output_paths(paths: list[Path], out: Path) -> dict[Path, Path]:
-    targets: dict[Path, Path] = {}
-    names: dict[str, Path] = {}
-    for path in paths:
-        if path.name in names:
-            raise UsageError(f"input shards {names[path.name]} and {path} share the file name {path.name}; outputs keep input names")
-        names[path.name] = path
-        target = out / path.name
-        if target.resolve() == path.resolve():
-            raise UsageError(f"--out {out} holds the input {path}; scored shards must not replace their inputs")
-        targets[path] = target
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    return targets
-
-
-def _complete(target: Path) -> bool:
-    if not target.exists():
-        return False
-    try:
-        reader = ShardReader(target)
-        for _ in reader:
-            pass
-    except ShardError as exc:
-        log(f"scoring again: {exc}")
-        return False
-    return reader.header["stage"] == STAGE
 
 
 def _check_input(path: Path, routing: Routing, teachers: dict[str, Teacher], opened: dict[str, Teacher]) -> list[str]:
