@@ -129,6 +129,10 @@ def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, det
     return _Loaded(engine, tokenizer, version_dir, revision, policy_version, config, tensors)
 
 
+# A pause between requests this long ends a burst of clients sending their next request.
+ARRIVAL_GAP_S = 0.01
+
+
 class EngineServer:
     """The worker that owns the engine, and the request handling behind the HTTP routes."""
 
@@ -150,6 +154,7 @@ class EngineServer:
         # one: the number of clients that will send again within milliseconds of being answered.
         self._recent_peak = 1
         self._peak_now = 0
+        self._last_arrival = 0.0
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
         self.stats = {"requests": 0, "sequences": 0, "generated_tokens": 0, "batches": 0}
 
@@ -174,6 +179,7 @@ class EngineServer:
             if self._stopping:
                 raise RequestError("server is shutting down", 503)
             self._queue.append(job)
+            self._last_arrival = time.perf_counter()
             self._cond.notify()
         job.done.wait()
         if job.error is not None:
@@ -332,15 +338,19 @@ class EngineServer:
             # Wait up to batch_wait_s for at least as many single requests as the previous merged
             # batch had, for every one received, and for as many as were in flight at once while
             # the last batch ran (the clients just answered are sending their next request right
-            # now), so clients that fell into two cohorts merge back into one batch.
-            deadline = time.perf_counter() + self.batch_wait_s
+            # now), so clients that fell into two cohorts merge back into one batch. Answered clients
+            # send again in a burst: once no request has arrived for ARRIVAL_GAP_S the burst is over
+            # (clients that finished are not coming back), and the batch starts.
+            started = time.perf_counter()
+            deadline = started + self.batch_wait_s
             while True:
                 target = min(self.batch_size, max(self._last_merged, self._inflight, self._recent_peak, 1))
                 waiting = sum(len(j.payload) for j in self._queue if j.kind == "generate" and not j.batch)
-                left = deadline - time.perf_counter()
-                if count + waiting >= target or left <= 0 or self._stopping:
+                now = time.perf_counter()
+                quiet = now - max(self._last_arrival, started)
+                if count + waiting >= target or now >= deadline or quiet >= ARRIVAL_GAP_S or self._stopping:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(deadline - now, ARRIVAL_GAP_S - quiet))
             kept: deque[_Job] = deque()
             while self._queue:
                 job = self._queue.popleft()
