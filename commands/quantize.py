@@ -5,7 +5,8 @@ pack-quantized), w8a16 (int8 per output channel, pack-quantized), w8a8-dynamic (
 weights, int8 per-token dynamic activations at run time, int-quantized; or with --format msmodelslim
 the Ascend msModelSlim W8A8_DYNAMIC layout vLLM-Ascend loads: int8 weight, fp32 weight_scale and
 weight_offset, quant_model_description.json), fp8-block (float8_e4m3fn,
-128x128 blocks, SGLang/DeepSeek `weight_scale_inv`), none (a plain copy). The codes and scales come
+128x128 blocks, SGLang/DeepSeek `weight_scale_inv`), none (a plain copy; given a quantized
+checkpoint, the float checkpoint it stands for: every quantized layer dequantized). The codes and scales come
 from the same function QAT's fake quant uses, so dequantizing the output reproduces the QAT forward
 weights bit for bit. Embeddings, lm_head, the MoE router and the DSA indexer stay in float unless
 --include names them. Writes DIR/metrics.jsonl (per-layer SQNR and max abs error) and glmpost.json
@@ -125,8 +126,12 @@ def quantize(
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise GlmpostError(f"{src}/config.json: cannot read ({exc})") from None
     method = is_quantized_checkpoint(src, model_config)
+    if method is not None and scheme == "none":
+        _dequantize(src, out, method, overwrite=overwrite, as_json=as_json)
+        return
     if method is not None:
-        raise UsageError(f"checkpoint {src} is already quantized ({method}); quantize its float parent")
+        raise UsageError(f"checkpoint {src} is already quantized ({method}); quantize its float parent, "
+                         "or pass --scheme none to dequantize it")
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise GlmpostError(f"checkpoint {src}: no *.safetensors weight files")
@@ -232,3 +237,19 @@ def quantize(
         + f", policy version {manifest.policy_version}"
     )
     print_summary(summary, as_json=as_json, human=human)
+
+
+def _dequantize(src: Path, out: Path, method: str, *, overwrite: bool, as_json: bool) -> None:
+    """``--scheme none`` on a quantized checkpoint: write the float checkpoint it stands for."""
+    from glmpost.quant.formats import dequantize_checkpoint
+
+    if out.exists() and not overwrite:
+        raise UsageError(f"--out {out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh = out.with_name(f".{out.name}.dequantized")
+    shutil.rmtree(fresh, ignore_errors=True)
+    dequantize_checkpoint(src, fresh)  # the old output stays until the new one is complete
+    shutil.rmtree(out, ignore_errors=True)
+    fresh.rename(out)
+    print_summary({"out": str(out), "dequantized_from": method, "checkpoint": str(src)}, as_json=as_json,
+                  human=f"{out}: float checkpoint dequantized from {src} ({method})")

@@ -174,6 +174,29 @@ def test_already_quantized_checkpoint_is_refused(glmpost_cli, tiny_checkpoint, t
     assert "Traceback" not in result.stderr and not out.exists()
 
 
+def test_scheme_none_dequantizes_a_quantized_checkpoint_to_the_qat_forward_weights(glmpost_cli, tiny_checkpoint, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from glmpost.checkpoints import load_model
+    from glmpost.quant.formats import load_quantized_state
+
+    packed = tmp_path / "w4"
+    _quantize(glmpost_cli, tiny_checkpoint, packed, "--scheme", "w4a16", "--group-size", "16")
+    out = tmp_path / "float"
+    result = glmpost_cli("quantize", packed, "--out", out, "--scheme", "none", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    saved, expected = load_file(str(out / "model.safetensors")), load_quantized_state(packed)
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    original = load_file(str(tiny_checkpoint / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert not torch.equal(saved[name], original[name])  # quantized, then dequantized: not the master
+    assert load_model(out).model.layers[0].self_attn.o_proj.weight.equal(saved[name])
+    again = glmpost_cli("quantize", packed, "--out", out, "--scheme", "none")
+    assert again.exit_code == 2 and "--overwrite" in again.stderr
+
+
 def test_rerun_skips_and_recipe_config(glmpost_cli, tiny_checkpoint, tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[quantize]\nscheme = "w4a16"\ngroup-size = 32\ntargets = "moe-only"\n')
