@@ -1,6 +1,7 @@
 """Serving throughput: ``glmpost serve`` under concurrent HTTP clients vs the in-process engine.
 
-Both sides run in this one process on one tiny GLM-5 checkpoint (``glmpost init-model --seed 0``,
+Both sides run in this one process (with ``--server-process`` the server runs as a real
+``glmpost serve`` process, as a deployment runs it, and only the clients share this process) on one tiny GLM-5 checkpoint (``glmpost init-model --seed 0``,
 written to a temporary directory) with the same requests: ``--requests`` single-prompt requests
 ("count: d", 6 tokens), each generating exactly ``--new-tokens`` tokens (no stop ids), temperature 1,
 each with its own ``sampling_seed``.
@@ -25,7 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -45,6 +49,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 keeps torch's default)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--server-process", action="store_true",
+                        help="run `glmpost serve` as its own process (as a deployment does) instead of in this one")
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -64,6 +70,15 @@ def main(argv=None):
             raise
     engine_server = EngineServer(tmp / "ckpt", device="cpu", batch_size=args.batch_size)
     tokenizer = engine_server.loaded.tokenizer
+    server_proc = None
+    if args.server_process:
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or torch.get_num_threads())}
+        server_proc = subprocess.Popen([sys.executable, "-m", "glmpost.commands.app", "serve", "--checkpoint", str(tmp / "ckpt"),
+                                   "--port", "0", "--batch-size", str(args.batch_size), "--device", "cpu"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        ready = server_proc.stdout.readline()
+        if "listening on" not in ready:
+            raise SystemExit(f"glmpost serve did not start: {ready!r}")
     prompts = [tokenizer(f"count: {i % 10}")["input_ids"] for i in range(args.requests)]
     seeds = list(range(1000, 1000 + args.requests))
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[])
@@ -71,7 +86,8 @@ def main(argv=None):
     threading.Thread(target=http.serve_forever, daemon=True).start()
     engine_server.start()
     host, port = bound_address(http)
-    client = SGLangClient(f"http://{host}:{port}", retries=0)
+    url = ready.strip().rsplit(" ", 1)[-1] if server_proc else f"http://{host}:{port}"
+    client = SGLangClient(url, retries=0)
     engine = engine_server.loaded.engine  # the same model object serves both sides
     tokens = args.requests * args.new_tokens
 
@@ -100,11 +116,14 @@ def main(argv=None):
             times[name].append(time.perf_counter() - start)
     http.shutdown()
     engine_server.stop()
+    if server_proc:
+        server_proc.terminate()
+        server_proc.wait(timeout=30)
     rows = {name: {"best_s": min(t), "tokens_per_s": tokens / min(t), "times_s": t} for name, t in times.items()}
     result = {
         "benchmark": "bench_serve",
         "requests": args.requests, "concurrency": args.concurrency, "batch_size": args.batch_size,
-        "new_tokens": args.new_tokens, "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+        "new_tokens": args.new_tokens, "server_process": args.server_process, "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
         "same_tokens_fraction": same,
         "sides": rows,
         "ratio_serve_over_local": rows["serve"]["tokens_per_s"] / rows["local"]["tokens_per_s"],
