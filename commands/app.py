@@ -8,13 +8,23 @@ import sys
 import typer
 
 from glmpost import __version__
-from glmpost.commands import init_model, rollout, shards, shards_import, train_grpo
-from glmpost.commands import judge
-from glmpost.commands import diff_logprobs, qat, quantize
-from glmpost.commands import plan, recipe
-from glmpost.commands import sync_weights
-from glmpost.commands import serve
-from glmpost.commands import opd_merge, score_teacher
+from glmpost.commands import (
+    diff_logprobs,
+    init_model,
+    judge,
+    opd_merge,
+    plan,
+    qat,
+    quantize,
+    recipe,
+    rollout,
+    score_teacher,
+    serve,
+    shards,
+    shards_import,
+    sync_weights,
+    train_grpo,
+)
 from glmpost.errors import GlmpostError
 
 app = typer.Typer(
@@ -47,21 +57,22 @@ def root(
     """GLM-style post-training beyond SFT as Unix-style stages."""
 
 
+# In the order of GLM-5's pipeline, then the tools around it.
 app.command("init-model", help=init_model.__doc__)(init_model.init_model)
-shards.app.command("import", help=shards_import.__doc__)(shards_import.shards_import)
-app.add_typer(shards.app, name="shards")
-app.command("judge", help=judge.__doc__)(judge.judge)
-app.command("rollout", help=rollout.__doc__)(rollout.rollout)
-app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
-app.command("diff-logprobs", help=diff_logprobs.__doc__)(diff_logprobs.diff_logprobs)
 app.command("qat", help=qat.__doc__)(qat.qat)
-app.command("quantize", help=quantize.__doc__)(quantize.quantize)
-app.add_typer(recipe.app, name="recipe")
-app.command("plan", help=plan.__doc__)(plan.plan)
+app.command("rollout", help=rollout.__doc__)(rollout.rollout)
+app.command("judge", help=judge.__doc__)(judge.judge)
+app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
 app.command("sync-weights", help=sync_weights.__doc__)(sync_weights.sync_weights)
 app.command("serve", help=serve.__doc__)(serve.serve)
 app.command("score-teacher", help=score_teacher.__doc__)(score_teacher.score_teacher)
 app.command("opd-merge", help=opd_merge.__doc__)(opd_merge.opd_merge)
+app.command("quantize", help=quantize.__doc__)(quantize.quantize)
+app.command("diff-logprobs", help=diff_logprobs.__doc__)(diff_logprobs.diff_logprobs)
+shards.app.command("import", help=shards_import.__doc__)(shards_import.shards_import)
+app.add_typer(shards.app, name="shards")
+app.add_typer(recipe.app, name="recipe")
+app.command("plan", help=plan.__doc__)(plan.plan)
 
 
 class _LogsToStderr(logging.Logger):

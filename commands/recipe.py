@@ -208,10 +208,10 @@ def trainer_config_errors(stage: str, values: dict[str, Any]) -> list[str]:
     """Run the trainer's own ``validate()`` and DeepSpeed-config checks on the section's values."""
     from glmpost.distributed import OptimizerConfig, deepspeed_config
     from glmpost.sft import SFTConfig
-    from glmpost.trainer import GRPOConfig
+    from glmpost.trainer import GRPOConfig, OPDConfig
 
     errors = []
-    config_class = {"train-grpo": GRPOConfig, "qat": SFTConfig, "opd-merge": GRPOConfig}.get(stage)
+    config_class = {"train-grpo": GRPOConfig, "qat": SFTConfig, "opd-merge": OPDConfig}.get(stage)
     if config_class is not None:
         names = {f.name for f in fields(config_class)}
         kwargs = {k: v for k, v in values.items() if k in names and v is not None}

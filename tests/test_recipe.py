@@ -52,6 +52,7 @@ BAD = [
     ("[rollout]\nprompts-per-shard = 2\ngroup-size = 2\n[train-grpo]\nmini-batches = 8\n",
      "[train-grpo] mini-batches 8 exceeds the prompts-per-shard 2 x group-size 2 = 4 trajectories per update"),
     ("[rollout]\ngroup-size = 1\n[train-grpo]\n", "[rollout] group-size 1 with [train-grpo]: GRPO needs at least 2"),
+    ("[opd-merge]\nloss = \"forward-kl\"\n", "[opd-merge] loss = 'forward-kl' is not one of sampled, topk"),
     ("[qat]\nbatch-size = 30\n", None),  # fine on one rank (see test_ranks_enter_the_arithmetic)
     ("rollout = 3\n", "[rollout] must be a table"),
 ]
