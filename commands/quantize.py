@@ -26,6 +26,7 @@ import typer
 from glmpost.checkpoints import (
     MANIFEST,
     CheckpointManifest,
+    model_skeleton,
     read_manifest,
     resolve_checkpoint,
     tokenizer_revision,
@@ -45,22 +46,6 @@ from glmpost.errors import GlmpostError, UsageError
 
 STAGE = "quantize"
 _SKIP_FILES = {MANIFEST, "stage.json", "metrics.jsonl", "config.json", "model.safetensors.index.json"}
-
-
-def _skeleton(directory: Path, config: dict):
-    """The model's module tree on the meta device (no weights are read or allocated)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model_config = AutoConfig.from_pretrained(str(directory))
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(model_config)
-    except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise GlmpostError(f"{directory}: model architecture does not load ({first})") from None
 
 
 def _open_weights(path: Path):
@@ -143,7 +128,7 @@ def quantize(
                 shapes[key] = tuple(sf.get_slice(key).get_shape())
     chosen: list[str] = []
     if scheme != "none":
-        candidates = candidates_from_model(_skeleton(src, model_config), shapes)
+        candidates = candidates_from_model(model_skeleton(src), shapes)
         chosen = select_targets(candidates, targets=targets, include=include, exclude=exclude)
         if not chosen:
             raise UsageError("no layer selected for quantization (check --targets/--include/--exclude)")

@@ -259,6 +259,21 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     return model.to(device).eval()
 
 
+def model_skeleton(config_dir: Path):
+    """The architecture of ``config_dir/config.json`` on the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        config = AutoConfig.from_pretrained(str(config_dir))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{config_dir}/config.json: model architecture does not load ({_first_line(exc)})") from None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -43,6 +43,7 @@ from glmpost.checkpoints import (
     TOKENIZER_FILES,
     CheckpointError,
     CheckpointRoot,
+    model_skeleton,
     read_manifest,
     resolve_checkpoint,
     version_dir_name,
@@ -158,22 +159,6 @@ def resolve_source(checkpoint: Path | str, base: Path | str | None = None) -> Tr
 
 
 # ---------------------------------------------------------------------------------------- convert
-
-
-def model_skeleton(config_dir: Path):
-    """The architecture of ``config_dir/config.json`` on the meta device (nothing allocated)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        config = AutoConfig.from_pretrained(str(config_dir))
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise GlmpostError(f"{config_dir}/config.json: model architecture does not load ({first})") from None
 
 
 def to_disk_names(skeleton, state: dict) -> dict:

@@ -99,36 +99,46 @@ class PreparedBatch:
     groups: int = 0
 
 
-def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6) -> PreparedBatch:
-    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted."""
+def usable_records(records: Sequence[dict[str, Any]], *, need_reward: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The records an update trains on, and how many of the rest were excluded and why: a failed
+    rollout (status), a NaN reward (only when the update uses rewards), no action token."""
     excluded = {"nan_reward": 0, "status": 0, "no_actions": 0}
     usable = []
     for record in records:
         if record["status"] not in TRAINABLE_STATUSES:
             excluded["status"] += 1
-        elif not math.isfinite(record["reward"]):
+        elif need_reward and not math.isfinite(record["reward"]):
             excluded["nan_reward"] += 1
-        elif not record["action_mask"].any():
+        elif not (record["action_mask"] & ~record["observation_mask"]).any():
             excluded["no_actions"] += 1
         else:
             usable.append(record)
+    return usable, excluded
+
+
+def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> TrainExample:
+    """A record as the trainer sees it: prompt + response ids, the action tokens it optimises."""
+    return TrainExample(
+        input_ids=record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist(),
+        prompt_length=len(record["prompt_token_ids"]),
+        action_mask=record["action_mask"] & ~record["observation_mask"],
+        rollout_log_probs=record["rollout_log_probs"],
+        advantage=float(advantage),
+        group_id=record["group_id"],
+        **extra,
+    )
+
+
+def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6) -> PreparedBatch:
+    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted."""
+    usable, excluded = usable_records(records, need_reward=True)
     rewards = np.array([r["reward"] for r in usable], dtype=np.float64)
     groups = [r["group_id"] for r in usable]
     if usable:
         advantages, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
     else:
         advantages, zero_signal = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-    examples = [
-        TrainExample(
-            input_ids=r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(),
-            prompt_length=len(r["prompt_token_ids"]),
-            action_mask=r["action_mask"] & ~r["observation_mask"],
-            rollout_log_probs=r["rollout_log_probs"],
-            advantage=float(a),
-            group_id=g,
-        )
-        for r, a, g in zip(usable, advantages.tolist(), groups)
-    ]
+    examples = [train_example(r, a) for r, a in zip(usable, advantages.tolist())]
     zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
     return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
 
@@ -462,17 +472,7 @@ def prepare_opd_batch(
     advantage weight, records with a NaN reward are too, and the task advantage is GRPO's group
     advantage over ``group_id`` (0 for a group of one).
     """
-    excluded = {"nan_reward": 0, "status": 0, "no_actions": 0}
-    usable = []
-    for record in records:
-        if record["status"] not in TRAINABLE_STATUSES:
-            excluded["status"] += 1
-        elif task_advantage_weight > 0 and not math.isfinite(record["reward"]):
-            excluded["nan_reward"] += 1
-        elif not (record["action_mask"] & ~record["observation_mask"]).any():
-            excluded["no_actions"] += 1
-        else:
-            usable.append(record)
+    usable, excluded = usable_records(records, need_reward=task_advantage_weight > 0)
     groups = [r["group_id"] for r in usable]
     rewards = np.array([r["reward"] for r in usable if "reward" in r], dtype=np.float64)
     advantages = [0.0] * len(usable)
@@ -483,17 +483,8 @@ def prepare_opd_batch(
         zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
     fields = ("teacher_log_probs",) + (("teacher_topk_ids", "teacher_topk_log_probs") if loss == "topk" else ())
     examples = [
-        TrainExample(
-            input_ids=r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(),
-            prompt_length=len(r["prompt_token_ids"]),
-            action_mask=r["action_mask"] & ~r["observation_mask"],
-            rollout_log_probs=r["rollout_log_probs"],
-            advantage=float(a),
-            group_id=r["group_id"],
-            domain=r.get("domain", ""),
-            teacher=str(r["teacher"].get("id", "")),
-            token_fields={name: r[name] for name in fields},
-        )
+        train_example(r, a, domain=r.get("domain", ""), teacher=str(r["teacher"].get("id", "")),
+                      token_fields={name: r[name] for name in fields})
         for r, a in zip(usable, advantages)
     ]
     return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
