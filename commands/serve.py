@@ -4,7 +4,9 @@ POST /generate (input_ids, sampling_params with sampling_seed, return_logprob, l
 top_logprobs_num; max_new_tokens 0 scores the input only), POST /update_weights_from_disk
 (model_path, weight_version, flush_cache, abort_all_requests; a checkpoint of another architecture
 or tokenizer revision, or with missing tensors, is refused and the old weights stay), GET
-/get_weight_version, GET /model_info (model path, weight version, tokenizer revision), GET /health.
+/get_weight_version, GET /model_info (model path, weight version, tokenizer revision), GET /health,
+GET /get_server_info (the model info and counters since start: requests, engine batches,
+sequences, generated tokens, seconds the engine was busy).
 Answers are shaped as SGLang shapes them, so `rollout --engine sglang`, `score-teacher` and
 `sync-weights` work against this server and real SGLang servers alike.
 

@@ -17,7 +17,9 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
 * ``POST /update_weights_from_disk``: ``model_path``, ``weight_version``, ``flush_cache``,
   ``abort_all_requests``; answer ``{"success", "message", "num_paused_requests"}`` (HTTP 400 when
   refused; the old weights stay).
-* ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``.
+* ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``; ``GET /get_server_info``: the
+  model info, and counters since start (requests, engine batches, sequences, generated tokens,
+  seconds the engine was busy).
 
 One worker thread owns the :class:`~glmpost.engine.LocalEngine`; HTTP threads only parse, queue and
 wait. Concurrent single-sequence requests are merged into one engine batch (up to ``batch_size``); a
@@ -156,7 +158,9 @@ class EngineServer:
         self._peak_now = 0
         self._last_arrival = 0.0
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
-        self.stats = {"requests": 0, "sequences": 0, "generated_tokens": 0, "batches": 0}
+        # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
+        # and tokens generated, and the seconds the engine spent running batches.
+        self.stats = {"requests": 0, "batches": 0, "sequences": 0, "generated_tokens": 0, "engine_busy_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,6 +242,10 @@ class EngineServer:
             with self._cond:
                 self._inflight -= 1
                 self._cond.notify_all()
+
+    def server_info(self) -> dict:
+        """``GET /get_server_info``: what ``/model_info`` says, and the counters since start."""
+        return {**self.model_info(), "batch_wait_s": self.batch_wait_s, "stats": {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}}
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
@@ -328,6 +336,8 @@ class EngineServer:
             except Exception as exc:  # the engine failed on this batch: answer 500, keep serving
                 for j in jobs:
                     j.error = RequestError(f"engine error: {type(exc).__name__}: {exc}", 500)
+            if job.kind == "generate":
+                self.stats["requests"] += sum(j.error is None for j in jobs)
             for j in jobs:
                 j.done.set()
 
@@ -393,7 +403,6 @@ class EngineServer:
             outs = engine.generate([items[i].prompt for i in idx], None, items[idx[0]].params,
                                    seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1])
             completions.update(zip(idx, outs))
-        self.stats["batches"] += 1
         latency = time.perf_counter() - started
         for i, it in enumerate(items):
             completion = completions.get(i)
@@ -420,9 +429,10 @@ class EngineServer:
                     meta["input_top_logprobs"] = [None] + ([_top_rows(ids, lps) for ids, lps in zip(s.top_ids, s.top_log_probs)]
                                                            if s else [])
             it.result = {"text": loaded.tokenizer.decode(out_ids), "output_ids": out_ids, "meta_info": meta}
-            self.stats["sequences"] += 1
             self.stats["generated_tokens"] += len(out_ids)
-        self.stats["requests"] += 1
+        self.stats["batches"] += 1
+        self.stats["sequences"] += len(items)
+        self.stats["engine_busy_s"] += time.perf_counter() - started
 
     def _update(self, payload: dict) -> dict:
         """Validate and load a checkpoint; swap it in only when everything checks out."""
@@ -532,12 +542,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, {"weight_version": self.engine.weight_version})
             elif method == "GET" and path in ("/model_info", "/get_model_info"):
                 self._send(200, self.engine.model_info())
+            elif method == "GET" and path == "/get_server_info":
+                self._send(200, self.engine.server_info())
             elif method == "POST" and path == "/generate":
                 self._send(200, self.engine.generate(self._body()))
             elif method == "POST" and path == "/update_weights_from_disk":
                 status, answer = self.engine.update_weights_from_disk(self._body())
                 self._send(status, answer)
-            elif path in ("/health", "/get_weight_version", "/model_info", "/generate", "/update_weights_from_disk"):
+            elif path in ("/health", "/get_weight_version", "/model_info", "/get_server_info", "/generate", "/update_weights_from_disk"):
                 self._error(405, f"{method} is not allowed on {path}")
             else:
                 self._error(404, f"no route {path}")

@@ -125,6 +125,31 @@ def test_generate_answers_as_sglang_shapes_them(server, engine):
     assert client.score(prompt, 3)["token_log_probs"] == scored.log_probs
 
 
+def test_concurrent_requests_are_batched_and_counted(server, engine):
+    """Single requests from 8 concurrent clients share engine batches; each answer is still the
+    one its own sampling_seed gives alone, and /get_server_info counts what was done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = SGLangClient(server, retries=0)
+    before = client.request("GET", "/get_server_info")
+    prompts = [[5 + i % 7, 6, 7, 8] for i in range(16)]
+
+    def one(i):
+        return client.generate(prompts[i], {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True,
+                                            "sampling_seed": 100 + i})["output_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        served = list(pool.map(one, range(16)))
+    after = client.request("GET", "/get_server_info")
+    alone = [engine.generate([p], None, SamplingParams(temperature=1.0, max_new_tokens=4), seeds=[100 + i])[0].token_ids
+             for i, p in enumerate(prompts)]
+    assert served == alone
+    delta = {key: after["stats"][key] - before["stats"][key] for key in after["stats"]}
+    assert (delta["requests"], delta["sequences"], delta["generated_tokens"]) == (16, 16, 64)
+    assert 2 <= delta["batches"] < 16  # merged: fewer engine batches than requests (at most 8 per batch)
+    assert delta["engine_busy_s"] > 0 and after["weight_version"] == "0" and after["batch_size"] == 8
+
+
 def test_bad_requests_are_json_errors_and_the_server_keeps_serving(server):
     client = SGLangClient(server, retries=0)
     for body, expected in [
