@@ -28,7 +28,8 @@ SPECS = {
     "w8a8-dynamic": make_spec("w8a8-dynamic"),
     "fp8-block": make_spec("fp8-block"),
 }
-SHAPES = [(256, 256), (136, 264), (2, 130, 200), (1, 8), (129, 1000), (3, 5, 384)]
+# (3, 256, 128): whole 128x128 blocks, one block row per chunk (fp8's block-row path)
+SHAPES = [(256, 256), (136, 264), (2, 130, 200), (1, 8), (129, 1000), (3, 5, 384), (3, 256, 128)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -88,10 +89,12 @@ def test_fast_path_equals_reference_over_shapes_dtypes_and_seeds(name, small_chu
 def test_fast_path_equals_reference_at_default_chunk_size(name):
     spec = SPECS[name]
     for seed in range(3):
-        for shape in [(512, 1024), (300, 520), (2, 256, 136)]:
+        # (3, 256, 512): fp8 chunks of 4 block rows that span two of the 3 matrices
+        for shape in [(512, 1024), (300, 520), (2, 256, 136), (3, 256, 512)]:
             if _applies(spec, shape):
                 w = _weight(shape, torch.bfloat16, seed)
-                _assert_same(_quantize(w, spec), _quantize_reference(w, spec))
+                for need_mask in (False, True):
+                    _assert_same(_quantize(w, spec, need_mask), _quantize_reference(w, spec, need_mask))
 
 
 def _edge_weight(dtype) -> torch.Tensor:
@@ -117,6 +120,25 @@ def test_fast_path_equals_reference_on_edge_values(name, dtype, small_chunks):
     w = _edge_weight(dtype)
     for need_mask in (False, True):
         _assert_same(_quantize(w, spec, need_mask), _quantize_reference(w, spec, need_mask))
+
+
+def test_fp8_fast_path_needs_no_clamp_on_any_block_scale():
+    """The chunked fp8 path skips the reference's clamp to +-448: w / (absmax / 448) exceeds 448 by
+    rounding only, far below 464 where e4m3fn's cast stops rounding to 448. Blocks whose absmax
+    spans 2^-140 .. 2^120 (fp32 subnormals included), with inf and NaN blocks, equal the reference."""
+    spec = SPECS["fp8-block"]
+    g = torch.Generator().manual_seed(0)
+    absmax = torch.exp2(torch.empty(64).uniform_(-140, 120, generator=g)) * (1 + torch.rand(64, generator=g))
+    quotient = absmax / (absmax / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    assert quotient.max().item() < 448.0 * (1 + 2**-20)
+    blocks = torch.rand(64, 128, 128, generator=g) * 2 - 1
+    blocks = blocks / blocks.abs().amax(dim=(1, 2), keepdim=True) * absmax.view(-1, 1, 1)  # absmax reached
+    w = blocks.reshape(8, 8, 128, 128).permute(0, 2, 1, 3).reshape(1024, 1024).contiguous()
+    w[0, 5], w[200, 300], w[900, 1000] = float("inf"), float("-inf"), float("nan")
+    (codes, scale, _), (ref_codes, ref_scale, _) = _quantize(w, spec), _quantize_reference(w, spec)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))  # bitwise: NaN scales too
+    assert scale.isnan().sum() == 1 and scale.isinf().sum() == 2
 
 
 def test_half_ties_round_to_even_in_the_fast_path():

@@ -187,6 +187,10 @@ def _quantize_blocks(w: torch.Tensor, spec: QuantSpec, need_mask: bool):
     scale = torch.empty(w3.shape[0], nr, nc, dtype=torch.float32)
     in_range = torch.empty(w3.shape, dtype=torch.bool) if need_mask else None
     width = max(1, _CHUNK_ELEMS // (br * bc)) * bc  # columns per chunk, whole blocks
+    if rows % br == 0 and cols % bc == 0 and cols <= width:
+        _quantize_block_rows(w3, br, bc, codes, scale, in_range)
+        out_mask = in_range.reshape(w.shape) if in_range is not None else None
+        return codes.reshape(w.shape), scale.reshape(*w.shape[:-2], nr, nc), out_mask
     buf, ibuf = _scratch(min(rows, br) * min(cols, width))
     for lead in range(w3.shape[0]):
         for i in range(nr):
@@ -211,9 +215,36 @@ def _quantize_blocks(w: torch.Tensor, spec: QuantSpec, need_mask: bool):
                     q[:, full * bc:].div_(s[full])
                 if in_range is not None:
                     torch.lt(q.abs(), _FP8_SATURATE, out=in_range[lead, r0:r1, c0:c1])
-                codes[lead, r0:r1, c0:c1] = q.clamp_(-FP8_MAX, FP8_MAX)  # the cast rounds to nearest even
+                # The reference clamps to +-448 before the cast; here no element can exceed it by
+                # more than rounding (|w| <= absmax, scale = absmax / 448 rounded), and e4m3fn's
+                # cast rounds everything below 464 to at most 448, so the clamp cannot change a bit
+                # and is skipped. The cast rounds to nearest even.
+                codes[lead, r0:r1, c0:c1] = q
     out_mask = in_range.reshape(w.shape) if in_range is not None else None
     return codes.reshape(w.shape), scale.reshape(*w.shape[:-2], nr, nc), out_mask
+
+
+def _quantize_block_rows(w3: torch.Tensor, br: int, bc: int, codes: torch.Tensor, scale: torch.Tensor,
+                         in_range: torch.Tensor | None) -> None:
+    """:func:`_quantize_blocks` when whole blocks tile the matrix and a block row fits a chunk:
+    several block rows (of every leading index) per chunk, as ``[k, br, nc, bc]`` views, so a
+    narrow matrix takes a few large steps instead of one small step per block row."""
+    lead, rows, cols = w3.shape
+    nc = cols // bc
+    blocks = w3.reshape(lead * rows // br, br, nc, bc)  # block row r of matrix l is row l * nr + r
+    out = codes.view(blocks.shape)
+    flat_scale = scale.view(-1, nc)
+    mask = in_range.view(blocks.shape) if in_range is not None else None
+    step = max(1, _CHUNK_ELEMS // (br * cols))
+    buf, ibuf = _scratch(min(blocks.shape[0], step) * br * cols)
+    for b0 in range(0, blocks.shape[0], step):
+        x = blocks[b0:b0 + step]
+        s = _scale_from_absmax(_abs_max(x, (1, 3), ibuf), FP8_MAX, torch.float32)
+        flat_scale[b0:b0 + step] = s
+        q = buf[: x.numel()].view(x.shape).copy_(x).div_(s.view(-1, 1, nc, 1))
+        if mask is not None:
+            torch.lt(q.abs(), _FP8_SATURATE, out=mask[b0:b0 + step])
+        out[b0:b0 + step] = q  # no clamp needed: see _quantize_blocks
 
 
 def _quantize(w: torch.Tensor, spec: QuantSpec, need_mask: bool = False):
