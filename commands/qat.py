@@ -11,7 +11,7 @@ experts only (`moe-only`); embeddings, lm_head, the MoE router and the DSA index
 
 The new version (parent's policy version + 1) is written under --out (a checkpoint root, float master
 weights, the scheme recorded in glmpost.json) and LATEST moves to it. Runs under `torchrun` /
-`deepspeed` with ZeRO 1-2 like train-grpo. A run interrupted after --save-every steps continues with
+`deepspeed` with ZeRO 1-3 like train-grpo. A run interrupted after --save-every steps continues with
 --resume (no step is repeated; the result equals an uninterrupted run). metrics.jsonl: loss per step,
 held-out loss (--eval) before and after, and per-layer quantization error (SQNR, max |error|).
 """
@@ -114,7 +114,7 @@ def qat(
     grad_clip: float = typer.Option(1.0, "--grad-clip", min=0.0, help="Clip the global gradient norm to this; 0 disables."),
     chunk_size: int = typer.Option(512, "--chunk-size", min=1, help="Positions per chunk of the log-prob computation."),
     seed: int = typer.Option(0, "--seed", help="Seed of the data shuffling."),
-    zero_stage: int | None = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (1 or 2)."),
+    zero_stage: int | None = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (1, 2 or 3)."),
     deepspeed_config: Path | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON config."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N]."),
     deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic algorithms (torch, cuBLAS, HCCL switches)."),

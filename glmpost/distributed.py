@@ -123,6 +123,15 @@ class DeepSpeedBackend:
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
 
     def backward(self, loss: torch.Tensor) -> None:
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        # The trainer runs the module itself, not ``engine(...)``, whose forward starts each micro-
+        # batch by clearing the ZeRO optimizer's backward flag. ZeRO-3 counts micro-batches there:
+        # without it every backward *overwrites* the reduced gradient partitions (copy semantics of
+        # micro-step 0) and a mini-batch trains on its last micro-batch only. Nothing runs backward
+        # between the forward and here, so clearing it now is the same.
+        if isinstance(self.engine.optimizer, ZeROOptimizer):
+            self.engine.optimizer.clear_backward_seen_flag()
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self) -> float:
@@ -184,13 +193,10 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None) 
     if zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = zero_stage
     ds.setdefault("zero_optimization", {"stage": 1})
-    if int(ds["zero_optimization"].get("stage", 0)) == 3:
-        # ZeRO-3 gathers a parameter per module call and reduces its gradient when its hooks say it
-        # is done; the chunked log-prob path calls the LM head once per chunk (and again in the
-        # checkpointed backward), and on the tiny MoE model ZeRO-3's gradients then differ from the
-        # single-process ones. Refused until that is fixed and tested, rather than train wrongly.
-        source = f"--deepspeed {path}" if path is not None and zero_stage is None else "--zero-stage 3"
-        raise UsageError(f"{source}: ZeRO stage 3 is not supported by glmpost's trainer yet; use ZeRO stage 1 or 2")
+    stage = ds["zero_optimization"].get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        source = f"--deepspeed {path}: zero_optimization.stage" if path is not None and zero_stage is None else "--zero-stage"
+        raise UsageError(f"{source} {stage!r}: ZeRO stages are 0, 1, 2 and 3")
     ds.setdefault("train_micro_batch_size_per_gpu", 1)  # glmpost feeds its own micro-batches
     ds.setdefault("gradient_accumulation_steps", 1)
     ds["managed_gradient_accumulation"] = False

@@ -34,8 +34,16 @@ def test_bad_configs_are_usage_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(UsageError, match="invalid JSON"):
         deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "bad.json")
-    with pytest.raises(UsageError, match="--zero-stage 3: ZeRO stage 3 is not supported"):
-        deepspeed_config(GRPOConfig(), zero_stage=3, path=None)
-    (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(UsageError, match=f"--deepspeed {tmp_path / 'z3.json'}: ZeRO stage 3"):
-        deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z3.json")
+    (tmp_path / "z4.json").write_text(json.dumps({"zero_optimization": {"stage": 4}}))
+    with pytest.raises(UsageError, match=f"--deepspeed {tmp_path / 'z4.json'}: zero_optimization.stage 4: ZeRO stages are 0, 1, 2 and 3"):
+        deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z4.json")
+    (tmp_path / "zs.json").write_text(json.dumps({"zero_optimization": {"stage": "3"}}))
+    with pytest.raises(UsageError, match="stage '3'"):
+        deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "zs.json")
+
+
+def test_zero3_is_accepted_from_the_flag_or_a_file(tmp_path):
+    assert deepspeed_config(GRPOConfig(), zero_stage=3, path=None)["zero_optimization"] == {"stage": 3}
+    (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}))
+    ds = deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z3.json")
+    assert ds["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 0}

@@ -73,17 +73,19 @@ def test_resume_after_a_kill_repeats_no_step_and_matches_an_uninterrupted_run(gl
         np.testing.assert_array_equal(two[key], one[key], err_msg=key)
 
 
-def test_two_deepspeed_zero2_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp_path, one_thread):
-    """Same QAT update on 1 process (torch AdamW) and on 2 gloo ranks under ZeRO-2 (each rank holds half
-    of every batch; the loss is normalised by the global token count, so the gradient is the same)."""
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_two_deepspeed_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp_path, one_thread, stage):
+    """Same QAT update on 1 process (torch AdamW) and on 2 gloo ranks under ZeRO-2 and ZeRO-3 (each
+    rank holds half of every batch; the loss is normalised by the global token count, so the
+    gradient is the same; ZeRO-3 also partitions the weights the fake quantizer reads)."""
     common = [str(DATA / "sft-train.jsonl"), "--checkpoint", str(tiny_checkpoint), "--scheme", "w4a16", "--group-size", "16",
               "--lr", "3e-3", "--epochs", "1", "--batch-size", "16", "--micro-batch-size", "4", "--json"]
     single = glmpost_cli("qat", *common, "--out", tmp_path / "single")
     assert single.exit_code == 0, single.stderr
     env = {**one_thread, "DS_ACCELERATOR": "cpu"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    result = subprocess.run(torchrun + ["-m", "glmpost.commands.app", "qat", *common, "--out", str(tmp_path / "zero2"),
-                                        "--zero-stage", "2"], check=False, capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(torchrun + ["-m", "glmpost.commands.app", "qat", *common, "--out", str(tmp_path / f"zero{stage}"),
+                                        "--zero-stage", stage], check=False, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks, one_rank = json.loads(result.stdout.strip().splitlines()[-1]), json.loads(single.stdout)
     assert ranks["steps"] == one_rank["steps"] == 5
@@ -91,7 +93,7 @@ def test_two_deepspeed_zero2_ranks_match_one_process(glmpost_cli, tiny_checkpoin
     # gloo all-reduce); after 5 AdamW steps at lr 3e-3 weights agree to ~1e-6, far below one step (3e-3)
     assert ranks["loss_last"] == pytest.approx(one_rank["loss_last"], rel=1e-5, abs=1e-7)
     one = load_file(tmp_path / "single" / "v000001" / "model.safetensors")
-    two = load_file(tmp_path / "zero2" / "v000001" / "model.safetensors")
+    two = load_file(tmp_path / f"zero{stage}" / "v000001" / "model.safetensors")
     assert set(one) == set(two)
     for key in one:
         np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)

@@ -46,7 +46,8 @@ BAD = [
     ("[shards.inspect]\nx = 1\n", "unknown section [shards.inspect]"),  # a command without a recipe section
     ("[train-grpo]\neps-low = 1.5\n", "[train-grpo] eps-low = 1.5 is out of range"),
     ("[train-grpo]\nicepop-beta = 0.5\n", "[train-grpo] icepop-beta = 0.5 is out of range"),
-    ("[train-grpo]\nzero-stage = 3\n", "[train-grpo] --zero-stage 3: ZeRO stage 3 is not supported"),
+    ("[train-grpo]\nzero-stage = 4\n", "[train-grpo] zero-stage: Invalid value for '--zero-stage'"),
+    ("[train-grpo]\nzero-stage = 3\n", None),
     ("[rollout]\nprompts-per-shard = 10\ngroup-size = 8\n[train-grpo]\nmini-batches = 3\n",
      "[train-grpo] mini-batches 3 does not divide the prompts-per-shard 10 x group-size 8 = 80 trajectories per update"),
     ("[rollout]\nprompts-per-shard = 2\ngroup-size = 2\n[train-grpo]\nmini-batches = 8\n",

@@ -132,7 +132,7 @@ def test_two_deepspeed_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp
     assert single.exit_code == 0, single.stderr
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    for stage in ("1", "2"):
+    for stage in ("1", "2", "3"):
         result = subprocess.run(torchrun + ["-m", "glmpost.commands.app", "train-grpo", *common, "--out", str(tmp_path / f"zero{stage}"),
                                             "--zero-stage", stage], capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -143,6 +143,41 @@ def test_two_deepspeed_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp
         two = load_file(tmp_path / f"zero{stage}" / "v000001" / "model.safetensors")
         for key in one:
             np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_zero3_ranks_killed_mid_run_resume_to_the_uninterrupted_weights(glmpost_cli, tiny_checkpoint, tmp_path):
+    """Two ZeRO-3 ranks (weights, gradients and optimizer states partitioned) killed after a resume
+    point continue from DeepSpeed's partitioned checkpoint to exactly the uninterrupted run's weights."""
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    common = [str(judged), "--checkpoint", str(tiny_checkpoint), "--lr", "1e-3", "--epochs", "12", "--mini-batches", "2",
+              "--micro-batch-size", "3", "--zero-stage", "3"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*args: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                "-m", "glmpost.commands.app", "train-grpo", *common, *args]
+
+    straight = subprocess.run(torchrun("--out", str(tmp_path / "straight")), capture_output=True, text=True, env=env, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    root = tmp_path / "resumed"
+    state = root / ".staging-v000001" / "trainer_state" / "resume.pt"
+    process = subprocess.Popen(torchrun("--out", str(root), "--save-every", "3"), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 300
+    while not state.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks
+    process.wait()
+    assert state.exists() and not (root / "v000001").exists(), "the run finished before it could be interrupted"
+    assert json.loads(state.read_text())["step"] > 0
+    resumed = subprocess.run(torchrun("--out", str(root), "--resume"), capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["train/step"] for line in (root / "v000001" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(24))
+    one, two = load_file(tmp_path / "straight" / "v000001" / "model.safetensors"), load_file(root / "v000001" / "model.safetensors")
+    for key in one:
+        np.testing.assert_array_equal(two[key], one[key], err_msg=key)
 
 
 def _free_port() -> int:
