@@ -162,13 +162,20 @@ def test_zero3_ranks_killed_mid_run_resume_to_the_uninterrupted_weights(glmpost_
     root = tmp_path / "resumed"
     state = root / ".staging-v000001" / "trainer_state" / "resume.pt"
     process = subprocess.Popen(torchrun("--out", str(root), "--save-every", "3"), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+                               stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
     while not state.exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.05)
     time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks
+    ranks = _descendants(process.pid)
+    assert len(ranks) >= 2, ranks
+    for pid in [*ranks, process.pid]:  # the ranks (torchrun starts each in its own session), the launcher
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
+    time.sleep(1.0)  # nothing left running could still publish
     assert state.exists() and not (root / "v000001").exists(), "the run finished before it could be interrupted"
     assert json.loads(state.read_text())["step"] > 0
     resumed = subprocess.run(torchrun("--out", str(root), "--resume"), capture_output=True, text=True, env=env, timeout=600)
@@ -178,6 +185,19 @@ def test_zero3_ranks_killed_mid_run_resume_to_the_uninterrupted_weights(glmpost_
     one, two = load_file(tmp_path / "straight" / "v000001" / "model.safetensors"), load_file(root / "v000001" / "model.safetensors")
     for key in one:
         np.testing.assert_array_equal(two[key], one[key], err_msg=key)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
 
 
 def _free_port() -> int:
