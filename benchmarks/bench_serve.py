@@ -53,7 +53,7 @@ def main(argv=None):
     parser.add_argument("--concurrency", type=int, default=8, help="client threads (and the local side's batch)")
     parser.add_argument("--batch-size", type=int, default=32, help="the server's --batch-size")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 keeps torch's default)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--in-process", action="store_true",

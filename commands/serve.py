@@ -14,18 +14,22 @@ One engine thread runs the model: concurrent requests are batched (up to --batch
 request runs exactly as the in-process engine runs the same list, so with the same seeds the server
 reproduces `rollout --engine local` bit for bit. Listens on loopback by default; --port 0 picks a
 free port. When ready it prints one line `glmpost serve: listening on http://HOST:PORT` to stdout.
-SIGTERM or SIGINT stops it cleanly (queued requests are answered with HTTP 503).
+SIGTERM or SIGINT stops it cleanly (queued requests are answered with HTTP 503). --metrics FILE
+appends the counters as JSONL (serve/requests, serve/batches, serve/sequences,
+serve/generated_tokens, serve/engine_busy_s, serve/tokens_per_s over the interval,
+serve/weight_version, serve/uptime_s) every --metrics-interval seconds and once at stop.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from glmpost.commands.common import config_option, log
+from glmpost.commands.common import MetricsWriter, config_option, log
 from glmpost.errors import UsageError
 from glmpost.npu import resolve_device
 
@@ -50,6 +54,11 @@ def serve(
         help="DSA indexer top-k with ties to the lower position (as rollout and training); --torch-topk keeps torch.topk's tie order.",
     ),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request to stderr."),
+    metrics: Optional[Path] = typer.Option(
+        None, "--metrics", dir_okay=False,
+        help="Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.",
+    ),
+    metrics_interval: float = typer.Option(10.0, "--metrics-interval", min=0.1, help="Seconds between --metrics lines."),
     config: Optional[Path] = config_option(),
 ) -> None:
     from glmpost.server import (
@@ -59,6 +68,12 @@ def serve(
         serve_until_signalled,
     )
 
+    metrics_writer = None
+    if metrics is not None:
+        try:
+            metrics_writer = MetricsWriter(metrics)
+        except OSError as exc:
+            raise UsageError(f"--metrics {metrics}: cannot open for appending ({exc.strerror or exc})") from None
     torch_device = resolve_device(device)
     engine = EngineServer(checkpoint, device=torch_device, batch_size=batch_size, deterministic_topk=deterministic_topk,
                           weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
@@ -75,7 +90,29 @@ def serve(
         sys.stdout.write(f"glmpost serve: listening on http://{shown}:{bound_port}\n")
         sys.stdout.flush()
 
-    serve_until_signalled(engine, server, on_ready=ready)
+    started = time.monotonic()
+    last = {"time": started, "generated_tokens": 0}
+
+    def write_metrics(final: bool) -> None:
+        now, stats = time.monotonic(), dict(engine.stats)
+        interval = max(now - last["time"], 1e-9)
+        try:
+            metrics_writer.write(
+                **{f"serve/{k}": (round(v, 6) if isinstance(v, float) else v) for k, v in stats.items()},
+                **{"serve/uptime_s": round(now - started, 3), "serve/weight_version": engine.weight_version,
+                   "serve/tokens_per_s": round((stats["generated_tokens"] - last["generated_tokens"]) / interval, 3),
+                   "serve/final": final},
+            )
+        except OSError as exc:  # a full disk must not take the server down
+            log(f"--metrics {metrics}: cannot write ({exc.strerror or exc}); serving on")
+        last.update(time=now, generated_tokens=stats["generated_tokens"])
+
+    try:
+        serve_until_signalled(engine, server, on_ready=ready, on_tick=write_metrics if metrics_writer else None,
+                              tick_s=metrics_interval)
+    finally:
+        if metrics_writer is not None:
+            metrics_writer.close()
     stats = engine.stats
     log(f"stopped after {stats['batches']} engine batches, {stats['sequences']} sequences, "
         f"{stats['generated_tokens']} generated tokens")

@@ -578,8 +578,10 @@ def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool 
     return server
 
 
-def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, on_ready=None) -> None:
-    """Serve until SIGTERM or SIGINT, then stop accepting, fail queued work with 503, and return."""
+def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, on_ready=None, on_tick=None,
+                          tick_s: float = 10.0) -> None:
+    """Serve until SIGTERM or SIGINT, then stop accepting, fail queued work with 503, and return.
+    ``on_tick(final)`` runs every ``tick_s`` seconds and once more (``final`` True) after the stop."""
     import signal
 
     stop = threading.Event()
@@ -590,14 +592,19 @@ def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, 
     try:
         if on_ready is not None:
             on_ready()
-        while not stop.wait(0.5):
-            pass
+        next_tick = time.monotonic() + tick_s
+        while not stop.wait(min(0.5, max(0.0, next_tick - time.monotonic()))):
+            if on_tick is not None and time.monotonic() >= next_tick:
+                on_tick(False)
+                next_tick += tick_s
     finally:
         server.shutdown()
         server.server_close()
         engine.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if on_tick is not None:
+            on_tick(True)
 
 
 def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:

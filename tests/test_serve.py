@@ -150,6 +150,33 @@ def test_concurrent_requests_are_batched_and_counted(server, engine):
     assert delta["engine_busy_s"] > 0 and after["weight_version"] == "0" and after["batch_size"] == 8
 
 
+def test_metrics_file_gets_the_counters_periodically_and_at_stop(tiny_checkpoint, tmp_path):
+    metrics = tmp_path / "serve-metrics.jsonl"
+    proc, url = start_server(tiny_checkpoint, "--metrics", metrics, "--metrics-interval", "0.2")
+    try:
+        client = SGLangClient(url, retries=0)
+        for seed in (1, 2):
+            client.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed})
+        time.sleep(0.6)
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(lines) >= 3 and [line["serve/final"] for line in lines].count(True) == 1 and lines[-1]["serve/final"]
+    last = lines[-1]
+    assert (last["serve/requests"], last["serve/sequences"], last["serve/generated_tokens"]) == (2, 2, 6)
+    assert last["serve/weight_version"] == "0" and last["serve/engine_busy_s"] > 0 and last["serve/batches"] in (1, 2)
+    # tokens/s of each interval times its length adds up to the tokens generated
+    uptimes = [0.0] + [line["serve/uptime_s"] for line in lines]
+    assert sum(line["serve/tokens_per_s"] * (b - a) for line, a, b in zip(lines, uptimes, uptimes[1:])) == pytest.approx(6, rel=0.05)
+    assert all(a["serve/uptime_s"] <= b["serve/uptime_s"] for a, b in zip(lines, lines[1:]))
+
+
+def test_unwritable_metrics_file_is_a_one_line_usage_error(glmpost_cli, tiny_checkpoint, tmp_path):
+    result = glmpost_cli("serve", "--checkpoint", tiny_checkpoint, "--port", "0", "--metrics", tmp_path / "no" / "such" / "m.jsonl")
+    assert result.exit_code == 2 and "--metrics" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bad_requests_are_json_errors_and_the_server_keeps_serving(server):
     client = SGLangClient(server, retries=0)
     for body, expected in [
