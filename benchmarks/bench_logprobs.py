@@ -11,6 +11,10 @@ best-of or the paired ratio meets it.
 
     .venv/bin/python benchmarks/bench_logprobs.py --out runs/bench_logprobs.json
     .venv/bin/python benchmarks/bench_logprobs.py --chunk-sizes 256,512,1024 --entropy --backward
+
+With ``--backward`` the ``checkpointed`` rows add the path a head module with hooks or a
+parametrization takes (per-chunk checkpoints, a ``[V, H]`` partial weight gradient per chunk), next
+to the fused ``chunked`` path of a bare linear head (one weight-gradient buffer).
 """
 
 from __future__ import annotations
@@ -53,6 +57,21 @@ def chunked(hidden, weight, targets, *, temperature, entropy, chunk_size):
         chunk_size=chunk_size,
         return_entropy=entropy,
     )
+    return out.log_probs, out.entropy
+
+
+def checkpointed(hidden, weight, targets, *, temperature, entropy, chunk_size):
+    """The chunked path a head module with hooks or a parametrization takes (QAT's fake quant,
+    DeepSpeed ZeRO-3): each chunk checkpointed around the head, one ``[V, H]`` partial weight
+    gradient per chunk in backward; a bare linear head takes the fused path (``chunked``)."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from glmpost.logprobs import _chunked_log_probs
+
+    out = _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight), weight.shape[0], targets, mask=None,
+                             temperature=temperature, chunk_size=chunk_size, return_entropy=entropy)
     return out.log_probs, out.entropy
 
 
@@ -185,6 +204,8 @@ def main(argv=None):
     methods = [("naive", naive, {})] + [
         (f"chunked[{c}]", chunked, {"chunk_size": c}) for c in chunk_sizes
     ]
+    if args.backward:  # the checkpointed path next to the fused one
+        methods += [(f"checkpointed[{c}]", checkpointed, {"chunk_size": c}) for c in chunk_sizes]
     rows, ref = [], None
     for name, fn, extra in methods:
         row, result = measure_peak(fn, tensors, device, backward=args.backward, **extra, **common)

@@ -19,11 +19,16 @@ Memory: positions are processed ``chunk_size`` rows at a time, so the largest li
 ``[chunk_size, V]`` float32 buffers. Without autograd the peak extra memory is
 ``~ 2 * chunk_size * V * 4`` bytes, against ``2 * T * V * 4`` for the naive
 ``log_softmax(logits.float()).gather`` (``benchmarks/bench_logprobs.py``: 0.6 GiB vs 4.7 GiB at
-T = 4096, V = 151,552, chunk 512). Under autograd each chunk's head + softmax runs inside a
-non-reentrant :func:`torch.utils.checkpoint`, so the graph keeps only the ``[chunk_size, H]``
-inputs per chunk and backward recomputes the chunk's logits (one extra head matmul per chunk);
-backward then holds a few ``[chunk_size, V]`` buffers plus the head's weight gradient and one
-per-chunk ``[V, H]`` partial gradient that autograd adds into it.
+T = 4096, V = 151,552, chunk 512). Under autograd the graph keeps no ``[chunk_size, V]`` tensor
+and backward recomputes each chunk's logits (one extra head matmul per chunk):
+
+* a bare ``nn.Linear`` head (or a weight given directly) goes through :class:`_FusedLinearLogProbs`,
+  whose backward adds every chunk's weight gradient into one ``[V, H]`` buffer and holds at most two
+  ``[chunk_size, V]`` float32 buffers;
+* any other head module (QAT's fake-quant parametrization, DeepSpeed ZeRO-3's gathering hooks) runs
+  each chunk's head + softmax inside a non-reentrant :func:`torch.utils.checkpoint`, so the module
+  is called as ``model(...)`` calls it; its backward also holds a per-chunk ``[V, H]`` partial
+  gradient that autograd adds into the weight's.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ def token_log_probs_from_hidden(
         temperature=temperature,
         chunk_size=chunk_size,
         return_entropy=return_entropy,
+        linear=(lm_head_weight, lm_head_bias),
     )
 
 
@@ -152,8 +158,9 @@ def sequence_log_probs(
     where ``p_tau = softmax(logits / temperature)`` is the distribution a rollout engine samples
     from at that temperature. Runs the decoder body once (``use_cache=False``), then applies the
     model's own LM head module chunk by chunk via the same code as
-    :func:`token_log_probs_from_hidden` (the module, not its weight, so fake-quant heads and
-    ZeRO-3 parameter gathering behave as in ``model(...)``). Gradients flow to the body and the
+    :func:`token_log_probs_from_hidden`: a bare ``nn.Linear`` head through the fused path, any other
+    head as a module call (so fake-quant heads and ZeRO-3 parameter gathering behave as in
+    ``model(...)``). Gradients flow to the body and the
     head when grad is enabled and equal those of ``log_softmax(model(...).logits.float())``.
 
     Args:
@@ -232,6 +239,7 @@ def sequence_log_probs(
         temperature=temperature,
         chunk_size=chunk_size,
         return_entropy=return_entropy,
+        linear=(head.weight, head.bias) if _plain_linear(head) else None,
     )
 
 
@@ -245,8 +253,13 @@ def _chunked_log_probs(
     temperature: float,
     chunk_size: int,
     return_entropy: bool,
+    linear: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> TokenLogProbs:
-    """Shared core: select the masked rows of ``hidden [..., H]``, score them chunk by chunk."""
+    """Shared core: select the masked rows of ``hidden [..., H]``, score them chunk by chunk.
+
+    ``linear = (weight, bias)`` says ``head`` is exactly ``F.linear(rows, weight, bias)``: under
+    autograd the rows then go through :class:`_FusedLinearLogProbs` (one weight-gradient buffer)
+    instead of per-chunk checkpoints around ``head``."""
     _check_temperature_and_chunk(temperature, chunk_size)
     lead = tuple(hidden.shape[:-1])
     if tuple(targets.shape) != lead:
@@ -274,6 +287,12 @@ def _chunked_log_probs(
                 f"target ids must lie in [0, {vocab_size}); got min {low}, max {high}"
             )
 
+    if torch.is_grad_enabled() and linear is not None:
+        log_prob_all, entropy_all = _FusedLinearLogProbs.apply(
+            rows, linear[0], linear[1], row_targets, temperature, chunk_size, return_entropy
+        )
+        return _assemble(lead, mask, [log_prob_all], [entropy_all] if return_entropy else [], return_entropy, hidden.device)
+
     chunk_fn = functools.partial(
         _chunk_log_probs, head=head, temperature=temperature, return_entropy=return_entropy
     )
@@ -290,15 +309,114 @@ def _chunked_log_probs(
             log_prob, entropy = chunk_fn(chunk_rows, chunk_targets)
         log_prob_parts.append(log_prob)
         entropy_parts.append(entropy)
+    return _assemble(lead, mask, log_prob_parts, entropy_parts, return_entropy, hidden.device)
 
+
+def _assemble(lead, mask, log_prob_parts, entropy_parts, return_entropy, device) -> TokenLogProbs:
+    """Per-row results back in ``lead`` shape (0.0 where ``mask`` is False)."""
     if mask is None:
-        mask = torch.ones(lead, dtype=torch.bool, device=hidden.device)
+        mask = torch.ones(lead, dtype=torch.bool, device=device)
         log_probs = torch.cat(log_prob_parts).reshape(lead)
         entropy = torch.cat(entropy_parts).reshape(lead) if return_entropy else None
     else:
         log_probs = _scatter_rows(torch.cat(log_prob_parts), mask)
         entropy = _scatter_rows(torch.cat(entropy_parts), mask) if return_entropy else None
     return TokenLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
+
+
+def _plain_linear(head) -> bool:
+    """A bare ``nn.Linear`` whose ``weight`` is the tensor its forward uses: no parametrization
+    (QAT's fake quant), no hooks (DeepSpeed ZeRO-3 gathers partitioned weights in them), no
+    subclass. Only such a head may be applied as ``F.linear(rows, weight, bias)`` directly."""
+    from torch.nn.modules import module as nn_module
+
+    return (
+        type(head) is torch.nn.Linear
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and not head._backward_hooks
+        and not nn_module._global_forward_hooks
+        and not nn_module._global_forward_pre_hooks
+        and not hasattr(head.weight, "ds_id")
+    )
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    """Chunked log-probs (and entropy) through a linear head, with one weight-gradient buffer.
+
+    Forward: :func:`_chunk_log_probs` chunk by chunk without a graph (the same values as the
+    checkpointed path). Backward recomputes each chunk's logits and writes
+    ``dL/dW += g_chunk^T @ rows_chunk`` into one ``[V, H]`` buffer (``addmm_``), where the
+    checkpointed path makes a ``[V, H]`` partial per chunk that autograd then adds into the
+    gradient: one ``[V, H]`` less at the peak of the backward. With ``z = float(W r + b) / tau``,
+    ``lp = log_softmax(z)[y]``, ``H = -sum p log p``::
+
+        dlp/dz = onehot(y) - p,     dH/dz = -p * (log p + H),     dL/d(Wr+b) = (dL/dz) / tau
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, temperature, chunk_size, return_entropy):
+        head = functools.partial(F.linear, weight=weight, bias=bias)
+        log_prob_parts, entropy_parts = [], []
+        for begin in range(0, rows.shape[0], chunk_size):
+            log_prob, entropy = _chunk_log_probs(rows[begin : begin + chunk_size], targets[begin : begin + chunk_size],
+                                                 head=head, temperature=temperature, return_entropy=return_entropy)
+            log_prob_parts.append(log_prob)
+            entropy_parts.append(entropy)
+        log_prob = torch.cat(log_prob_parts) if log_prob_parts else rows.new_zeros(0, dtype=torch.float32)
+        entropy = (torch.cat(entropy_parts) if entropy_parts else rows.new_zeros(0, dtype=torch.float32)) if return_entropy \
+            else rows.new_zeros(0, dtype=torch.float32)
+        if not return_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(rows, weight, bias, targets)
+        ctx.temperature, ctx.chunk_size, ctx.return_entropy = temperature, chunk_size, return_entropy
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        rows, weight, bias, targets = ctx.saved_tensors
+        temperature = ctx.temperature
+        if not ctx.return_entropy:
+            grad_entropy = None
+        need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_rows = torch.zeros_like(rows) if need_rows else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
+        if grad_log_prob is None and grad_entropy is None:
+            return grad_rows, grad_weight, grad_bias, None, None, None, None
+        for begin in range(0, rows.shape[0], ctx.chunk_size):
+            end = min(begin + ctx.chunk_size, rows.shape[0])
+            chunk = rows[begin:end]
+            # In place on as few [C, V] float32 buffers as possible (two at most).
+            z = F.linear(chunk, weight, bias).float()
+            if temperature != 1.0:
+                z = z.div_(temperature)
+            log_p = torch.log_softmax(z, dim=-1)
+            del z
+            if grad_entropy is None:
+                grad_z = log_p.exp_().mul_(-grad_log_prob[begin:end, None])  # -g p
+            else:
+                p = log_p.exp()
+                entropy = torch.linalg.vecdot(p, log_p).neg_()[:, None]  # -sum p log p
+                grad_z = log_p.add_(entropy).mul_(p).mul_(-grad_entropy[begin:end, None])  # -g_H p (log p + H)
+                if grad_log_prob is not None:
+                    grad_z.addcmul_(p, grad_log_prob[begin:end, None], value=-1.0)  # - g p
+                del p
+            if grad_log_prob is not None:  # + g at the target
+                grad_z.scatter_add_(-1, targets[begin:end, None], grad_log_prob[begin:end, None].to(grad_z.dtype))
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            grad_logits = grad_z.to(weight.dtype)
+            del grad_z
+            if grad_rows is not None:
+                torch.mm(grad_logits, weight, out=grad_rows[begin:end])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), chunk)
+            if grad_bias is not None:
+                grad_bias.add_(grad_logits.sum(0))
+            del grad_logits
+        return grad_rows, grad_weight, grad_bias, None, None, None, None
 
 
 def _chunk_log_probs(

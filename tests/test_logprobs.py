@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from glmpost.logprobs import TokenLogProbs, sequence_log_probs, token_log_probs_from_hidden
+from glmpost.logprobs import (
+    TokenLogProbs,
+    _chunked_log_probs,
+    _plain_linear,
+    sequence_log_probs,
+    token_log_probs_from_hidden,
+)
 from glmpost.models.tiny import build_model, tiny_glm5_config
 
 LENGTHS = (23, 17, 9)  # right-padded rows of one batch; L = 23 is divisible by no chunk size used
@@ -89,8 +97,21 @@ def test_gradients_match_naive_path(model, batch):
         torch.testing.assert_close(g_got, g_ref, atol=1e-5, rtol=0, msg=name)
 
 
-def test_backward_keeps_no_chunk_logits_alive():
-    """Under autograd no [chunk, V] tensor is saved for backward (the chunks are checkpointed)."""
+def _checkpointed(hidden, weight, targets, **kwargs):
+    """The path of a head module that is not a bare linear layer (per-chunk checkpoints)."""
+    return _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight, bias=kwargs.pop("lm_head_bias", None)),
+                              weight.shape[0], targets, mask=kwargs.pop("mask", None),
+                              return_entropy=kwargs.pop("return_entropy", False), **kwargs)
+
+
+def _fused(hidden, weight, targets, **kwargs):
+    return token_log_probs_from_hidden(hidden, weight, targets, **kwargs)
+
+
+@pytest.mark.parametrize("path", [_fused, _checkpointed], ids=["fused", "checkpointed"])
+def test_backward_keeps_no_chunk_logits_alive(path):
+    """Under autograd no [chunk, V] tensor is saved for backward: the fused path saves its inputs
+    (the weight by reference), the checkpointed path only each chunk's inputs."""
     vocab, rows, chunk = 512, 40, 4
     hidden = torch.randn(rows, 16, requires_grad=True)
     weight = torch.randn(vocab, 16, requires_grad=True)
@@ -98,16 +119,85 @@ def test_backward_keeps_no_chunk_logits_alive():
     saved: list[int] = []
 
     def pack(tensor):
-        saved.append(tensor.numel())
+        if tensor.data_ptr() != weight.data_ptr():
+            saved.append(tensor.numel())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = token_log_probs_from_hidden(
-            hidden, weight, targets, chunk_size=chunk, return_entropy=True
-        )
+        out = path(hidden, weight, targets, chunk_size=chunk, temperature=1.0, return_entropy=True)
     assert max(saved) < chunk * vocab
     (out.log_probs.sum() + out.entropy.sum()).backward()
     assert weight.grad is not None and hidden.grad is not None
+
+
+@pytest.mark.parametrize("use", ["log_probs", "entropy", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_backward_equals_the_checkpointed_path(use, dtype):
+    """Values bit for bit, gradients (rows, weight, bias) to float rounding: 13 rows in chunks of 4
+    (a partial last chunk), temperature 1.3, a mask, either output alone or both."""
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 13, 24, generator=generator).to(dtype).requires_grad_(True)
+    weight = torch.randn(300, 24, generator=generator).to(dtype).requires_grad_(True)
+    bias = torch.randn(300, generator=generator).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, 300, (2, 13), generator=generator)
+    mask = torch.rand(2, 13, generator=generator) > 0.3
+    weights = torch.randn(2, 13, generator=generator)
+    results = []
+    for path in (_fused, _checkpointed):
+        out = path(hidden, weight, targets, lm_head_bias=bias, mask=mask, temperature=1.3, chunk_size=4, return_entropy=True)
+        loss = {"log_probs": out.log_probs, "entropy": out.entropy, "both": out.log_probs - 0.3 * out.entropy}[use]
+        results.append((out.log_probs.detach(), out.entropy.detach(), torch.autograd.grad((loss * weights).sum(), (hidden, weight, bias))))
+    (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
+    assert torch.equal(lp_a, lp_b) and torch.equal(ent_a, ent_b)
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for name, a, b in zip(("hidden", "weight", "bias"), grads_a, grads_b):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a, b, msg=name, **tolerance)
+
+
+def test_fused_backward_makes_one_weight_gradient_buffer():
+    """The point of the fused path: backward allocates one [V, H] buffer and adds each chunk's
+    contribution into it, where the checkpointed path allocates a [V, H] partial per chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountWeightShaped(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.new = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            aliases = func._schema.is_mutable or any(r.alias_info is not None for r in func._schema.returns)  # add_, detach
+            if not aliases and isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+                self.new += 1
+            return out
+
+    vocab, width, rows, chunk = 256, 8, 24, 4
+    counts = {}
+    for path in (_fused, _checkpointed):
+        hidden = torch.randn(rows, width, requires_grad=True)
+        weight = torch.randn(vocab, width, requires_grad=True)
+        out = path(hidden, weight, torch.randint(0, vocab, (rows,)), chunk_size=chunk, temperature=1.0)
+        with CountWeightShaped((vocab, width)) as counter:
+            out.log_probs.sum().backward()
+        counts[path.__name__] = counter.new
+    assert counts["_fused"] == 1, counts
+    assert counts["_checkpointed"] >= rows // chunk, counts
+
+
+def test_only_a_bare_linear_head_takes_the_fused_path():
+    from torch.nn.utils import parametrize
+
+    assert _plain_linear(torch.nn.Linear(4, 6))
+    hooked = torch.nn.Linear(4, 6)
+    hooked.register_forward_pre_hook(lambda module, args: None)  # as DeepSpeed ZeRO-3 gathers weights
+    parametrized = torch.nn.Linear(4, 6)
+    parametrize.register_parametrization(parametrized, "weight", torch.nn.Identity())  # as QAT's fake quant
+
+    class Scaled(torch.nn.Linear):
+        pass
+
+    assert not any(_plain_linear(head) for head in (hooked, parametrized, Scaled(4, 6)))
 
 
 def test_response_start_and_score_mask(model, batch):
