@@ -245,7 +245,8 @@ class EngineServer:
 
     def server_info(self) -> dict:
         """``GET /get_server_info``: what ``/model_info`` says, and the counters since start."""
-        return {**self.model_info(), "batch_wait_s": self.batch_wait_s, "stats": {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}}
+        stats = {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}
+        return {**self.model_info(), "batch_wait_s": self.batch_wait_s, "stats": stats}
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
