@@ -123,15 +123,15 @@ class DeepSpeedBackend:
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
 
     def backward(self, loss: torch.Tensor) -> None:
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
         # The trainer runs the module itself, not ``engine(...)``, whose forward starts each micro-
         # batch by clearing the ZeRO optimizer's backward flag. ZeRO-3 counts micro-batches there:
         # without it every backward *overwrites* the reduced gradient partitions (copy semantics of
         # micro-step 0) and a mini-batch trains on its last micro-batch only. Nothing runs backward
-        # between the forward and here, so clearing it now is the same.
-        if isinstance(self.engine.optimizer, ZeROOptimizer):
-            self.engine.optimizer.clear_backward_seen_flag()
+        # between the forward and here, so clearing it now is the same. (DeepSpeed before the flag
+        # existed counted micro-batches in the backward itself.)
+        clear_flag = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear_flag is not None:
+            clear_flag()
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self) -> float:

@@ -595,9 +595,12 @@ def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, 
             on_ready()
         next_tick = time.monotonic() + tick_s
         while not stop.wait(min(0.5, max(0.0, next_tick - time.monotonic()))):
-            if on_tick is not None and time.monotonic() >= next_tick:
-                on_tick(False)
+            if time.monotonic() >= next_tick:
+                if on_tick is not None:
+                    on_tick(False)
                 next_tick += tick_s
+                if next_tick <= time.monotonic():  # a slow tick: skip the missed ones, no backlog
+                    next_tick = time.monotonic() + tick_s
     finally:
         server.shutdown()
         server.server_close()

@@ -172,6 +172,26 @@ def test_metrics_file_gets_the_counters_periodically_and_at_stop(tiny_checkpoint
     assert all(a["serve/uptime_s"] <= b["serve/uptime_s"] for a, b in zip(lines, lines[1:]))
 
 
+def test_an_idle_server_sleeps(tiny_checkpoint):
+    """An idle server's main thread waits instead of spinning, with or without --metrics (a spin
+    would take the GIL from the engine and the HTTP threads)."""
+    import os
+
+    proc, _ = start_server(tiny_checkpoint, "--metrics-interval", "0.1")  # ticks, nothing to write
+    try:
+        def cpu_seconds() -> float:
+            fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+        time.sleep(0.5)
+        before = cpu_seconds()
+        time.sleep(2.0)
+        assert cpu_seconds() - before < 0.4
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0
+
+
 def test_unwritable_metrics_file_is_a_one_line_usage_error(glmpost_cli, tiny_checkpoint, tmp_path):
     result = glmpost_cli("serve", "--checkpoint", tiny_checkpoint, "--port", "0", "--metrics", tmp_path / "no" / "such" / "m.jsonl")
     assert result.exit_code == 2 and "--metrics" in result.stderr and "Traceback" not in result.stderr
