@@ -356,16 +356,11 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, bias, targets, temperature, chunk_size, return_entropy):
-        head = functools.partial(F.linear, weight=weight, bias=bias)
-        log_prob_parts, entropy_parts = [], []
-        for begin in range(0, rows.shape[0], chunk_size):
-            log_prob, entropy = _chunk_log_probs(rows[begin : begin + chunk_size], targets[begin : begin + chunk_size],
-                                                 head=head, temperature=temperature, return_entropy=return_entropy)
-            log_prob_parts.append(log_prob)
-            entropy_parts.append(entropy)
-        log_prob = torch.cat(log_prob_parts) if log_prob_parts else rows.new_zeros(0, dtype=torch.float32)
-        entropy = (torch.cat(entropy_parts) if entropy_parts else rows.new_zeros(0, dtype=torch.float32)) if return_entropy \
-            else rows.new_zeros(0, dtype=torch.float32)
+        # grad is off inside forward: the plain chunk loop, nothing recorded
+        out = _chunked_log_probs(rows, functools.partial(F.linear, weight=weight, bias=bias), None, targets, mask=None,
+                                 temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+        log_prob = out.log_probs
+        entropy = out.entropy if return_entropy else rows.new_zeros(0, dtype=torch.float32)
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(rows, weight, bias, targets)

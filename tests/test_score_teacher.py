@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from serve_process import start_server, stop_server
 
 from glmpost.checkpoints import load_model
 from glmpost.formats import ShardReader, write_shard
 from glmpost.logprobs import sequence_log_probs
 
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
-GLMPOST = str(Path(sys.executable).with_name("glmpost"))
 
 
 @pytest.fixture(scope="module")
@@ -118,27 +115,6 @@ def test_opd_merge_refuses_unscored_shards(glmpost_cli, rollouts, wide_checkpoin
     assert not (tmp_path / "student").exists()
 
 
-class Served:
-    """A real `glmpost serve` subprocess on loopback (port 0: it prints the address it bound)."""
-
-    def __init__(self, checkpoint: Path):
-        self.proc = subprocess.Popen([GLMPOST, "serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.close()
-            raise RuntimeError(f"glmpost serve did not start: {line!r}")
-        self.url = line.strip().rsplit(" ", 1)[-1]
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 # Measured on this CPU: the served and the local teacher log-probs (and top-k) are bit-identical
 # (max difference 0.0, sampled and topk payloads), with the server batching 4 requests in flight.
 # 1e-5 nats leaves room for other kernels' reduction orders while any off-by-one position,
@@ -149,7 +125,7 @@ SERVED_ATOL = 1e-5
 def test_sglang_engine_against_a_real_server_writes_the_local_engines_values(glmpost_cli, rollouts, tmp_path):
     teacher = tmp_path / "teacher"  # another seed: teacher and student differ, the tokenizer is the same
     assert glmpost_cli("init-model", "--out", teacher, "--seed", "1", "--index-topk", "64").exit_code == 0
-    served = Served(teacher)
+    proc, url = start_server(teacher)
     try:
         for payload in ("sampled", "topk"):
             local, remote = tmp_path / f"local-{payload}", tmp_path / f"remote-{payload}"
@@ -157,7 +133,7 @@ def test_sglang_engine_against_a_real_server_writes_the_local_engines_values(glm
             result = glmpost_cli("score-teacher", rollouts, "--out", local, *flags)
             assert result.exit_code == 0, result.stderr
             result = glmpost_cli("score-teacher", rollouts, "--out", remote, *flags, "--engine", "sglang",
-                                 "--server", served.url, "--batch-size", "4")
+                                 "--server", url, "--batch-size", "4")
             assert result.exit_code == 0, result.stderr
             assert json.loads(result.stdout)["records"] == 16
             pairs = list(zip(_records(local), _records(remote)))
@@ -180,4 +156,4 @@ def test_sglang_engine_against_a_real_server_writes_the_local_engines_values(glm
                     assert "teacher_topk_ids" not in b
             print(f"{payload}: max |served - local| = {worst:.2e}")
     finally:
-        served.close()
+        stop_server(proc)

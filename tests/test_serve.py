@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from serve_process import start_server, stop_server
 
 from glmpost.checkpoints import load_model
 from glmpost.engine import LocalEngine, SamplingParams
@@ -26,29 +26,6 @@ from glmpost.sglang_client import (
     SGLangPool,
     parse_server_urls,
 )
-
-
-def start_server(checkpoint, *extra) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "glmpost.commands.app", "serve", "--checkpoint", str(checkpoint), "--port", "0",
-         "--device", "cpu", *map(str, extra)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    line = proc.stdout.readline()  # blocks until the server is ready (or exits)
-    if "listening on" not in line:
-        proc.kill()
-        raise AssertionError(f"serve did not start: {line!r} {proc.stderr.read()}")
-    return proc, line.strip().rsplit(" ", 1)[-1]
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from serve_process import start_server, stop_server
 
 from glmpost.checkpoints import (
     CheckpointManifest,
@@ -254,13 +255,7 @@ def test_a_server_still_on_the_old_version_after_the_update_is_an_error(glmpost_
 
 class Served:
     def __init__(self, checkpoint: Path):
-        self.proc = subprocess.Popen([GLMPOST, "serve", "--checkpoint", str(checkpoint), "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"glmpost serve did not start: {line!r}")
-        self.url = line.strip().rsplit(" ", 1)[-1]
+        self.proc, self.url = start_server(checkpoint)
 
     def client(self):
         from glmpost.sglang_client import SGLangClient
@@ -273,12 +268,7 @@ class Served:
         return answer["output_ids"]
 
     def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_server(self.proc)
 
 
 @pytest.fixture
