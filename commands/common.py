@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import tomllib
+from glmpost.toml import tomllib
 import typer
 
 from glmpost import __version__

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
+from glmpost.toml import tomllib
 import typer
 
 from glmpost.commands.common import print_summary

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+from glmpost.toml import tomllib
 
 from glmpost.errors import GlmpostError, UsageError
 

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Self
+from typing import Any
 
 from glmpost.errors import GlmpostError
 
@@ -306,7 +306,7 @@ class SGLangPool:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> "SGLangPool":
         return self
 
     def __exit__(self, *exc: object) -> None:

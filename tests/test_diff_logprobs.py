@@ -127,7 +127,10 @@ def test_deterministic_topk_selects_identical_sets_across_batch_sizes(glmpost_cl
     ix = report["indexer"]["overall"]
     assert ix["differing_sets"] == 0 and ix["identical_sets"] == 1.0 and ix["identical_order"] == 1.0 and ix["mean_jaccard"] == 1.0
     assert ix["boundary_ties_a"] > 0  # ties exist; the rule resolves them the same way in both layouts
-    assert report["overall"]["max_abs"] == 0.0 and report["overall"]["sample_agreement"] == 1.0
+    # Batch 12 vs batch 1: different GEMM blockings round differently (4.8e-7 on AMD EPYC, 0.0 on
+    # the Intel machines), so the log-probs agree to float rounding, not bit for bit; the sets above
+    # and the sampled-token agreement are exact.
+    assert report["overall"]["max_abs"] < 1e-5 and report["overall"]["sample_agreement"] == 1.0
 
 
 def test_two_checkpoints_and_two_dtypes(glmpost_cli, tiny_checkpoint, shards, tmp_path):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
+from glmpost.toml import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
