@@ -1,6 +1,6 @@
 """QAT step time vs plain SFT step time on the tiny GLM-5 (goal: QAT overhead <= 1.3x).
 
-Both sides run the same SFT update (glmpost.sft.SFTTrainer: forward, chunked log-probs, backward,
+Both sides run the same SFT update (glmpost.rl.sft.SFTTrainer: forward, chunked log-probs, backward,
 AdamW step) on the same weights and batch, in one process, interleaved, best of N; the QAT side has
 every targeted weight parametrized with the quantizer's fake quant (glmpost.quant.qat), which is
 what `glmpost qat --scheme w4a16` runs. The peer is plain SFT (`--scheme none`).
@@ -24,8 +24,8 @@ import torch
 from glmpost.models.tiny import build_model, tiny_glm5_config
 from glmpost.quant.qat import apply_fake_quant
 from glmpost.quant.spec import make_spec
-from glmpost.sft import SFTConfig, SFTTrainer
-from glmpost.trainer import TrainExample
+from glmpost.rl.sft import SFTConfig, SFTTrainer
+from glmpost.rl.trainer import TrainExample
 
 
 def make_examples(count: int, prompt: int, response: int, vocab: int, seed: int) -> list[TrainExample]:

@@ -67,14 +67,14 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     from glmpost.checkpoints import load_tokenizer
     from glmpost.commands.app import main as glmpost_main
-    from glmpost.engine import SamplingParams
-    from glmpost.server import (
+    from glmpost.rollout.engine import SamplingParams
+    from glmpost.serving.server import (
         EngineServer,
         bound_address,
         load_checkpoint,
         make_http_server,
     )
-    from glmpost.sglang_client import SGLangClient
+    from glmpost.serving.sglang_client import SGLangClient
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve."))
     try:

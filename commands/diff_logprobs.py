@@ -45,7 +45,7 @@ from glmpost.commands.common import (
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
-from glmpost.mismatch import (
+from glmpost.closure.mismatch import (
     DTYPES,
     compare_indexers,
     compare_paths,
@@ -182,7 +182,7 @@ def diff_logprobs(
         if staging is None:
             raise UsageError(f"--out {out} already holds a report; pass --overwrite to replace it")
         if plots:
-            from glmpost.plots import write_mismatch_plots
+            from glmpost.closure.plots import write_mismatch_plots
 
             report["plots"] = write_mismatch_plots(staging, deltas.delta, deltas.position, deltas.log_prob_a, deltas.log_prob_b,
                                                    label_a="A", label_b=f"B: {mode}")
@@ -224,7 +224,7 @@ def _read_records(inputs: list[str], revision: str, *, need_rollout: bool):
 
 
 def _server_path(url: str, records, *, temperature: float, revision: str, vocab_size: int, progress):
-    from glmpost.sglang_client import ServerError, SGLangClient
+    from glmpost.serving.sglang_client import ServerError, SGLangClient
 
     client = SGLangClient(url, timeout=120.0, retries=2, backoff=0.2)
     try:

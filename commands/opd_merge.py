@@ -28,7 +28,7 @@ from glmpost.commands.common import config_option, log, print_summary
 from glmpost.commands.train_grpo import begin_update, run_policy_update
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
-from glmpost.trainer import OPD_LOSSES, OPDConfig, OPDTrainer, prepare_opd_batch
+from glmpost.rl.trainer import OPD_LOSSES, OPDConfig, OPDTrainer, prepare_opd_batch
 
 STAGE = "opd-merge"
 

@@ -41,7 +41,7 @@ from glmpost.commands.common import (
     skip_published,
     write_stage_json,
 )
-from glmpost.distributed import TrainingSession
+from glmpost.rl.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
     SHARD_SUFFIX,
@@ -49,11 +49,11 @@ from glmpost.formats import (
     normalize_record,
     resolve_shard_paths,
 )
-from glmpost.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
-from glmpost.sft import SFTConfig, SFTTrainer, sft_examples
+from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 STAGE = "qat"
 

@@ -206,9 +206,9 @@ def check_pipeline(report: RecipeReport, recipe: dict[str, Any]) -> None:
 
 def trainer_config_errors(stage: str, values: dict[str, Any]) -> list[str]:
     """Run the trainer's own ``validate()`` and DeepSpeed-config checks on the section's values."""
-    from glmpost.distributed import OptimizerConfig, deepspeed_config
-    from glmpost.sft import SFTConfig
-    from glmpost.trainer import GRPOConfig, OPDConfig
+    from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
+    from glmpost.rl.sft import SFTConfig
+    from glmpost.rl.trainer import GRPOConfig, OPDConfig
 
     errors = []
     config_class = {"train-grpo": GRPOConfig, "qat": SFTConfig, "opd-merge": OPDConfig}.get(stage)

@@ -46,11 +46,11 @@ from glmpost.commands.common import (
     print_summary,
     write_stage_json,
 )
-from glmpost.engine import LocalEngine, SamplingParams, sequence_seed
+from glmpost.rollout.engine import LocalEngine, SamplingParams, sequence_seed
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
 from glmpost.npu import resolve_device
-from glmpost.rollout import (
+from glmpost.rollout.records import (
     aborted_record,
     check_context,
     completion_from_sglang,
@@ -250,7 +250,7 @@ def rollout(
 def _connect(server: str, *, revision: str, version_dir: Path, concurrency: int, timeout: float, retries: int,
              batch_size: int):
     """A pool over the --server URLs, each checked: reachable, and serving our tokenizer revision."""
-    from glmpost.sglang_client import ServerError, SGLangPool
+    from glmpost.serving.sglang_client import ServerError, SGLangPool
 
     try:
         pool = SGLangPool(server, concurrency=concurrency, timeout=timeout, retries=retries)
@@ -277,7 +277,7 @@ def _connect(server: str, *, revision: str, version_dir: Path, concurrency: int,
 def _generate_remote(pool, sequences, keys, params, sglang_params, batch_size, progress):
     """One /generate batch request per --batch-size chunk (the local engine's batches), in parallel;
     returns ``(completion | None, weight_version, abort_reason)`` per sequence, in order."""
-    from glmpost.sglang_client import ServerError
+    from glmpost.serving.sglang_client import ServerError
 
     futures = []
     for number, start in enumerate(range(0, len(sequences), batch_size)):

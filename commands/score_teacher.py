@@ -56,7 +56,7 @@ from glmpost.formats import (
     resolve_shard_paths,
     select_shards,
 )
-from glmpost.opd import TeacherPayload, payload_from_rows, score_records
+from glmpost.rl.opd import TeacherPayload, payload_from_rows, score_records
 
 STAGE = "score-teacher"
 ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "observation_mask", "status", "tokenizer_revision")
@@ -344,7 +344,7 @@ def _check_token_range(path: Path, keys: list[str], teachers: dict[str, Teacher]
 
 
 def _sglang_pool(server: str, teacher: Teacher, concurrency: int):
-    from glmpost.sglang_client import SGLangPool
+    from glmpost.serving.sglang_client import SGLangPool
 
     pool = SGLangPool(server, concurrency=concurrency)
     for client in pool.clients:
@@ -361,7 +361,7 @@ def _sglang_pool(server: str, teacher: Teacher, concurrency: int):
 
 
 def _score_remote(pool, records: list[dict], topk: int) -> list[TeacherPayload]:
-    from glmpost.sglang_client import ServerError
+    from glmpost.serving.sglang_client import ServerError
 
     def one(client, record):
         ids = np.concatenate([record["prompt_token_ids"], record["response_token_ids"]]).astype(np.int64).tolist()

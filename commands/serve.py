@@ -61,7 +61,7 @@ def serve(
     metrics_interval: float = typer.Option(10.0, "--metrics-interval", min=0.1, help="Seconds between --metrics lines."),
     config: Optional[Path] = config_option(),
 ) -> None:
-    from glmpost.server import (
+    from glmpost.serving.server import (
         EngineServer,
         bound_address,
         make_http_server,

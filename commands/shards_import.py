@@ -28,7 +28,7 @@ from glmpost.commands.common import (
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardWriter, record_from_json
-from glmpost.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
 
 STAGE = "shards.import"
 

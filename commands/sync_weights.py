@@ -41,7 +41,7 @@ from glmpost.commands.common import (
     write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.sync import (
+from glmpost.serving.sync import (
     DTYPES,
     SCHEMES,
     clean_stale_staging,
@@ -59,7 +59,7 @@ STAGE = "sync-weights"
 
 
 def _server_urls(values: List[str]) -> list[str]:
-    from glmpost.sglang_client import parse_server_urls
+    from glmpost.serving.sglang_client import parse_server_urls
 
     items = [item for value in values for item in value.split(",") if item.strip()]
     if not items:

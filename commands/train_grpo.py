@@ -38,10 +38,10 @@ from glmpost.commands.common import (
     skip_published,
     write_stage_json,
 )
-from glmpost.distributed import TrainingSession
+from glmpost.rl.distributed import TrainingSession
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
-from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
+from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 STAGE = "train-grpo"
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from glmpost.algorithms import clipped_policy_loss, dis_mask, group_advantages, icepop_mask, k3_kl, masked_sum_over
+from glmpost.rl.algorithms import clipped_policy_loss, dis_mask, group_advantages, icepop_mask, k3_kl, masked_sum_over
 
 
 def test_group_advantages_hand_computed():

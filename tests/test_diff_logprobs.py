@@ -12,8 +12,8 @@ import torch
 from conftest import run_glmpost
 
 from glmpost.checkpoints import MANIFEST, tokenizer_revision
-from glmpost.engine import SamplingParams
-from glmpost.mismatch import (
+from glmpost.rollout.engine import SamplingParams
+from glmpost.closure.mismatch import (
     inverse_cdf_samples,
     parse_gates,
     sampled_token_agreement,

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from glmpost.distributed import deepspeed_config
+from glmpost.rl.distributed import deepspeed_config
 from glmpost.errors import UsageError
-from glmpost.trainer import GRPOConfig
+from glmpost.rl.trainer import GRPOConfig
 
 
 def test_defaults_follow_the_trainer_options():

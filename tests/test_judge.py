@@ -14,7 +14,7 @@ import pytest
 
 from glmpost.checkpoints import load_tokenizer
 from glmpost.formats import read_shard, write_shard
-from glmpost.prompts import encode_prompt
+from glmpost.rollout.prompts import encode_prompt
 
 
 @pytest.fixture(scope="module")

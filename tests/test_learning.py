@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.engine import LocalEngine, SamplingParams
-from glmpost.prompts import encode_prompt, read_prompts
+from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.rollout.prompts import encode_prompt, read_prompts
 from glmpost.rewards.verifiers import VerifyContext, count_verifier
-from glmpost.rollout import RolloutPrompt, rollout_record
-from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
+from glmpost.rollout.records import RolloutPrompt, rollout_record
+from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 TASK = Path(__file__).resolve().parents[1] / "recipes" / "data" / "count-train.jsonl"
 NEW_TOKENS = 8

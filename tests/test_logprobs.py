@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glmpost.logprobs import (
+from glmpost.closure.logprobs import (
     TokenLogProbs,
     _chunked_log_probs,
     _plain_linear,

@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.distributed import LocalBackend
-from glmpost.engine import LocalEngine, SamplingParams
-from glmpost.logprobs import sequence_log_probs
-from glmpost.opd import (
+from glmpost.rl.distributed import LocalBackend
+from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.rl.opd import (
     opd_advantages,
     opd_pg_loss,
     sampled_reverse_kl,
     score_tokens,
     topk_reverse_kl,
 )
-from glmpost.prompts import encode_prompt
-from glmpost.rollout import RolloutPrompt, rollout_record
-from glmpost.trainer import OPDConfig, OPDTrainer, collate, prepare_opd_batch
+from glmpost.rollout.prompts import encode_prompt
+from glmpost.rollout.records import RolloutPrompt, rollout_record
+from glmpost.rl.trainer import OPDConfig, OPDTrainer, collate, prepare_opd_batch
 
 NAN = float("nan")
 
@@ -129,7 +129,7 @@ def scored(wide_checkpoint):
 
 def test_score_tokens_matches_the_full_logits_path(scored):
     model, tokenizer, records = scored
-    from glmpost.trainer import TrainExample
+    from glmpost.rl.trainer import TrainExample
 
     examples = [TrainExample(r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(), len(r["prompt_token_ids"]),
                              r["action_mask"], r["rollout_log_probs"], 0.0, r["id"]) for r in records]
@@ -195,7 +195,7 @@ def test_opd_trainer_gradient_is_the_pure_pg_loss_gradient(scored, wide_checkpoi
 
 def test_topk_loss_trains_and_reports(scored, wide_checkpoint):
     model, tokenizer, records = scored
-    from glmpost.trainer import TrainExample
+    from glmpost.rl.trainer import TrainExample
 
     full = collate([TrainExample(r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(), len(r["prompt_token_ids"]),
                                  r["action_mask"], r["rollout_log_probs"], 0.0, r["id"]) for r in records],

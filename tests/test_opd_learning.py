@@ -4,7 +4,7 @@ reverse KL to the routed teacher drops on held-out prompts of BOTH domains, with
 loss (recipes/tiny-opd.toml as shipped) and with the top-k loss.
 
 Teachers and student fork from one checkpoint (brief, "为什么强调同源教师": teacher and student start
-close). The teachers are a few plain SFT steps (glmpost.sft) on recipes/data/opd-teachers.jsonl, one
+close). The teachers are a few plain SFT steps (glmpost.rl.sft) on recipes/data/opd-teachers.jsonl, one
 domain each: `echo: d` -> the digit six times, `flip: d` -> "ababab"; they start 0.6-1.1 nat of
 per-token KL from the student. The KL is the exact one, sum_v p log(p/q) over the whole vocabulary,
 averaged over the action tokens of student samples of the held-out prompts (digits the training
@@ -37,10 +37,10 @@ from glmpost.checkpoints import (
     load_model,
     load_tokenizer,
 )
-from glmpost.engine import LocalEngine, SamplingParams
-from glmpost.prompts import conversation_record, encode_prompt, read_prompts
-from glmpost.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.trainer import TrainExample, collate
+from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.rollout.prompts import conversation_record, encode_prompt, read_prompts
+from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
+from glmpost.rl.trainer import TrainExample, collate
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DATA = RECIPES / "data"

@@ -63,9 +63,9 @@ def test_parameter_count_at_glm5_dimensions():
 
 def test_model_state_of_one_train_step_is_exact():
     """Weights, gradients and AdamW moments after one micro-step of the trainer's local backend."""
-    from glmpost.distributed import LocalBackend
-    from glmpost.logprobs import sequence_log_probs
-    from glmpost.trainer import GRPOConfig
+    from glmpost.rl.distributed import LocalBackend
+    from glmpost.closure.logprobs import sequence_log_probs
+    from glmpost.rl.trainer import GRPOConfig
 
     config = tiny_glm5_config()
     model = build_model(config, seed=0).train()
@@ -100,7 +100,7 @@ def test_zero_stages_divide_the_model_state_hand_computed():
 
 
 def _saved_bytes(model, ids) -> int:
-    from glmpost.logprobs import sequence_log_probs
+    from glmpost.closure.logprobs import sequence_log_probs
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from glmpost.checkpoints import CheckpointRoot, load_model
-from glmpost.engine import filter_logits
+from glmpost.rollout.engine import filter_logits
 from glmpost.formats import ShardReader, read_shard, resolve_shard_paths
-from glmpost.logprobs import sequence_log_probs
+from glmpost.closure.logprobs import sequence_log_probs
 
 
 def _prompts(tmp_path, count=5):

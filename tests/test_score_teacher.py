@@ -13,7 +13,7 @@ from serve_process import start_server, stop_server
 
 from glmpost.checkpoints import load_model
 from glmpost.formats import ShardReader, write_shard
-from glmpost.logprobs import sequence_log_probs
+from glmpost.closure.logprobs import sequence_log_probs
 
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 

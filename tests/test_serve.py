@@ -18,9 +18,9 @@ import torch
 from serve_process import start_server, stop_server
 
 from glmpost.checkpoints import load_model
-from glmpost.engine import LocalEngine, SamplingParams
+from glmpost.rollout.engine import LocalEngine, SamplingParams
 from glmpost.formats import ShardReader, resolve_shard_paths
-from glmpost.sglang_client import (
+from glmpost.serving.sglang_client import (
     ServerError,
     SGLangClient,
     SGLangPool,

@@ -105,7 +105,7 @@ def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_ch
     """One quantizer: the rollout checkpoint holds the same codes, scales and config as `glmpost quantize`."""
     from glmpost.checkpoints import load_model
     from glmpost.quant.formats import load_quantized_state
-    from glmpost.sync import load_rollout_state
+    from glmpost.serving.sync import load_rollout_state
 
     out = tmp_path / "rollout"
     result = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", out, "--quantize", scheme, *args, "--json")
@@ -128,7 +128,7 @@ def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_ch
 
 
 def test_small_shards_get_an_index_and_load_back(glmpost_cli, tiny_checkpoint, tmp_path):
-    from glmpost.sync import load_rollout_state
+    from glmpost.serving.sync import load_rollout_state
 
     out = tmp_path / "rollout"
     result = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", out, "--max-shard-size", "0.2")
@@ -258,7 +258,7 @@ class Served:
         self.proc, self.url = start_server(checkpoint)
 
     def client(self):
-        from glmpost.sglang_client import SGLangClient
+        from glmpost.serving.sglang_client import SGLangClient
 
         return SGLangClient(self.url, timeout=60, retries=0)
 
@@ -349,8 +349,8 @@ def test_deepspeed_zero_checkpoint_is_consolidated(glmpost_cli, tiny_checkpoint,
 import torch
 from pathlib import Path
 from glmpost.checkpoints import load_model
-from glmpost.distributed import TrainingSession
-from glmpost.trainer import GRPOConfig
+from glmpost.rl.distributed import TrainingSession
+from glmpost.rl.trainer import GRPOConfig
 session = TrainingSession.start(device="cpu", deterministic=False, zero_stage=2, deepspeed_config=None)
 model = load_model({str(tiny_checkpoint)!r}).train()
 backend = session.backend(model, GRPOConfig(lr=1e-2))
@@ -389,7 +389,7 @@ session.close()
 
 
 def test_one_sync_at_a_time_per_rollout_root(glmpost_cli, tiny_checkpoint, tmp_path):
-    from glmpost.sync import root_lock
+    from glmpost.serving.sync import root_lock
 
     out = tmp_path / "rollout"
     with root_lock(out):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.distributed import LocalBackend
-from glmpost.engine import LocalEngine, SamplingParams
-from glmpost.prompts import encode_prompt
-from glmpost.rollout import RolloutPrompt, rollout_record
-from glmpost.trainer import GRPOConfig, GRPOTrainer, prepare_batch
+from glmpost.rl.distributed import LocalBackend
+from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.rollout.prompts import encode_prompt
+from glmpost.rollout.records import RolloutPrompt, rollout_record
+from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch
 
 
 @pytest.fixture(scope="module")

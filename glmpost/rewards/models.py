@@ -233,7 +233,7 @@ class GenerativeJudge:
         self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
         self.directory = resolve_checkpoint(config.checkpoint)
         model = load_model(config.checkpoint, device=device)
-        from glmpost.engine import LocalEngine
+        from glmpost.rollout.engine import LocalEngine
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = LocalEngine(model, batch_size=config.batch_size, pad_token_id=pad)
@@ -247,7 +247,7 @@ class GenerativeJudge:
     def encode(self, rubric: str) -> list[int]:
         """Token ids of the rubric as a user turn of the judge's chat template (plain text without one)."""
         if self.has_chat_template:
-            from glmpost.prompts import encode_prompt
+            from glmpost.rollout.prompts import encode_prompt
 
             return encode_prompt(self.tokenizer, [{"role": "user", "content": rubric}])
         return [int(i) for i in self.tokenizer.encode(rubric)]
@@ -255,7 +255,7 @@ class GenerativeJudge:
     def generate(self, prompts: Sequence[str], responses: Sequence[str], keys: Sequence[str]) -> list[str | ModelScore]:
         """The judge's greedy output text for each (prompt, response); a rubric too long for the
         judge's context comes back as a failed :class:`ModelScore` instead."""
-        from glmpost.engine import SamplingParams
+        from glmpost.rollout.engine import SamplingParams
 
         outputs: list[str | ModelScore] = []
         todo: list[int] = []

@@ -15,7 +15,7 @@ set is still teacher = student.
 Shapes: ``[B, T]`` one value per token, ``[B, T, k]`` one per top-k candidate. Masks are ``bool``;
 observation tokens (tool output, copied context) are never in a mask and get no teacher signal.
 The chunked scorers at the bottom compute per-token teacher / student values without materialising
-float32 ``[T, V]`` logits (the same chunking as :mod:`glmpost.logprobs`).
+float32 ``[T, V]`` logits (the same chunking as :mod:`glmpost.closure.logprobs`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from glmpost.logprobs import (
+from glmpost.closure.logprobs import (
     DEFAULT_CHUNK_SIZE,
     _scatter_rows,
     _split_causal_lm,
@@ -185,13 +185,13 @@ def score_tokens(
 ) -> TokenScores:
     """Causal-shifted per-token scores of a Hugging Face causal LM, ``chunk_size`` positions at a time.
 
-    The formula is :func:`glmpost.logprobs.sequence_log_probs`'s (``z = float(head(h)) / tau``,
+    The formula is :func:`glmpost.closure.logprobs.sequence_log_probs`'s (``z = float(head(h)) / tau``,
     ``logp = log_softmax(z)``); on top of the sampled token's log-prob it can gather the log-probs of
     given ids per position (``gather_ids [B, L-1, k]``: the student's side of the top-k loss) and
     return the model's own top-``topk`` ids and log-probs (the teacher's top-k payload). Only the
     rows in ``score_mask`` (and real tokens of ``attention_mask``) reach the LM head; the largest
     live tensors are ``[chunk_size, V]``. Under autograd each chunk runs in a non-reentrant
-    checkpoint, as in :mod:`glmpost.logprobs`. Ties in the top-k follow ``torch.topk``.
+    checkpoint, as in :mod:`glmpost.closure.logprobs`. Ties in the top-k follow ``torch.topk``.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, L] with L >= 2; got {tuple(input_ids.shape)}")

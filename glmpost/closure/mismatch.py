@@ -2,7 +2,7 @@
 
 A *path* computes, for the same trajectory records, the log-prob of every action token under its
 exact prefix: the rollout engine (the ``rollout_log_probs`` it recorded), a checkpoint through the
-trainer's forward (:func:`glmpost.logprobs.sequence_log_probs`) in some dtype, on some device and
+trainer's forward (:func:`glmpost.closure.logprobs.sequence_log_probs`) in some dtype, on some device and
 with some DSA top-k rule, or a server (``glmpost serve`` / SGLang). Path A is the trainer side
 (``--checkpoint``), path B the one it is compared against (the shards, or ``--against*``). For every
 action token ``t`` (brief, "IcePop 为什么有两层 ratio": the implementation mismatch, not the update):
@@ -15,7 +15,7 @@ action token ``t`` (brief, "IcePop 为什么有两层 ratio": the implementation
 
 Sampled-token agreement under a fixed seed (:func:`sampled_token_agreement`): each path resamples
 every action position from its own distribution at that prefix with the *same* uniform number
-``u_t`` (the record's per-sequence generator, exactly as :class:`glmpost.engine.LocalEngine` draws
+``u_t`` (the record's per-sequence generator, exactly as :class:`glmpost.rollout.engine.LocalEngine` draws
 it), by inverse CDF: ``x_P(t) = min{v : F_P(v | s_t) > u_t}`` with ``F_P`` the cumulative
 probability of path P's filtered (temperature, top-k, top-p) distribution in token-id order. The
 agreement is ``mean_t [x_A(t) == x_B(t)]`` over action tokens: the fraction of positions where the
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from glmpost.algorithms import dis_mask, icepop_mask
-from glmpost.engine import LocalEngine, SamplingParams, sequence_seed
+from glmpost.rl.algorithms import dis_mask, icepop_mask
+from glmpost.rollout.engine import LocalEngine, SamplingParams, sequence_seed
 
 POSITION_BUCKETS = (0, 64, 256, 1024, 4096)
 GATE_METRICS = ("mean_abs", "p50_abs", "p99_abs", "max_abs", "k1", "k3", "sample_disagreement",
@@ -198,7 +198,7 @@ def record_uniforms(record: dict[str, Any]) -> torch.Tensor:
     """float64 ``[T]``: the uniform number the engine drew for each response position.
 
     ``glmpost rollout`` seeds sequence ``i`` of prompt ``p`` with ``sequence_seed(seed, "p/i")``
-    and draws ``max_new_tokens`` numbers up front (:class:`glmpost.engine.LocalEngine`); record ids
+    and draws ``max_new_tokens`` numbers up front (:class:`glmpost.rollout.engine.LocalEngine`); record ids
     end in ``/i``. Positions past ``max_new_tokens`` continue the same stream.
     """
     params = record_sampling(record)
@@ -238,7 +238,7 @@ def rollout_path(records: Sequence[dict[str, Any]], *, resample: bool) -> PathSc
 
 def inverse_cdf_samples(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams) -> np.ndarray:
     """int64 ``[N]``: for each row of ``logits [N, V]`` the token the engine samples with uniform
-    ``uniforms[n]`` (:meth:`glmpost.engine.LocalEngine._sample`, the same code: filter, then
+    ``uniforms[n]`` (:meth:`glmpost.rollout.engine.LocalEngine._sample`, the same code: filter, then
     ``min{v : F(v) > u * F(V-1)}``; argmax at temperature 0)."""
     if logits.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
@@ -250,11 +250,11 @@ def inverse_cdf_samples(logits: torch.Tensor, uniforms: torch.Tensor, params: Sa
 def local_path(model, records: Sequence[dict[str, Any]], *, temperature: float, label: str = "local", batch_size: int = 8,
                resample: bool = True, indexer: bool = False, chunk_size: int = 512, progress: Callable | None = None) -> PathScores:
     """Score ``records`` with ``model`` through the trainer's forward (right-padded batches of
-    ``batch_size``, :func:`glmpost.logprobs.sequence_log_probs` at ``temperature``); with ``resample``
+    ``batch_size``, :func:`glmpost.closure.logprobs.sequence_log_probs` at ``temperature``); with ``resample``
     also draw the inverse-CDF samples from the same hidden states, with ``indexer`` capture the DSA
-    indexers' selections (:mod:`glmpost.indexer_probe`)."""
-    from glmpost.indexer_probe import IndexerCapture
-    from glmpost.logprobs import sequence_log_probs
+    indexers' selections (:mod:`glmpost.closure.indexer_probe`)."""
+    from glmpost.closure.indexer_probe import IndexerCapture
+    from glmpost.closure.logprobs import sequence_log_probs
 
     device = next(model.parameters()).device
     body, head = model.get_decoder(), model.get_output_embeddings()
@@ -307,7 +307,7 @@ def local_path(model, records: Sequence[dict[str, Any]], *, temperature: float, 
 
 def server_path(client, records: Sequence[dict[str, Any]], *, temperature: float, vocab_size: int, label: str = "server",
                 resample: bool = True, progress: Callable | None = None) -> PathScores:
-    """Score ``records`` on a server (:meth:`glmpost.sglang_client.SGLangClient.score`, temperature 1).
+    """Score ``records`` on a server (:meth:`glmpost.serving.sglang_client.SGLangClient.score`, temperature 1).
 
     With a vocabulary of at most ``SERVER_FULL_DISTRIBUTION_MAX_VOCAB`` ids the server is asked for
     the whole next-token distribution at every position (``top_logprobs_num = V``), so the

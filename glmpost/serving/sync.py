@@ -522,7 +522,7 @@ def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int
     An attempt is: ``update_weights_from_disk`` (must answer ``success``), then
     ``get_weight_version`` (must equal ``weight_version``: "传输完成" is not "新策略已生效").
     A failed attempt is retried ``retries`` times, ``backoff * 2**k`` seconds apart."""
-    from glmpost.sglang_client import ServerError, SGLangClient
+    from glmpost.serving.sglang_client import ServerError, SGLangClient
 
     client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff)
     result = ServerResult(url=client.url, status="failed")

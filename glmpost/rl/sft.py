@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from glmpost.distributed import LocalBackend, OptimizerConfig
-from glmpost.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
-from glmpost.trainer import TrainExample, collate
+from glmpost.rl.distributed import LocalBackend, OptimizerConfig
+from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.rl.trainer import TrainExample, collate
 
 
 @dataclass

@@ -5,8 +5,8 @@ transformers' ``GlmMoeDsaIndexer.forward`` scores every key for every query
 returns ``index_scores.topk(index_topk).indices``; the attention then sees only those keys. The
 indices are not surfaced, so :class:`IndexerCapture` observes each indexer's top-k call
 (:func:`glmpost.npu.topk.observe_indexer_topk`, whichever tie rule the model uses) and keeps, per
-layer, the *usable* selected positions (:func:`glmpost.mismatch.valid_selection`) and whether the
-row's selection hinged on a tie at the boundary (:func:`glmpost.mismatch.boundary_ties`).
+layer, the *usable* selected positions (:func:`glmpost.closure.mismatch.valid_selection`) and whether the
+row's selection hinged on a tie at the boundary (:func:`glmpost.closure.mismatch.boundary_ties`).
 
 Memory: one int64 ``[B, S, index_topk]`` tensor per layer for the current batch.
 """
@@ -18,7 +18,7 @@ import contextlib
 import numpy as np
 import torch
 
-from glmpost.mismatch import boundary_ties, valid_selection
+from glmpost.closure.mismatch import boundary_ties, valid_selection
 from glmpost.npu.topk import indexers, observe_indexer_topk
 
 

@@ -21,7 +21,7 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
   model info, and counters since start (requests, engine batches, sequences, generated tokens,
   seconds the engine was busy).
 
-One worker thread owns the :class:`~glmpost.engine.LocalEngine`; HTTP threads only parse, queue and
+One worker thread owns the :class:`~glmpost.rollout.engine.LocalEngine`; HTTP threads only parse, queue and
 wait. Concurrent single-sequence requests are merged into one engine batch (up to ``batch_size``); a
 batch request runs as its own batch(es), exactly as the in-process engine would run the same list,
 so ``rollout --engine sglang`` reproduces ``--engine local`` bit for bit. Weight swaps happen between
@@ -43,7 +43,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from glmpost.engine import LocalEngine, SamplingParams, Scores
+from glmpost.rollout.engine import LocalEngine, SamplingParams, Scores
 from glmpost.errors import GlmpostError
 
 # Sampling parameters that would change the output if honoured; refused unless at SGLang's default.

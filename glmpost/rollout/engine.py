@@ -13,7 +13,7 @@ same tokens bit for bit on the same machine (log-probs bit for bit for the same 
 
 :meth:`LocalEngine.score` is the prefill-only path (teacher scoring, SGLang's ``max_new_tokens`` 0):
 log-probs of given tokens under the model's own distribution, by the trainer's formula
-(:func:`glmpost.logprobs.sequence_log_probs`).
+(:func:`glmpost.closure.logprobs.sequence_log_probs`).
 """
 
 from __future__ import annotations
@@ -155,10 +155,10 @@ class LocalEngine:
         """Log-probs of ``sequences[i][starts[i]:]``, each token under its own prefix (temperature 1).
 
         ``starts[i] >= 1`` (the first token has no prefix). Runs in batches of ``batch_size``, right
-        padded, through :func:`glmpost.logprobs.sequence_log_probs`; the top-k lists come from the
+        padded, through :func:`glmpost.closure.logprobs.sequence_log_probs`; the top-k lists come from the
         same forward's full logits.
         """
-        from glmpost.logprobs import sequence_log_probs
+        from glmpost.closure.logprobs import sequence_log_probs
 
         if len(sequences) != len(starts):
             raise ValueError("one start per sequence")

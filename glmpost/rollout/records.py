@@ -14,10 +14,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from glmpost.engine import Completion, SamplingParams
+from glmpost.rollout.engine import Completion, SamplingParams
 from glmpost.errors import GlmpostError
 from glmpost.formats import SHARD_SUFFIX, ShardReader, resolve_shard_paths
-from glmpost.prompts import encode_prompt, read_prompts
+from glmpost.rollout.prompts import encode_prompt, read_prompts
 
 
 @dataclass

@@ -11,7 +11,7 @@ are split into micro-batches or ranks (a 2-process run matches a 1-process run).
 
 :class:`OPDTrainer` is the same update with another advantage source (the hooks
 ``_token_advantages``, ``_train_forward`` and ``_extra_loss``): on-policy distillation's per-token
-teacher advantage and MOPD's top-k loss (:mod:`glmpost.opd`).
+teacher advantage and MOPD's top-k loss (:mod:`glmpost.rl.opd`).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from glmpost.algorithms import (
+from glmpost.rl.algorithms import (
     clipped_policy_loss,
     group_advantages,
     icepop_mask,
     k3_kl,
     masked_sum_over,
 )
-from glmpost.distributed import LocalBackend, OptimizerConfig
-from glmpost.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
-from glmpost.opd import opd_advantages, sampled_reverse_kl, score_tokens, topk_reverse_kl
+from glmpost.rl.distributed import LocalBackend, OptimizerConfig
+from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.rl.opd import opd_advantages, sampled_reverse_kl, score_tokens, topk_reverse_kl
 
 TRAINABLE_STATUSES = ("completed", "truncated")
 
@@ -438,7 +438,7 @@ class GRPOTrainer:
 
 
 # --------------------------------------------------------------------------------------------
-# On-policy distillation: the same update with the teacher's per-token advantage (glmpost.opd)
+# On-policy distillation: the same update with the teacher's per-token advantage (glmpost.rl.opd)
 
 OPD_LOSSES = ("sampled", "topk")
 

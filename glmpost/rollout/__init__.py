@@ -1,0 +1,1 @@
+"""Rollout: the embedded sampling engine, prompts, trajectory records and the rollout runner."""

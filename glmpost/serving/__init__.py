@@ -1,0 +1,1 @@
+"""Serving: ``glmpost serve`` (SGLang's native API), the SGLang HTTP client and weight sync."""
