@@ -20,9 +20,8 @@ from typing import Any, Iterator
 from glmpost.toml import tomllib
 import typer
 
-from glmpost import __version__
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.fsutil import write_text_atomic
+from glmpost.stage import log
 
 
 def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
@@ -109,16 +108,6 @@ def effective_options(ctx: typer.Context) -> dict[str, Any]:
     return options
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to a temporary name, fsync, rename: readers never see half a file."""
-    write_text_atomic(Path(path), json.dumps(payload, indent=2, sort_keys=True) + "\n")
-
-
-def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra: Any) -> None:
-    payload = {"stage": stage, "glmpost_version": __version__, "options": options, **extra}
-    write_json_atomic(Path(out_dir) / "stage.json", payload)
-
-
 def check_same_options(
     out_dir: Path,
     stage: str,
@@ -161,14 +150,16 @@ def check_same_options(
             )
 
 
-def skip_published(target: Path, version: int, *, as_json: bool) -> bool:
-    """A training stage whose new version already exists reports the skip and does nothing."""
-    if not Path(target).exists():
-        return False
-    log(f"{target} already exists: this update was done; nothing to do")
-    print_summary({"out": str(target), "skipped": True, "policy_version": version}, as_json=as_json,
-                  human=f"{target}: already trained (skipped)")
-    return True
+def report_update(summary: dict[str, Any] | None, *, as_json: bool, human: Any) -> None:
+    """A training stage's result: nothing on a rank other than 0 (``summary`` None), the skip when the
+    version existed, else ``human(summary)`` (or the JSON)."""
+    if summary is None:
+        return
+    if summary.get("skipped"):
+        log(f"{summary['out']} already exists: this update was done; nothing to do")
+        print_summary(summary, as_json=as_json, human=f"{summary['out']}: already trained (skipped)")
+        return
+    print_summary(summary, as_json=as_json, human=human(summary))
 
 
 def option_flag(ctx: typer.Context, name: str) -> str:
@@ -251,11 +242,6 @@ def print_summary(summary: dict[str, Any], *, as_json: bool, human: str | None =
     else:
         for key, value in summary.items():
             sys.stdout.write(f"{key}: {value}\n")
-
-
-def log(message: str) -> None:
-    """Progress and logs go to stderr; stdout is for results."""
-    sys.stderr.write(f"glmpost: {message}\n")
 
 
 def fail(message: str) -> GlmpostError:

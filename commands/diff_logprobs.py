@@ -40,8 +40,6 @@ from glmpost.commands.common import (
     effective_options,
     print_summary,
     staged_output_dir,
-    write_json_atomic,
-    write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
@@ -57,6 +55,7 @@ from glmpost.closure.mismatch import (
     server_path,
 )
 from glmpost.npu import resolve_device
+from glmpost.stage import write_json_atomic, write_stage_json
 
 STAGE = "diff-logprobs"
 REPRODUCIBLE_ENGINES = ("glmpost-local",)  # engines whose per-sequence uniforms glmpost can redraw

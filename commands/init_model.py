@@ -18,14 +18,13 @@ from glmpost.commands.common import (
     MetricsWriter,
     config_option,
     effective_options,
-    log,
     print_summary,
     staged_output_dir,
-    write_stage_json,
 )
 from glmpost.errors import UsageError
 from glmpost.models.tiny import PRESETS, build_model
 from glmpost.models.tokenizer import stop_token_ids, train_tokenizer
+from glmpost.stage import log, write_stage_json
 
 STAGE = "init-model"
 

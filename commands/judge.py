@@ -32,10 +32,8 @@ from glmpost.commands.common import (
     complete_shard,
     config_option,
     effective_options,
-    log,
     print_summary,
     shard_outputs,
-    write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
@@ -57,6 +55,7 @@ from glmpost.rewards.mixture import (
     uses_domain_routing,
 )
 from glmpost.rewards.verifiers import VerifierTable
+from glmpost.stage import log, write_stage_json
 
 STAGE = "judge"
 # What judging reads from each record (all produced by `glmpost rollout`).

@@ -23,37 +23,13 @@ from typing import List, Optional
 
 import typer
 
-from glmpost.checkpoints import load_tokenizer
-from glmpost.commands.common import config_option, log, print_summary
-from glmpost.commands.train_grpo import begin_update, run_policy_update
-from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
-from glmpost.rl.trainer import OPD_LOSSES, OPDConfig, OPDTrainer, prepare_opd_batch
+from glmpost.commands.common import config_option, effective_options, report_update
+from glmpost.errors import UsageError
+from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
+from glmpost.rl.updates import opd_update
 
 STAGE = "opd-merge"
-
-
-def read_scored_records(inputs: List[str], revision: str, *, loss: str, need_reward: bool) -> list[dict]:
-    """Every record of the inputs: rollout fields, the teacher payload ``loss`` needs, ``revision``."""
-    records = []
-    for path in resolve_shard_paths(inputs):
-        for index, record in enumerate(ShardReader(path)):
-            where = f"{STAGE}: {path}: record {index}"
-            require_fields(record, ["rollout_log_probs", "sampling"], where=where)
-            require_fields(record, ["teacher_log_probs", "teacher"], where=where)
-            if loss == "topk" and "teacher_topk_ids" not in record:
-                raise GlmpostError(f"{where}: record {record['id']!r} has no teacher_topk_ids: "
-                                   "run `glmpost score-teacher --payload topk` for --loss topk")
-            if need_reward:
-                require_fields(record, ["reward"], where=where)
-            if record["tokenizer_revision"] != revision:
-                raise GlmpostError(
-                    f"{where}: tokenizer revision {record['tokenizer_revision']} differs from the checkpoint's {revision}"
-                )
-            records.append(record)
-    if not records:
-        raise GlmpostError(f"{STAGE}: no records in {' '.join(inputs)}")
-    return records
 
 
 def opd_merge(
@@ -99,79 +75,26 @@ def opd_merge(
 ) -> None:
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
-    plan = begin_update(checkpoint, out, resume=resume, overwrite=overwrite, as_json=as_json)
-    if plan is None:
-        return
-    parent, version, target = plan.parent, plan.version, plan.target
-    tokenizer, revision = load_tokenizer(parent)
-    records = read_scored_records(inputs, revision, loss=loss, need_reward=task_advantage_weight > 0)
-    temperatures = {float(r["sampling"].get("temperature", 1.0)) for r in records}
-    if len(temperatures) > 1:
-        raise GlmpostError(f"{STAGE}: records were sampled at different temperatures {sorted(temperatures)}; train them separately")
-    temperature = temperatures.pop()
-    if temperature != 1.0:
-        log(f"warning: the rollouts were sampled at temperature {temperature}; the teacher scored at 1, so the "
-            "OPD advantage compares the teacher's distribution with the student's tempered one")
+    run = TrainingRun(checkpoint, out, RunOptions(
+        device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config,
+        deterministic_topk=deterministic_topk, save_every=save_every, resume=resume, overwrite=overwrite,
+        reset_optimizer=reset_optimizer,
+    ))
     opd = OPDConfig(
         lr=lr, weight_decay=weight_decay, epochs=epochs, mini_batches=mini_batches, micro_batch_size=micro_batch_size,
         grad_clip=grad_clip, eps_low=eps_low, eps_high=eps_high, icepop=icepop, icepop_beta=icepop_beta,
-        advantage_eps=advantage_eps, entropy_coef=entropy_coef, temperature=temperature, chunk_size=chunk_size, seed=seed,
+        advantage_eps=advantage_eps, entropy_coef=entropy_coef, chunk_size=chunk_size, seed=seed,
         loss=loss, task_advantage_weight=task_advantage_weight, topk_correction=topk_correction,
     )
-    try:
-        opd.validate()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    batch = prepare_opd_batch(records, loss=loss, task_advantage_weight=task_advantage_weight, advantage_eps=advantage_eps)
-    if not batch.examples:
-        raise GlmpostError(f"{STAGE}: no usable records (excluded: {batch.excluded})")
-    if task_advantage_weight > 0 and batch.zero_advantage_groups == batch.groups:
-        log("warning: every group has one member or equal rewards, so the task advantage is 0; sample groups of G > 1 for it")
-    domains: dict[str, dict[str, int]] = {}
-    for example in batch.examples:
-        counts = domains.setdefault(example.domain or "none", {})
-        counts[example.teacher] = counts.get(example.teacher, 0) + 1
-    step_metrics = {
-        "train/records": len(batch.examples),
-        "train/excluded_status": batch.excluded["status"],
-        "train/excluded_nan_reward": batch.excluded["nan_reward"],
-        "train/policy_version": version,
-        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()},
-    }
-    if batch.rewards.size:
-        step_metrics["train/reward_mean"] = float(batch.rewards.mean())
-    result = run_policy_update(
-        ctx, stage=STAGE, plan=plan, tokenizer=tokenizer, revision=revision, config=opd, trainer_cls=OPDTrainer,
-        examples=batch.examples, step_metrics=step_metrics, device=device, deterministic=deterministic,
-        zero_stage=zero_stage, deepspeed_config=deepspeed_config, deterministic_topk=deterministic_topk,
-        ref_checkpoint=None, reset_optimizer=reset_optimizer, save_every=save_every, resume=resume, overwrite=overwrite,
-        manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains},
-        stage_extra={"excluded": batch.excluded, "teachers": domains},
-    )
-    if result is None:
-        return
-    history, world_size, steps = result
-    first, last = (history[0], history[-1]) if history else ({}, {})
-    teacher_kl = {key.split("/", 1)[1]: value for key, value in first.items() if key.startswith("teacher_kl/")}
-    summary = {
-        "out": str(target),
-        "policy_version": version,
-        "parent": str(parent),
-        "records": len(records),
-        "trained_records": len(batch.examples),
-        "excluded": batch.excluded,
-        "loss_kind": loss,
-        "teachers": domains,
-        "teacher_kl": teacher_kl,
-        "steps": steps,
-        "world_size": world_size,
-        "loss": last.get("train/loss"),
-        "trusted_fraction": last.get("train/trusted_fraction"),
-    }
-    human = (
-        f"{target}: student v{version} from {parent.name}, {len(batch.examples)} of {len(records)} trajectories, "
-        f"{steps} step(s) on {world_size} rank(s), {loss} loss {summary['loss']:.5f}, trusted {summary['trusted_fraction']:.1%}"
-    )
-    for domain, value in sorted(teacher_kl.items()):
-        human += f"\n  {domain}: teacher {', '.join(domains.get(domain, {}))}, sampled reverse KL before the update {value:.4f}"
-    print_summary(summary, as_json=as_json, human=human)
+    summary = opd_update(run, inputs, opd, stage_options=effective_options(ctx))
+
+    def human(s: dict) -> str:
+        text = (f"{s['out']}: student v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} "
+                f"trajectories, {s['steps']} step(s) on {s['world_size']} rank(s), {loss} loss {s['loss']:.5f}, "
+                f"trusted {s['trusted_fraction']:.1%}")
+        for domain, value in sorted(s["teacher_kl"].items()):
+            text += (f"\n  {domain}: teacher {', '.join(s['teachers'].get(domain, {}))}, "
+                     f"sampled reverse KL before the update {value:.4f}")
+        return text
+
+    report_update(summary, as_json=as_json, human=human)

@@ -36,13 +36,11 @@ from glmpost.commands.common import (
     MetricsWriter,
     config_option,
     effective_options,
-    log,
     print_summary,
     staged_output_dir,
-    write_json_atomic,
-    write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.stage import log, write_json_atomic, write_stage_json
 
 STAGE = "quantize"
 _SKIP_FILES = {MANIFEST, "stage.json", "metrics.jsonl", "config.json", "model.safetensors.index.json"}

@@ -42,9 +42,7 @@ from glmpost.commands.common import (
     check_same_options,
     config_option,
     effective_options,
-    log,
     print_summary,
-    write_stage_json,
 )
 from glmpost.rollout.engine import LocalEngine, SamplingParams, sequence_seed
 from glmpost.errors import GlmpostError, UsageError
@@ -58,6 +56,7 @@ from glmpost.rollout.records import (
     rollout_record,
     sglang_sampling_params,
 )
+from glmpost.stage import log, write_stage_json
 
 STAGE = "rollout"
 # Options that may differ between the tasks or reruns writing one output directory.

@@ -43,10 +43,8 @@ from glmpost.commands.common import (
     complete_shard,
     config_option,
     effective_options,
-    log,
     print_summary,
     shard_outputs,
-    write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
@@ -57,6 +55,7 @@ from glmpost.formats import (
     select_shards,
 )
 from glmpost.rl.opd import TeacherPayload, payload_from_rows, score_records
+from glmpost.stage import log, write_stage_json
 
 STAGE = "score-teacher"
 ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "observation_mask", "status", "tokenizer_revision")

@@ -29,9 +29,10 @@ from typing import Optional
 
 import typer
 
-from glmpost.commands.common import MetricsWriter, config_option, log
+from glmpost.commands.common import MetricsWriter, config_option
 from glmpost.errors import UsageError
 from glmpost.npu import resolve_device
+from glmpost.stage import log
 
 STAGE = "serve"
 

@@ -21,14 +21,13 @@ from glmpost.commands.common import (
     MetricsWriter,
     config_option,
     effective_options,
-    log,
     print_summary,
     staged_output_dir,
-    write_stage_json,
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardWriter, record_from_json
 from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.stage import log, write_stage_json
 
 STAGE = "shards.import"
 

@@ -32,14 +32,7 @@ from glmpost.checkpoints import (
     tokenizer_revision,
     write_manifest,
 )
-from glmpost.commands.common import (
-    MetricsWriter,
-    config_option,
-    effective_options,
-    log,
-    print_summary,
-    write_stage_json,
-)
+from glmpost.commands.common import MetricsWriter, config_option, effective_options, print_summary
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.serving.sync import (
     DTYPES,
@@ -54,6 +47,7 @@ from glmpost.serving.sync import (
     sync_servers,
     weight_version_name,
 )
+from glmpost.stage import log, write_stage_json
 
 STAGE = "sync-weights"
 

@@ -15,56 +15,17 @@ with DeepSpeed ZeRO (--zero-stage or --deepspeed ds.json); rank 0 alone writes f
 
 from __future__ import annotations
 
-import json
-import math
-import shutil
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from tqdm import tqdm
 
-from glmpost.checkpoints import (
-    CheckpointManifest,
-    NextVersion,
-    load_model,
-    load_tokenizer,
-)
-from glmpost.commands.common import (
-    config_option,
-    effective_options,
-    log,
-    print_summary,
-    skip_published,
-    write_stage_json,
-)
-from glmpost.rl.distributed import TrainingSession
-from glmpost.errors import GlmpostError, UsageError
-from glmpost.formats import ShardReader, require_fields, resolve_shard_paths
-from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch
+from glmpost.commands.common import config_option, effective_options, report_update
+from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.trainer import GRPOConfig
+from glmpost.rl.updates import grpo_update
 
 STAGE = "train-grpo"
-
-
-def read_judged_records(inputs: List[str], revision: str) -> tuple[list[dict], float | None]:
-    """Every record of the inputs; they must carry rollout fields and rewards, and match ``revision``."""
-    records, temperatures = [], set()
-    for path in resolve_shard_paths(inputs):
-        for index, record in enumerate(ShardReader(path)):
-            where = f"{STAGE}: {path}: record {index}"
-            require_fields(record, ["rollout_log_probs", "sampling"], where=where)
-            require_fields(record, ["reward"], where=where)
-            if record["tokenizer_revision"] != revision:
-                raise GlmpostError(
-                    f"{where}: tokenizer revision {record['tokenizer_revision']} differs from the checkpoint's {revision}"
-                )
-            temperatures.add(float(record["sampling"].get("temperature", 1.0)))
-            records.append(record)
-    if not records:
-        raise GlmpostError(f"{STAGE}: no records in {' '.join(inputs)}")
-    if len(temperatures) > 1:
-        raise GlmpostError(f"{STAGE}: records were sampled at different temperatures {sorted(temperatures)}; train them separately")
-    return records, temperatures.pop()
 
 
 def train_grpo(
@@ -104,176 +65,20 @@ def train_grpo(
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
     config: Optional[Path] = config_option(),
 ) -> None:
-    plan = begin_update(checkpoint, out, resume=resume, overwrite=overwrite, as_json=as_json)
-    if plan is None:
-        return
-    parent, version, target = plan.parent, plan.version, plan.target
-
-    tokenizer, revision = load_tokenizer(parent)
-    records, sampled_temperature = read_judged_records(inputs, revision)
+    run = TrainingRun(checkpoint, out, RunOptions(
+        device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config,
+        deterministic_topk=deterministic_topk, save_every=save_every, resume=resume, overwrite=overwrite,
+        reset_optimizer=reset_optimizer,
+    ))
     grpo = GRPOConfig(
         lr=lr, weight_decay=weight_decay, epochs=epochs, mini_batches=mini_batches, micro_batch_size=micro_batch_size,
         grad_clip=grad_clip, eps_low=eps_low, eps_high=eps_high, icepop=icepop, icepop_beta=icepop_beta,
-        advantage_eps=advantage_eps, kl_coef=kl_coef, entropy_coef=entropy_coef,
-        temperature=temperature if temperature is not None else sampled_temperature, chunk_size=chunk_size, seed=seed,
+        advantage_eps=advantage_eps, kl_coef=kl_coef, entropy_coef=entropy_coef, chunk_size=chunk_size, seed=seed,
     )
-    try:
-        grpo.validate()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if temperature is not None and not math.isclose(temperature, sampled_temperature):
-        log(f"warning: --temperature {temperature} differs from the sampling temperature {sampled_temperature}; "
-            "IcePop will compare different distributions")
-
-    batch = prepare_batch(records, advantage_eps=grpo.advantage_eps)
-    if not batch.examples:
-        raise GlmpostError(f"{STAGE}: no usable records (excluded: {batch.excluded})")
-    step_metrics = {
-        "train/reward_mean": float(batch.rewards.mean()),
-        "train/reward_std": float(batch.rewards.std()),
-        "train/zero_advantage_groups": batch.zero_advantage_groups,
-        "train/groups": batch.groups,
-        "train/excluded_nan_reward": batch.excluded["nan_reward"],
-        "train/excluded_status": batch.excluded["status"],
-        "train/policy_version": version,
-    }
-    result = run_policy_update(
-        ctx, stage=STAGE, plan=plan, tokenizer=tokenizer, revision=revision, config=grpo, trainer_cls=GRPOTrainer,
-        examples=batch.examples, step_metrics=step_metrics, device=device, deterministic=deterministic,
-        zero_stage=zero_stage, deepspeed_config=deepspeed_config, deterministic_topk=deterministic_topk,
-        ref_checkpoint=ref_checkpoint, reset_optimizer=reset_optimizer, save_every=save_every, resume=resume,
-        overwrite=overwrite, manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
-        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups},
-    )
-    if result is None:
-        return
-    history, world_size, steps = result
-    last = history[-1] if history else {}
-    summary = {
-        "out": str(target),
-        "policy_version": version,
-        "parent": str(parent),
-        "records": len(records),
-        "trained_records": len(batch.examples),
-        "excluded": batch.excluded,
-        "zero_advantage_groups": batch.zero_advantage_groups,
-        "reward_mean": float(batch.rewards.mean()),
-        "steps": steps,
-        "world_size": world_size,
-        "loss": last.get("train/loss"),
-        "trusted_fraction": last.get("train/trusted_fraction"),
-    }
-    human = (
-        f"{target}: policy v{version} from {parent.name}, {len(batch.examples)} of {len(records)} trajectories, "
-        f"reward mean {summary['reward_mean']:.4f}, {summary['steps']} step(s) on {world_size} rank(s), "
-        f"loss {summary['loss']:.5f}, trusted {summary['trusted_fraction']:.1%}"
-    )
-    print_summary(summary, as_json=as_json, human=human)
-
-
-# --------------------------------------------------------------------------------------------
-# The policy-update machinery train-grpo shares with opd-merge
-
-
-def begin_update(checkpoint: Path, out: Path, *, resume: bool, overwrite: bool, as_json: bool) -> NextVersion | None:
-    """Where the update publishes; None (after reporting the skip) when that version already exists."""
-    plan = NextVersion.plan(checkpoint, out)
-    if skip_published(plan.target, plan.version, as_json=as_json):
-        return None
-    if plan.staging.exists() and not (resume or overwrite):
-        raise UsageError(f"an interrupted run left {plan.staging}; pass --resume to continue it or --overwrite to start over")
-    return plan
-
-
-def run_policy_update(
-    ctx: typer.Context,
-    *,
-    stage: str,
-    plan: NextVersion,
-    tokenizer,
-    revision: str,
-    config: GRPOConfig,
-    trainer_cls: type,
-    examples: list,
-    step_metrics: dict,
-    device: str,
-    deterministic: bool,
-    zero_stage: Optional[int],
-    deepspeed_config: Optional[Path],
-    deterministic_topk: bool,
-    ref_checkpoint: Optional[Path],
-    reset_optimizer: bool,
-    save_every: int,
-    resume: bool,
-    overwrite: bool,
-    manifest_extra: dict,
-    stage_extra: dict,
-) -> tuple[list[dict], int, int] | None:
-    """Train ``examples`` with ``trainer_cls`` (a :class:`GRPOTrainer`) on this process's rank and publish
-    the new version: DeepSpeed session, parent optimizer state, old log-probs before any resume,
-    per-step metrics (``step_metrics`` added to each), resumable state every ``save_every`` steps,
-    ``stage.json``, the manifest and ``LATEST``. Returns ``(history, world size, steps)`` on rank 0,
-    None on the other ranks."""
-    parent, version, root, staging = plan.parent, plan.version, plan.root, plan.staging
-    resume_state = staging / "trainer_state" / "resume.pt"
-    session = TrainingSession.start(device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config)
-    model = load_model(parent, device=session.device, dtype="float32" if session.device.type == "cpu" else None,
-                       deterministic_topk=deterministic_topk)
-    reference = None
-    if config.kl_coef > 0:
-        reference = load_model(ref_checkpoint or parent, device=session.device, deterministic_topk=deterministic_topk)
-    backend = session.backend(model, config)
-    optimizer_state = parent / "trainer_state" / "optimizer.pt"
-    if not reset_optimizer and not (resume and resume_state.exists()):
-        backend.load_optimizer(optimizer_state)
-    trainer = trainer_cls(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
-
-    options = effective_options(ctx)
-    start_step, history = 0, []
-    if session.is_main:
-        if staging.exists() and overwrite:
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True, exist_ok=True)
-    session.barrier()
-    metrics_path = staging / "metrics.jsonl"
-    prepared = trainer.prepare(examples)  # old log-probs on the parent's weights, before any resume
-    if resume and resume_state.exists():
-        start_step, history = backend.load_resume_state(resume_state)
-        log(f"resuming at optimizer step {start_step} of {trainer.total_steps()}")
-        if session.is_main:  # drop lines of steps that ran after the last saved state
-            metrics_path.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in history))
-
-    progress = tqdm(total=trainer.total_steps(), initial=start_step, desc=stage, unit="step", leave=False,
-                    disable=None if session.is_main else True)
-
-    def on_step(step: int, metrics: dict) -> None:
-        metrics.update(step_metrics)
-        history.append(metrics)
-        if session.is_main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics, sort_keys=True) + "\n")
-        progress.update(1)
-        if save_every and (step + 1) % save_every == 0 and step + 1 < trainer.total_steps():
-            backend.save_resume_state(resume_state, step + 1, history)
-
-    with progress:
-        trainer.train(prepared, start_step=start_step, on_step=on_step)
-
-    manifest = CheckpointManifest(
-        policy_version=version, tokenizer_revision=revision, stage=stage, step=trainer.total_steps(),
-        parent=str(parent), extra=manifest_extra,
-    )
-    backend.save_model(staging)
-    backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
-    if session.is_main:
-        resume_state.unlink(missing_ok=True)
-        write_stage_json(staging, stage, options, parent=str(parent), world_size=session.world_size, **stage_extra)
-        plan.publish(manifest)
-        with open(root.path / "metrics.jsonl", "a") as f:  # the run's history across versions
-            for metrics in history:
-                f.write(json.dumps(metrics, sort_keys=True) + "\n")
-    session.barrier()
-    session.close()
-    if not session.is_main:
-        return None
-    return history, session.world_size, trainer.total_steps()
+    summary = grpo_update(run, inputs, grpo, temperature=temperature, ref_checkpoint=ref_checkpoint,
+                          stage_options=effective_options(ctx))
+    report_update(summary, as_json=as_json, human=lambda s: (
+        f"{s['out']}: policy v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} trajectories, "
+        f"reward mean {s['reward_mean']:.4f}, {s['steps']} step(s) on {s['world_size']} rank(s), "
+        f"loss {s['loss']:.5f}, trusted {s['trusted_fraction']:.1%}"
+    ))

@@ -5,6 +5,7 @@ are ``*.msgpack.zst`` files of records with a header and a checksummed footer
 (:mod:`glmpost.formats.shards`).
 """
 
+from glmpost.formats.reading import iter_checked_records, read_checked_records
 from glmpost.formats.schema import (
     ARRAY_FIELDS,
     FIELDS,
@@ -54,8 +55,10 @@ __all__ = [
     "ShardError",
     "ShardReader",
     "ShardWriter",
+    "iter_checked_records",
     "iter_records",
     "normalize_record",
+    "read_checked_records",
     "read_shard",
     "record_from_json",
     "record_to_json",

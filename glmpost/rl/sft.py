@@ -76,6 +76,13 @@ class SFTTrainer:
     def total_steps(self, count: int) -> int:
         return self.config.epochs * math.ceil(count / self.config.batch_size)
 
+    def prepare(self, examples: Sequence[TrainExample]) -> list[TrainExample]:
+        """SFT needs nothing from the weights before training (:class:`glmpost.rl.run.Trainer`)."""
+        return list(examples)
+
+    def steps(self, examples: Sequence[TrainExample]) -> int:
+        return self.total_steps(len(examples))
+
     def _nll_sum(self, examples: Sequence[TrainExample]) -> tuple[torch.Tensor, int]:
         batch = collate(examples, pad_token_id=self.pad_token_id, device=self.device)
         result = sequence_log_probs(self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,

@@ -318,6 +318,10 @@ class GRPOTrainer:
     def total_steps(self) -> int:
         return self.config.epochs * self.config.mini_batches
 
+    def steps(self, prepared: "PreparedUpdate") -> int:
+        """Optimizer steps of the update (:class:`glmpost.rl.run.Trainer`)."""
+        return self.total_steps()
+
     def _optimizer_step(self, examples, indices, micro_steps: int, filler: int, old: OldPolicyStats, ref) -> dict[str, float]:
         config = self.config
         self.model.train()

@@ -1,0 +1,231 @@
+"""The training stages' runs: GRPO (train-grpo), OPD / MOPD (opd-merge) and SFT with fake quantization
+(qat), each one :class:`~glmpost.rl.run.TrainingRun` from a parent checkpoint to its next version.
+
+A function here reads and checks the stage's records, builds its examples and trainer, runs the
+update and returns the facts its command reports (a dict, the same keys as ``--json`` prints).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from glmpost.checkpoints import load_tokenizer
+from glmpost.errors import GlmpostError, UsageError
+from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
+from glmpost.quant.core import fake_quant
+from glmpost.quant.qat import apply_fake_quant, remove_fake_quant
+from glmpost.quant.spec import make_spec
+from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
+from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
+from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, OPDConfig, OPDTrainer, prepare_batch, prepare_opd_batch
+from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.stage import log
+
+
+def _validated(config) -> None:
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _one_temperature(records: Sequence[dict], stage: str) -> float:
+    temperatures = {float(r["sampling"].get("temperature", 1.0)) for r in records}
+    if len(temperatures) > 1:
+        raise GlmpostError(f"{stage}: records were sampled at different temperatures {sorted(temperatures)}; train them separately")
+    return temperatures.pop()
+
+
+def _skipped(result: RunResult) -> dict[str, Any]:
+    return {"out": str(result.target), "skipped": True, "policy_version": result.version}
+
+
+def _published(result: RunResult, records: int, trained: int, excluded: dict) -> dict[str, Any]:
+    last = result.history[-1] if result.history else {}
+    return {
+        "out": str(result.target), "policy_version": result.version, "parent": str(result.parent), "records": records,
+        "trained_records": trained, "excluded": excluded, "steps": result.steps, "world_size": result.world_size,
+        "loss": last.get("train/loss"), "trusted_fraction": last.get("train/trusted_fraction"),
+    }
+
+
+def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
+                ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any] | None:
+    """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own)."""
+    stage = "train-grpo"
+    if run.done:
+        return _skipped(run.skipped())
+    run.check_staging()
+    tokenizer, revision = load_tokenizer(run.parent)
+    records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
+    sampled_temperature = _one_temperature(records, stage)
+    config.temperature = temperature if temperature is not None else sampled_temperature
+    _validated(config)
+    if temperature is not None and not math.isclose(temperature, sampled_temperature):
+        log(f"warning: --temperature {temperature} differs from the sampling temperature {sampled_temperature}; "
+            "IcePop will compare different distributions")
+    batch = prepare_batch(records, advantage_eps=config.advantage_eps)
+    if not batch.examples:
+        raise GlmpostError(f"{stage}: no usable records (excluded: {batch.excluded})")
+
+    def build(model, backend, session):
+        reference = None
+        if config.kl_coef > 0:
+            reference = run.load(ref_checkpoint or run.parent, session, trained=False)
+        return GRPOTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
+
+    job = TrainingJob(
+        stage, config, batch.examples, build,
+        step_metrics={
+            "train/reward_mean": float(batch.rewards.mean()), "train/reward_std": float(batch.rewards.std()),
+            "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
+            "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
+            "train/policy_version": run.plan.version,
+        },
+        manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
+        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups},
+    )
+    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    if result is None:
+        return None
+    return {**_published(result, len(records), len(batch.examples), batch.excluded),
+            "zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean())}
+
+
+def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
+               stage_options: dict[str, Any]) -> dict[str, Any] | None:
+    """One OPD / MOPD update on teacher-scored shards (the temperature is the records')."""
+    stage = "opd-merge"
+    if run.done:
+        return _skipped(run.skipped())
+    run.check_staging()
+    tokenizer, revision = load_tokenizer(run.parent)
+
+    def has_topk(record: dict, where: str) -> None:
+        if config.loss == "topk" and "teacher_topk_ids" not in record:
+            raise GlmpostError(f"{where}: record {record['id']!r} has no teacher_topk_ids: "
+                               "run `glmpost score-teacher --payload topk` for --loss topk")
+
+    need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
+    records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
+    config.temperature = _one_temperature(records, stage)
+    if config.temperature != 1.0:
+        log(f"warning: the rollouts were sampled at temperature {config.temperature}; the teacher scored at 1, so the "
+            "OPD advantage compares the teacher's distribution with the student's tempered one")
+    _validated(config)
+    batch = prepare_opd_batch(records, loss=config.loss, task_advantage_weight=config.task_advantage_weight,
+                              advantage_eps=config.advantage_eps)
+    if not batch.examples:
+        raise GlmpostError(f"{stage}: no usable records (excluded: {batch.excluded})")
+    if config.task_advantage_weight > 0 and batch.zero_advantage_groups == batch.groups:
+        log("warning: every group has one member or equal rewards, so the task advantage is 0; sample groups of G > 1 for it")
+    domains: dict[str, dict[str, int]] = {}
+    for example in batch.examples:
+        counts = domains.setdefault(example.domain or "none", {})
+        counts[example.teacher] = counts.get(example.teacher, 0) + 1
+    step_metrics = {
+        "train/records": len(batch.examples), "train/excluded_status": batch.excluded["status"],
+        "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": run.plan.version,
+        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()},
+    }
+    if batch.rewards.size:
+        step_metrics["train/reward_mean"] = float(batch.rewards.mean())
+    job = TrainingJob(
+        stage, config, batch.examples,
+        lambda model, backend, session: OPDTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
+        step_metrics=step_metrics,
+        manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains},
+        stage_extra={"excluded": batch.excluded, "teachers": domains},
+    )
+    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    if result is None:
+        return None
+    first = result.history[0] if result.history else {}
+    teacher_kl = {key.split("/", 1)[1]: value for key, value in first.items() if key.startswith("teacher_kl/")}
+    return {**_published(result, len(records), len(batch.examples), batch.excluded),
+            "loss_kind": config.loss, "teachers": domains, "teacher_kl": teacher_kl}
+
+
+def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
+    """Records from JSONL conversations (tokenized with the checkpoint's chat template) or shards."""
+    records = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_file() and not path.name.endswith(SHARD_SUFFIX):
+            for where, obj in read_jsonl(path):
+                prompt = parse_prompt_line(obj, where=where, default_id=f"{path.stem}-{where.rsplit(':', 1)[1]}")
+                if prompt.response is None:
+                    raise GlmpostError(f"{where}: no response to learn (give 'response' or end 'messages' with the assistant's turn)")
+                records.append(normalize_record(conversation_record(prompt, tokenizer, revision)))
+        else:
+            records.extend(read_checked_records([item], revision=revision, stage=stage))
+    if not records:
+        raise GlmpostError(f"{stage}: no records in {' '.join(inputs)}")
+    return records
+
+
+def quantization_error(model: torch.nn.Module, spec) -> list[dict]:
+    """Per fake-quantized weight: SQNR in dB and the largest |fake_quant(w) - w| of its master weight."""
+    rows = []
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if not name.endswith(".original"):  # only fake-quant parametrizations hold ".original"
+                continue
+            error = (fake_quant(weight, spec) - weight).float()
+            noise = error.pow(2).sum()
+            sqnr = float(10 * torch.log10(weight.float().pow(2).sum() / noise)) if noise > 0 else math.inf
+            layer = name.replace(".parametrizations.", ".").removesuffix(".original")
+            rows.append({"layer": layer, "qat/sqnr_db": round(sqnr, 3), "qat/max_abs_error": float(error.abs().max())})
+    return rows
+
+
+def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, scheme: str, group_size: int | None,
+               targets: str, include: Sequence[str], exclude: Sequence[str], eval_data: Sequence[str],
+               stage_options: dict[str, Any]) -> dict[str, Any] | None:
+    """SFT with every targeted weight fake-quantized by ``scheme`` (``none``: plain SFT)."""
+    stage = "qat"
+    spec = make_spec(scheme, group_size=group_size)
+    if run.done:
+        return _skipped(run.skipped())
+    run.check_staging()
+    _validated(config)
+    tokenizer, revision = load_tokenizer(run.parent)
+    examples = sft_examples(read_sft_records(inputs, tokenizer, revision))
+    held_out = sft_examples(read_sft_records(eval_data, tokenizer, revision)) if eval_data else []
+    if not examples:
+        raise GlmpostError(f"{stage}: no record has a response token to learn")
+    seen: dict[str, Any] = {}
+
+    def adapt(model) -> None:
+        seen["names"] = apply_fake_quant(model, spec, targets=targets, include=list(include), exclude=list(exclude))
+        job.manifest_extra["qat_targets"] = seen["names"]
+
+    def build(model, backend, session):
+        seen["mine"] = held_out[session.rank :: session.world_size]
+        trainer = SFTTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend)
+        seen["eval_before"] = trainer.evaluate(seen["mine"]) if held_out else None
+        return trainer
+
+    def finish(trainer: SFTTrainer) -> list[dict]:
+        seen["eval_after"] = trainer.evaluate(seen["mine"]) if held_out else None
+        seen["errors"] = quantization_error(trainer.model, spec)
+        remove_fake_quant(trainer.model)  # checkpoints hold the float master weights
+        return [*seen["errors"], {"qat/eval_loss_before": seen["eval_before"], "qat/eval_loss_after": seen["eval_after"]}]
+
+    job = TrainingJob(stage, config, examples, build, keep_optimizer_state=False, step_metrics={"qat/scheme": scheme},
+                      adapt_model=adapt, finish=finish, manifest_extra={"quantization": spec.to_json()})
+    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    if result is None:
+        return None
+    history = result.history
+    return {
+        "out": str(result.target), "policy_version": result.version, "parent": str(result.parent), "scheme": scheme,
+        "quantized_layers": len(seen["names"]), "records": len(examples), "steps": len(history),
+        "loss_first": history[0]["sft/loss"], "loss_last": history[-1]["sft/loss"],
+        "eval_loss_before": seen["eval_before"], "eval_loss_after": seen["eval_after"],
+        "min_sqnr_db": min((e["qat/sqnr_db"] for e in seen["errors"]), default=None),
+    }
