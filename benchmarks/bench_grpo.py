@@ -1,4 +1,4 @@
-"""One train-grpo step: glmpost's ``GRPOTrainer.train`` vs TRL's ``GRPOTrainer`` loss path.
+"""One train-grpo step: glmpost's ``PolicyTrainer.train`` vs TRL's ``GRPOTrainer`` loss path.
 
 Both sides run side by side in one process on the tiny GLM-5 model (``build_model(tiny_glm5_config(),
 seed=0)``, two deep copies of the same weights) and on the same batch: ``--prompts`` chat-template
@@ -10,7 +10,7 @@ One step on each side is: old log-prob recompute of the rollout tokens (no grad)
 clipped policy loss (eps_low 0.2, eps_high 0.28, no KL, no entropy bonus) + backward + grad-norm
 clip (1.0) + AdamW step.
 
-glmpost side (timed): ``GRPOTrainer(model, GRPOConfig(epochs=1, mini_batches=1,
+glmpost side (timed): ``PolicyTrainer(model, GRPOConfig(epochs=1, mini_batches=1,
 micro_batch_size=M, icepop=False, lr=...)).train(examples)`` - the real call of ``train-grpo``,
 including its collation of ``TrainExample`` rows into tensors. IcePop is off because TRL has no
 counterpart (with it on, every token is trusted here anyway: same weights on both engines).
@@ -92,7 +92,8 @@ from glmpost.models.tiny import build_model, tiny_glm5_config  # noqa: E402
 from glmpost.models.tokenizer import train_tokenizer  # noqa: E402
 from glmpost.rollout.prompts import encode_prompt  # noqa: E402
 from glmpost.rollout.records import RolloutPrompt, rollout_record  # noqa: E402
-from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch  # noqa: E402
+from glmpost.rl.batches import prepare_batch  # noqa: E402
+from glmpost.rl.trainer import GRPOConfig, PolicyTrainer  # noqa: E402
 
 GOAL_SPEED_RATIO = 1.0
 GOAL_MEMORY_RATIO = 1.0
@@ -168,7 +169,7 @@ class GlmpostSide:
         )
         self.model = model
         self.examples = examples
-        self.trainer = GRPOTrainer(model, config, pad_token_id=pad_token_id)
+        self.trainer = PolicyTrainer(model, config, pad_token_id=pad_token_id)
 
     def step(self) -> list[dict]:
         """One ``train`` call: one optimizer step per epoch; (loss, grad norm) per step."""

@@ -25,7 +25,7 @@ from glmpost.models.tiny import build_model, tiny_glm5_config
 from glmpost.quant.qat import apply_fake_quant
 from glmpost.quant.spec import make_spec
 from glmpost.rl.sft import SFTConfig, SFTTrainer
-from glmpost.rl.trainer import TrainExample
+from glmpost.rl.batches import TrainExample
 
 
 def make_examples(count: int, prompt: int, response: int, vocab: int, seed: int) -> list[TrainExample]:

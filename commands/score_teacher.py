@@ -54,7 +54,7 @@ from glmpost.formats import (
     resolve_shard_paths,
     select_shards,
 )
-from glmpost.rl.opd import TeacherPayload, payload_from_rows, score_records
+from glmpost.closure.scoring import TeacherPayload, payload_from_rows, score_records
 from glmpost.stage import log, write_stage_json
 
 STAGE = "score-teacher"

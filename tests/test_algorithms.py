@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from glmpost.rl.algorithms import clipped_policy_loss, dis_mask, group_advantages, icepop_mask, k3_kl, masked_sum_over
+from glmpost.rl.advantages import group_advantages
+from glmpost.rl.losses import clipped_policy_loss, k3_kl, masked_sum_over
+from glmpost.rl.masks import dis_mask, icepop_mask
 
 
 def test_group_advantages_hand_computed():

@@ -17,7 +17,8 @@ from glmpost.rollout.engine import LocalEngine, SamplingParams
 from glmpost.rollout.prompts import encode_prompt, read_prompts
 from glmpost.rewards.verifiers import VerifyContext, count_verifier
 from glmpost.rollout.records import RolloutPrompt, rollout_record
-from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch
+from glmpost.rl.batches import prepare_batch
+from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 
 TASK = Path(__file__).resolve().parents[1] / "recipes" / "data" / "count-train.jsonl"
 NEW_TOKENS = 8
@@ -36,7 +37,7 @@ def test_grpo_raises_the_count_reward_by_a_clear_margin(tiny_checkpoint):
     model = load_model(tiny_checkpoint)
     prompts = [RolloutPrompt(p.id, encode_prompt(tokenizer, p.messages), p.domain, p.task) for p in read_prompts(TASK)]
     engine = LocalEngine(model, batch_size=128, pad_token_id=tokenizer.pad_token_id)
-    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, epochs=2, mini_batches=2, micro_batch_size=128, seed=1),
+    trainer = PolicyTrainer(model, GRPOConfig(lr=3e-3, epochs=2, mini_batches=2, micro_batch_size=128, seed=1),
                           pad_token_id=tokenizer.pad_token_id)
 
     def run(iteration: int, *, temperature: float, group_size: int):

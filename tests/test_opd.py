@@ -12,16 +12,13 @@ from glmpost.checkpoints import load_model, load_tokenizer
 from glmpost.rl.distributed import LocalBackend
 from glmpost.rollout.engine import LocalEngine, SamplingParams
 from glmpost.closure.logprobs import sequence_log_probs
-from glmpost.rl.opd import (
-    opd_advantages,
-    opd_pg_loss,
-    sampled_reverse_kl,
-    score_tokens,
-    topk_reverse_kl,
-)
+from glmpost.closure.scoring import score_tokens
+from glmpost.rl.advantages import opd_advantages
+from glmpost.rl.losses import opd_pg_loss, sampled_reverse_kl, topk_reverse_kl
 from glmpost.rollout.prompts import encode_prompt
 from glmpost.rollout.records import RolloutPrompt, rollout_record
-from glmpost.rl.trainer import OPDConfig, OPDTrainer, collate, prepare_opd_batch
+from glmpost.rl.batches import collate, prepare_opd_batch
+from glmpost.rl.trainer import OPDConfig, PolicyTrainer
 
 NAN = float("nan")
 
@@ -129,7 +126,7 @@ def scored(wide_checkpoint):
 
 def test_score_tokens_matches_the_full_logits_path(scored):
     model, tokenizer, records = scored
-    from glmpost.rl.trainer import TrainExample
+    from glmpost.rl.batches import TrainExample
 
     examples = [TrainExample(r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(), len(r["prompt_token_ids"]),
                              r["action_mask"], r["rollout_log_probs"], 0.0, r["id"]) for r in records]
@@ -177,7 +174,7 @@ def test_opd_trainer_gradient_is_the_pure_pg_loss_gradient(scored, wide_checkpoi
     model = load_model(wide_checkpoint)
     config = OPDConfig(lr=1e-3, micro_batch_size=2, icepop=False)
     backend = RecordingBackend(model, config)
-    trainer = OPDTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend)
+    trainer = PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend)
     history = trainer.train(batch.examples)
     # The pure form on the same weights: -sum A_t log pi_theta / N with A_t = sg(logp_T - logp_theta).
     reference = load_model(wide_checkpoint)
@@ -195,7 +192,7 @@ def test_opd_trainer_gradient_is_the_pure_pg_loss_gradient(scored, wide_checkpoi
 
 def test_topk_loss_trains_and_reports(scored, wide_checkpoint):
     model, tokenizer, records = scored
-    from glmpost.rl.trainer import TrainExample
+    from glmpost.rl.batches import TrainExample
 
     full = collate([TrainExample(r["prompt_token_ids"].tolist() + r["response_token_ids"].tolist(), len(r["prompt_token_ids"]),
                                  r["action_mask"], r["rollout_log_probs"], 0.0, r["id"]) for r in records],
@@ -211,7 +208,7 @@ def test_topk_loss_trains_and_reports(scored, wide_checkpoint):
         r["teacher_topk_log_probs"] = teacher.topk_log_probs[row, p - 1 : n - 1].numpy()
         scored_records.append(r)
     batch = prepare_opd_batch(scored_records, loss="topk")
-    trainer = OPDTrainer(load_model(wide_checkpoint), OPDConfig(lr=1e-3, loss="topk", icepop=False), pad_token_id=tokenizer.pad_token_id)
+    trainer = PolicyTrainer(load_model(wide_checkpoint), OPDConfig(lr=1e-3, loss="topk", icepop=False), pad_token_id=tokenizer.pad_token_id)
     history = trainer.train(batch.examples)
     # The teacher is the student itself: the corrected top-k KL is 0 and so is the sampled KL.
     assert history[0]["train/topk_kl"] == pytest.approx(0.0, abs=1e-5)

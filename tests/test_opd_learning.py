@@ -40,7 +40,7 @@ from glmpost.checkpoints import (
 from glmpost.rollout.engine import LocalEngine, SamplingParams
 from glmpost.rollout.prompts import conversation_record, encode_prompt, read_prompts
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.trainer import TrainExample, collate
+from glmpost.rl.batches import TrainExample, collate
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DATA = RECIPES / "data"

@@ -14,7 +14,8 @@ from glmpost.rl.distributed import LocalBackend
 from glmpost.rollout.engine import LocalEngine, SamplingParams
 from glmpost.rollout.prompts import encode_prompt
 from glmpost.rollout.records import RolloutPrompt, rollout_record
-from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, prepare_batch
+from glmpost.rl.batches import prepare_batch
+from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def _records(policy, *, groups=2, group_size=4, new_tokens=6, seed=0):
 def _trainer(policy, **overrides):
     checkpoint, tokenizer, _ = policy
     config = GRPOConfig(**{"lr": 1e-2, "micro_batch_size": 8, **overrides})
-    return GRPOTrainer(load_model(checkpoint), config, pad_token_id=tokenizer.pad_token_id)
+    return PolicyTrainer(load_model(checkpoint), config, pad_token_id=tokenizer.pad_token_id)
 
 
 def _params(trainer):
@@ -113,7 +114,7 @@ def test_gradient_does_not_depend_on_micro_batch_split(policy):
         config = GRPOConfig(lr=1e-2, micro_batch_size=micro_batch_size)
         model = load_model(checkpoint)
         backend = GradientRecorder(model, config)
-        metrics = GRPOTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend).train(examples)[0]
+        metrics = PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend).train(examples)[0]
         results.append((metrics["train/loss"], backend.gradients))
     assert results[0][1], "no gradient was recorded"
     for loss, gradients in results[1:]:
@@ -148,7 +149,7 @@ def test_prepare_batch_excludes_and_counts(policy):
 def test_kl_to_reference_is_zero_at_the_start_and_entropy_is_reported(policy):
     checkpoint, tokenizer, _ = policy
     config = GRPOConfig(lr=1e-2, kl_coef=0.1, entropy_coef=0.01)
-    trainer = GRPOTrainer(load_model(checkpoint), config, pad_token_id=tokenizer.pad_token_id, reference=load_model(checkpoint))
+    trainer = PolicyTrainer(load_model(checkpoint), config, pad_token_id=tokenizer.pad_token_id, reference=load_model(checkpoint))
     history = trainer.train(prepare_batch(_records(policy)).examples)
     assert history[0]["train/kl_ref_k3"] == pytest.approx(0.0, abs=1e-6)
     assert history[0]["train/entropy"] > 0.0

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from glmpost.rl.algorithms import dis_mask, icepop_mask
+from glmpost.rl.masks import dis_mask, icepop_mask
 from glmpost.rollout.engine import LocalEngine, SamplingParams, sequence_seed
 
 POSITION_BUCKETS = (0, 64, 256, 1024, 4096)

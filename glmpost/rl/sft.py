@@ -23,7 +23,7 @@ import torch
 
 from glmpost.rl.distributed import LocalBackend, OptimizerConfig
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
-from glmpost.rl.trainer import TrainExample, collate
+from glmpost.rl.batches import TrainExample, collate
 
 
 @dataclass
@@ -134,7 +134,7 @@ class SFTTrainer:
         loss_sum = 0.0
         for micro in range(micro_steps):
             chunk = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-            if not chunk:  # keep every rank's backward count equal (see GRPOTrainer)
+            if not chunk:  # keep every rank's backward count equal (see PolicyTrainer)
                 nll, _ = self._nll_sum([examples[part[0]]])
                 self.backend.backward(nll * 0.0)
                 continue

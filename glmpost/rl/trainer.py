@@ -1,17 +1,19 @@
-"""The GRPO trainer: group advantages, IcePop-masked clipped policy loss, global token-mean.
+"""The policy trainer: one update of the policy from a batch of trajectories, composed by name.
 
-One call of :meth:`GRPOTrainer.train` is one policy update of GLM-5's Reasoning RL (brief,
-"Reasoning RL：相对奖励与可信 token"): recompute the old log-probs of the exact rollout tokens with
-the training engine on the same weights, build the IcePop trust mask against the rollout
-log-probs, then run ``epochs`` passes of ``mini_batches`` optimizer steps over the batch.
+One call of :meth:`PolicyTrainer.train` is one policy update (brief, "Reasoning RL：相对奖励与可信
+token"; "OPD：把教师变成逐 token 优势"): recompute the old log-probs of the exact rollout tokens with
+the training engine on the same weights, AND the trust masks into the action mask, then run
+``epochs`` passes of ``mini_batches`` optimizer steps over the batch. What it optimises comes from
+registries, chosen by the config: the advantage estimator (:mod:`glmpost.rl.advantages`), the trust
+masks (:mod:`glmpost.rl.masks`), the loss terms (:mod:`glmpost.rl.losses`) and the batch
+diagnostics (:mod:`glmpost.rl.diagnostics`). GRPO (:class:`GRPOConfig`) is ``grpo`` + ``icepop`` +
+``policy``; OPD / MOPD (:class:`OPDConfig`) is ``opd`` (or ``task`` with the ``topk_reverse_kl``
+term) + ``icepop`` + ``policy``.
 
 The loss of a mini-batch is a sum over its trusted action tokens divided by their number *in the
 whole mini-batch across all data-parallel ranks*, so the gradient does not depend on how records
-are split into micro-batches or ranks (a 2-process run matches a 1-process run).
-
-:class:`OPDTrainer` is the same update with another advantage source (the hooks
-``_token_advantages``, ``_train_forward`` and ``_extra_loss``): on-policy distillation's per-token
-teacher advantage and MOPD's top-k loss (:mod:`glmpost.rl.opd`).
+are split into micro-batches or ranks (a 2-process run matches a 1-process run). Step metrics are
+named sums, reduced over ranks once per step.
 """
 
 from __future__ import annotations
@@ -19,24 +21,20 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from glmpost.rl.algorithms import (
-    clipped_policy_loss,
-    group_advantages,
-    icepop_mask,
-    k3_kl,
-    masked_sum_over,
-)
-from glmpost.rl.distributed import LocalBackend, OptimizerConfig
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
-from glmpost.rl.opd import opd_advantages, sampled_reverse_kl, score_tokens, topk_reverse_kl
-
-TRAINABLE_STATUSES = ("completed", "truncated")
+from glmpost.closure.scoring import score_tokens
+from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS
+from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit
+from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
+from glmpost.rl.distributed import LocalBackend, OptimizerConfig
+from glmpost.rl.losses import LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
+from glmpost.rl.masks import TRUST_MASKS
 
 
 @dataclass
@@ -70,115 +68,54 @@ class GRPOConfig(OptimizerConfig):
             "kl_coef": self.kl_coef >= 0,
         })
 
+    # What the trainer composes (glmpost.rl.advantages / masks / losses / diagnostics), by name.
 
-@dataclass
-class TrainExample:
-    """One trajectory as the trainer needs it."""
+    def advantage_estimator(self) -> str:
+        return "grpo"
 
-    input_ids: list[int]
-    prompt_length: int
-    action_mask: np.ndarray  # bool [T]
-    rollout_log_probs: np.ndarray  # float32 [T]
-    advantage: float
-    group_id: str
-    domain: str = ""
-    teacher: str = ""
-    # Further per-response-token arrays ([T] or [T, k]) that collate lays out like rollout_log_probs,
-    # e.g. the teacher's log-probs for on-policy distillation.
-    token_fields: dict[str, np.ndarray] = field(default_factory=dict)
+    def trust_masks(self) -> tuple[str, ...]:
+        return ("icepop",) if self.icepop else ()
+
+    def loss_terms(self) -> tuple[str, ...]:
+        return ("policy",) + (("kl",) if self.kl_coef > 0 else ()) + (("entropy",) if self.entropy_coef > 0 else ())
+
+    def diagnostics(self) -> tuple[str, ...]:
+        return ("mismatch",)
 
 
-@dataclass
-class PreparedBatch:
-    """Records turned into examples, with what was left out and why."""
-
-    examples: list[TrainExample]
-    rewards: np.ndarray
-    excluded: dict[str, int] = field(default_factory=dict)
-    zero_advantage_groups: int = 0
-    groups: int = 0
 
 
-def usable_records(records: Sequence[dict[str, Any]], *, need_reward: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The records an update trains on, and how many of the rest were excluded and why: a failed
-    rollout (status), a NaN reward (only when the update uses rewards), no action token."""
-    excluded = {"nan_reward": 0, "status": 0, "no_actions": 0}
-    usable = []
-    for record in records:
-        if record["status"] not in TRAINABLE_STATUSES:
-            excluded["status"] += 1
-        elif need_reward and not math.isfinite(record["reward"]):
-            excluded["nan_reward"] += 1
-        elif not (record["action_mask"] & ~record["observation_mask"]).any():
-            excluded["no_actions"] += 1
-        else:
-            usable.append(record)
-    return usable, excluded
-
-
-def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> TrainExample:
-    """A record as the trainer sees it: prompt + response ids, the action tokens it optimises."""
-    return TrainExample(
-        input_ids=record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist(),
-        prompt_length=len(record["prompt_token_ids"]),
-        action_mask=record["action_mask"] & ~record["observation_mask"],
-        rollout_log_probs=record["rollout_log_probs"],
-        advantage=float(advantage),
-        group_id=record["group_id"],
-        **extra,
-    )
-
-
-def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6) -> PreparedBatch:
-    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted."""
-    usable, excluded = usable_records(records, need_reward=True)
-    rewards = np.array([r["reward"] for r in usable], dtype=np.float64)
-    groups = [r["group_id"] for r in usable]
-    if usable:
-        advantages, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
-    else:
-        advantages, zero_signal = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-    examples = [train_example(r, a) for r, a in zip(usable, advantages.tolist())]
-    zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
-    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
+OPD_LOSSES = ("sampled", "topk")
 
 
 @dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # [B, L] right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    action_mask: torch.Tensor  # bool [B, L-1]: entry t scores input_ids[t+1], a response action
-    rollout_log_probs: torch.Tensor  # float32 [B, L-1], NaN off actions
-    advantages: torch.Tensor  # float32 [B, 1]
-    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, L-1, ...]: NaN / 0 off responses
+class OPDConfig(GRPOConfig):
+    """OPD / MOPD update (brief, "OPD：把教师变成逐 token 优势"): group size 1, advantages from the teacher.
 
+    ``loss = "sampled"``: ``A_t = sg(log pi_T - log pi_theta) + w * A_task`` in the clipped
+    policy-gradient loss; ``"topk"``: the reverse KL over the teacher's top-k set with the MOPD
+    ``pi_T - pi_theta`` correction (plus ``w * A_task`` in the policy-gradient term).
+    """
 
-def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torch.device) -> MicroBatch:
-    length = max(len(e.input_ids) for e in examples)
-    batch = len(examples)
-    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
-    actions = torch.zeros((batch, length - 1), dtype=torch.bool)
-    rollout = torch.full((batch, length - 1), float("nan"), dtype=torch.float32)
-    for row, e in enumerate(examples):
-        n, p = len(e.input_ids), e.prompt_length
-        input_ids[row, :n] = torch.tensor(e.input_ids)
-        attention[row, :n] = 1
-        # Response token j sits at input position p + j and is predicted by entry p + j - 1.
-        actions[row, p - 1 : n - 1] = torch.from_numpy(e.action_mask)
-        rollout[row, p - 1 : n - 1] = torch.from_numpy(e.rollout_log_probs.astype(np.float32))
-    advantages = torch.tensor([[e.advantage] for e in examples], dtype=torch.float32)
-    fields = {}
-    for name in examples[0].token_fields:
-        first = examples[0].token_fields[name]
-        fill = float("nan") if first.dtype.kind == "f" else 0
-        laid = torch.full((batch, length - 1, *first.shape[1:]), fill, dtype=torch.from_numpy(first[:0]).dtype)
-        for row, e in enumerate(examples):
-            p, n = e.prompt_length, len(e.input_ids)
-            laid[row, p - 1 : n - 1] = torch.from_numpy(np.ascontiguousarray(e.token_fields[name]))
-        fields[name] = laid.to(device)
-    return MicroBatch(input_ids.to(device), attention.to(device), actions.to(device), rollout.to(device), advantages.to(device),
-                      fields)
+    loss: str = "sampled"
+    task_advantage_weight: float = 0.0
+    topk_correction: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if self.loss not in OPD_LOSSES:
+            raise ValueError(f"loss = {self.loss!r} is not one of {', '.join(OPD_LOSSES)}")
+        self._require({"task_advantage_weight": self.task_advantage_weight >= 0})
+
+    def advantage_estimator(self) -> str:
+        return "task" if self.loss == "topk" else "opd"
+
+    def loss_terms(self) -> tuple[str, ...]:
+        policy, *rest = super().loss_terms()
+        return (policy, *(("topk_reverse_kl",) if self.loss == "topk" else ()), *rest)
+
+    def diagnostics(self) -> tuple[str, ...]:
+        return ("mismatch", "teacher_kl")
 
 
 @dataclass
@@ -191,16 +128,17 @@ class OldPolicyStats:
 
 @dataclass
 class PreparedUpdate:
-    """A batch with its old-policy log-probs, IcePop mask, reference log-probs and mismatch metrics."""
+    """A batch with its old-policy log-probs, trust mask, reference log-probs and diagnostics."""
 
     examples: list[TrainExample]
     old: OldPolicyStats
     ref: dict[int, torch.Tensor] | None
-    mismatch: dict[str, float]
+    diagnostics: dict[str, float]
 
 
-class GRPOTrainer:
-    """Runs one GRPO policy update over prepared examples (this rank's share)."""
+class PolicyTrainer:
+    """Runs one policy update over prepared examples (this rank's share), composed from the
+    registries by the config's names; it holds no algorithm of its own."""
 
     def __init__(
         self,
@@ -218,6 +156,19 @@ class GRPOTrainer:
         self.backend = backend or LocalBackend(model, config)
         self.reference = reference
         self.device = next(model.parameters()).device
+        self.estimator = ADVANTAGE_ESTIMATORS[config.advantage_estimator()]
+        self.masks = [TRUST_MASKS[name] for name in config.trust_masks()]
+        self.terms = [LOSS_TERMS[name] for name in config.loss_terms()]
+        self.diagnostics = [BATCH_DIAGNOSTICS[name] for name in config.diagnostics()]
+        if "kl" in config.loss_terms() and reference is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        gathers = {term.gather for term in self.terms if term.gather}
+        if len(gathers) > 1:
+            raise ValueError(f"loss terms gather different ids: {sorted(gathers)}")
+        self.gather = gathers.pop() if gathers else None
+        # Every rank sums the same names in the same order, whatever its share of the batch.
+        self.metric_names = sorted({"train/loss", "train/entropy", *(t.logged_as for t in self.terms if t.logged_as),
+                                    *(name for t in self.terms for name in t.metrics)})
 
     def _log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool = False):
         return sequence_log_probs(
@@ -230,6 +181,17 @@ class GRPOTrainer:
             return_entropy=entropy,
         )
 
+    def _train_forward(self, batch: MicroBatch):
+        """The policy's forward with grad: per-token ``log_probs`` and ``entropy`` ``[B, L-1]``, and the
+        log-probs of the ids a loss term gathers (``gathered`` ``[B, L-1, k]``)."""
+        if self.gather is None:
+            return self._log_probs(self.model, batch, entropy=True)
+        return score_tokens(
+            self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
+            temperature=self.config.temperature, chunk_size=self.config.chunk_size, return_entropy=True,
+            gather_ids=batch.token_fields[self.gather].long(),
+        )
+
     def _micro_batches(self, examples: Sequence[TrainExample], indices: Sequence[int]):
         size = self.config.micro_batch_size
         for start in range(0, len(indices), size):
@@ -238,15 +200,14 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def old_policy(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> OldPolicyStats:
-        """Old log-probs of the rollout tokens with the training engine, and the IcePop mask."""
+        """Old log-probs of the rollout tokens with the training engine, and the trust mask."""
         self.model.eval()
         old, trust = {}, {}
         for chunk, batch in self._micro_batches(examples, indices):
             result = self._log_probs(self.model, batch)
             mask = batch.action_mask.clone()
-            if self.config.icepop:
-                # brief: rho = pi_train_old / pi_infer; keep iff 1/beta <= rho <= beta (a mask, not a clamp)
-                mask &= icepop_mask(result.log_probs, batch.rollout_log_probs, beta=self.config.icepop_beta)
+            for trust_mask in self.masks:
+                mask &= trust_mask(result.log_probs, batch.rollout_log_probs, self.config)[0]
             for row, index in enumerate(chunk):
                 old[index] = result.log_probs[row].cpu()
                 trust[index] = mask[row].cpu()
@@ -260,21 +221,23 @@ class GRPOTrainer:
             out.update({index: result.log_probs[row].cpu() for row, index in enumerate(chunk)})
         return out
 
-    def prepare(self, examples: Sequence[TrainExample]) -> "PreparedUpdate":
+    def prepare(self, examples: Sequence[TrainExample]) -> PreparedUpdate:
         """What the update needs from the old policy, computed on the weights as they are now.
 
-        Call before loading a resumed run's weights: the old log-probs (and the IcePop mask) belong
+        Call before loading a resumed run's weights: the old log-probs (and the trust mask) belong
         to the policy that produced the rollouts, not to a half-trained one.
         """
         mine = list(range(self.backend.rank, len(examples), self.backend.world_size))
         old = self.old_policy(examples, mine)
-        mismatch = self._update_metrics(examples, old)
-        ref = self.reference_log_probs(examples, mine) if (self.reference is not None and self.config.kl_coef > 0) else None
-        return PreparedUpdate(list(examples), old, ref, mismatch)
+        diagnostics: dict[str, float] = {}
+        for diagnostic in self.diagnostics:
+            diagnostics.update(diagnostic(examples, old, self.backend.all_reduce_sum))
+        ref = self.reference_log_probs(examples, mine) if any(t is LOSS_TERMS["kl"] for t in self.terms) else None
+        return PreparedUpdate(list(examples), old, ref, diagnostics)
 
     def train(
         self,
-        examples: Sequence[TrainExample] | "PreparedUpdate",
+        examples: Sequence[TrainExample] | PreparedUpdate,
         *,
         start_step: int = 0,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
@@ -305,7 +268,7 @@ class GRPOTrainer:
                 # Every rank runs the same number of backward passes (ZeRO-2/3 reduce in each one).
                 micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
                 metrics = self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old, prepared.ref)
-                metrics.update(prepared.mismatch)
+                metrics.update(prepared.diagnostics)
                 metrics["train/epoch"] = epoch
                 metrics["train/step"] = step
                 metrics["train/elapsed_s"] = time.perf_counter() - started
@@ -318,9 +281,31 @@ class GRPOTrainer:
     def total_steps(self) -> int:
         return self.config.epochs * self.config.mini_batches
 
-    def steps(self, prepared: "PreparedUpdate") -> int:
+    def steps(self, prepared: PreparedUpdate) -> int:
         """Optimizer steps of the update (:class:`glmpost.rl.run.Trainer`)."""
         return self.total_steps()
+
+    def _micro_loss(self, batch: MicroBatch, old_lp: torch.Tensor, trust: torch.Tensor, ref_lp, denominator: float,
+                    sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The composed loss of one micro-batch; its named metric sums are added to ``sums``."""
+        forward = self._train_forward(batch)
+        advantages, _ = self.estimator(batch, old_lp, self.config)
+        inputs = LossInputs(forward, old_lp, advantages, trust, batch, ref_lp, self.config)
+        loss = None
+        for term in self.terms:
+            values, metrics = term.fn(inputs)
+            contribution = masked_sum_over(values, trust, denominator)
+            coefficient = term.coefficient(self.config)
+            if coefficient != 1.0:
+                contribution = coefficient * contribution
+            loss = contribution if loss is None else loss + contribution
+            if term.logged_as:
+                sums[term.logged_as] += contribution.detach().double().cpu()
+            for name, value in metrics.items():
+                sums[name] += torch.as_tensor(value, dtype=torch.float64).detach().cpu()
+        sums["train/loss"] += loss.detach().double().cpu()
+        sums["train/entropy"] += trusted_sum(forward.entropy, trust).detach().double().cpu()
+        return loss
 
     def _optimizer_step(self, examples, indices, micro_steps: int, filler: int, old: OldPolicyStats, ref) -> dict[str, float]:
         config = self.config
@@ -335,7 +320,7 @@ class GRPOTrainer:
         )
         trusted_total, action_total = self.backend.all_reduce_sum(counts).tolist()
         denominator = trusted_total  # global over ranks and micro-batches: split-invariant gradients
-        sums = torch.zeros(7, dtype=torch.float64)  # loss, pg_loss, clipped, entropy, kl, ratio, extra
+        sums = {name: torch.zeros((), dtype=torch.float64) for name in self.metric_names}
         for micro in range(micro_steps):
             chunk_idx = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
             if not chunk_idx:
@@ -344,220 +329,24 @@ class GRPOTrainer:
                 batch = collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device)
                 self.backend.backward(self._log_probs(self.model, batch).log_probs.sum() * 0.0)
                 continue
-            chunk = [examples[i] for i in chunk_idx]
-            batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.device)
+            batch = collate([examples[i] for i in chunk_idx], pad_token_id=self.pad_token_id, device=self.device)
             width = batch.action_mask.shape[1]
-            old_lp = torch.stack([_fit(old.old_log_probs[i], width) for i in chunk_idx]).to(self.device)
-            trust = torch.stack([_fit(old.trust[i], width) for i in chunk_idx]).to(self.device)
-            result = self._train_forward(batch)
-            terms = clipped_policy_loss(
-                result.log_probs, old_lp, self._token_advantages(batch, old_lp), eps_low=config.eps_low, eps_high=config.eps_high
-            )
-            pg = masked_sum_over(terms.losses, trust, denominator)
-            loss = pg
-            extra_loss, extra_sum = self._extra_loss(batch, result, trust, denominator)
-            if extra_loss is not None:
-                loss = loss + extra_loss
-            kl_sum = torch.zeros((), dtype=torch.float64)
-            if ref is not None:
-                ref_lp = torch.stack([_fit(ref[i], width) for i in chunk_idx]).to(self.device)
-                kl = k3_kl(result.log_probs, ref_lp)
-                loss = loss + config.kl_coef * masked_sum_over(kl, trust, denominator)
-                kl_sum = torch.where(trust, kl, torch.zeros_like(kl)).sum().detach().double()
-            entropy_sum = torch.where(trust, result.entropy, torch.zeros_like(result.entropy)).sum()
-            if config.entropy_coef > 0:
-                loss = loss - config.entropy_coef * entropy_sum / max(denominator, 1.0)
-            self.backend.backward(loss)
-            sums += torch.stack([
-                loss.detach().double(),
-                pg.detach().double(),
-                (terms.clipped & trust).sum().double(),
-                entropy_sum.detach().double(),
-                kl_sum,
-                torch.where(trust, terms.ratio, torch.zeros_like(terms.ratio)).sum().double(),
-                torch.as_tensor(extra_sum, dtype=torch.float64).detach(),
-            ]).cpu()
+            old_lp = torch.stack([fit(old.old_log_probs[i], width) for i in chunk_idx]).to(self.device)
+            trust = torch.stack([fit(old.trust[i], width) for i in chunk_idx]).to(self.device)
+            ref_lp = None if ref is None else torch.stack([fit(ref[i], width) for i in chunk_idx]).to(self.device)
+            self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums))
         grad_norm = self.backend.step()
-        totals = self.backend.all_reduce_sum(sums).tolist()
+        reduced = self.backend.all_reduce_sum(torch.stack([sums[name] for name in self.metric_names])).tolist()
+        totals = dict(zip(self.metric_names, reduced))
         seconds = time.perf_counter() - started
         per_token = max(trusted_total, 1.0)
+        # Contributions and the loss are totals; every other named sum is a mean per trusted token.
+        whole = {"train/loss", *(t.logged_as for t in self.terms if t.logged_as)}
         return {
-            "train/loss": totals[0],
-            "train/pg_loss": totals[1],
-            "train/clip_fraction": totals[2] / per_token,
-            "train/entropy": totals[3] / per_token,
-            "train/kl_ref_k3": totals[4] / per_token,
-            "train/ratio_mean": totals[5] / per_token,
+            **{name: value if name in whole else value / per_token for name, value in totals.items()},
             "train/trusted_tokens": trusted_total,
             "train/action_tokens": action_total,
             "train/trusted_fraction": trusted_total / action_total if action_total else 0.0,
             "train/grad_norm": grad_norm,
             "train/action_tokens_per_s": action_total / max(seconds, 1e-9),
-            **self._extra_step_metrics(totals[6] / per_token),
         }
-
-    # Hooks a trainer with another advantage source or an extra loss term overrides (OPDTrainer).
-
-    def _train_forward(self, batch: MicroBatch):
-        """The policy's forward with grad: per-token ``log_probs`` and ``entropy`` ``[B, L-1]``."""
-        return self._log_probs(self.model, batch, entropy=True)
-
-    def _token_advantages(self, batch: MicroBatch, old_log_probs: torch.Tensor) -> torch.Tensor:
-        """Advantages broadcastable to ``[B, L-1]``; GRPO's are one per trajectory (``[B, 1]``)."""
-        return batch.advantages
-
-    def _extra_loss(self, batch: MicroBatch, result, trust: torch.Tensor, denominator: float):
-        """``(loss term or None, its detached sum over trusted tokens)`` added to the policy loss."""
-        return None, 0.0
-
-    def _extra_step_metrics(self, extra_per_token: float) -> dict[str, float]:
-        return {}
-
-    def _update_metrics(self, examples, old: OldPolicyStats) -> dict[str, float]:
-        """Metrics of the batch on the weights before the update (logged with every step)."""
-        return self._mismatch_metrics(examples, old)
-
-    def _mismatch_metrics(self, examples, old: OldPolicyStats) -> dict[str, float]:
-        """Train-vs-rollout mismatch on the same weights (what IcePop sees)."""
-        deltas = []
-        for index, old_lp in old.old_log_probs.items():
-            example = examples[index]
-            start = example.prompt_length - 1
-            actions = torch.from_numpy(example.action_mask)
-            train = old_lp[start : start + len(actions)][actions]
-            rollout = torch.from_numpy(example.rollout_log_probs.astype(np.float32))[actions]
-            deltas.append((train - rollout).double())
-        delta = torch.cat(deltas) if deltas else torch.zeros(0, dtype=torch.float64)
-        # k3 estimate of KL(pi_infer || pi_train) from tokens sampled by the rollout engine:
-        # r = pi_train / pi_infer, k3 = r - 1 - log r.
-        sums = torch.tensor(
-            [delta.abs().sum(), (torch.exp(delta) - delta - 1).sum(), float(delta.numel())], dtype=torch.float64
-        )
-        total = self.backend.all_reduce_sum(sums).tolist()
-        count = max(total[2], 1.0)
-        return {
-            "train/mismatch_abs_logp_mean": total[0] / count,
-            "train/mismatch_k3_kl": total[1] / count,
-        }
-
-
-# --------------------------------------------------------------------------------------------
-# On-policy distillation: the same update with the teacher's per-token advantage (glmpost.rl.opd)
-
-OPD_LOSSES = ("sampled", "topk")
-
-
-@dataclass
-class OPDConfig(GRPOConfig):
-    """OPD / MOPD update (brief, "OPD：把教师变成逐 token 优势"): group size 1, advantages from the teacher.
-
-    ``loss = "sampled"``: ``A_t = sg(log pi_T - log pi_theta) + w * A_task`` in the clipped
-    policy-gradient loss; ``"topk"``: the reverse KL over the teacher's top-k set with the MOPD
-    ``pi_T - pi_theta`` correction (plus ``w * A_task`` in the policy-gradient term).
-    """
-
-    loss: str = "sampled"
-    task_advantage_weight: float = 0.0
-    topk_correction: bool = True
-
-    def validate(self) -> None:
-        super().validate()
-        if self.loss not in OPD_LOSSES:
-            raise ValueError(f"loss = {self.loss!r} is not one of {', '.join(OPD_LOSSES)}")
-        self._require({"task_advantage_weight": self.task_advantage_weight >= 0})
-
-
-def prepare_opd_batch(
-    records: Sequence[dict[str, Any]], *, loss: str = "sampled", task_advantage_weight: float = 0.0, advantage_eps: float = 1e-6
-) -> PreparedBatch:
-    """Scored records as OPD examples: the teacher payload rides along in ``token_fields``.
-
-    Failed rollouts and records without action tokens are excluded and counted; with a task
-    advantage weight, records with a NaN reward are too, and the task advantage is GRPO's group
-    advantage over ``group_id`` (0 for a group of one).
-    """
-    usable, excluded = usable_records(records, need_reward=task_advantage_weight > 0)
-    groups = [r["group_id"] for r in usable]
-    rewards = np.array([r["reward"] for r in usable if "reward" in r], dtype=np.float64)
-    advantages = [0.0] * len(usable)
-    zero_groups: set[str] = set()
-    if task_advantage_weight > 0 and usable:
-        values, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
-        advantages = values.tolist()
-        zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
-    fields = ("teacher_log_probs",) + (("teacher_topk_ids", "teacher_topk_log_probs") if loss == "topk" else ())
-    examples = [
-        train_example(r, a, domain=r.get("domain", ""), teacher=str(r["teacher"].get("id", "")),
-                      token_fields={name: r[name] for name in fields})
-        for r, a in zip(usable, advantages)
-    ]
-    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
-
-
-class OPDTrainer(GRPOTrainer):
-    """GRPO's update machinery (old log-probs, IcePop, PPO ratio, split-invariant token mean,
-    DeepSpeed backends, resume) with OPD advantages; per-domain teacher KL in every step's metrics.
-
-    The advantage uses the old log-probs the trainer recomputes on the weights before the update:
-    ``log pi_theta^train`` of the brief's formula, fixed (stop-gradient) for the whole update.
-    """
-
-    config: OPDConfig
-
-    def _train_forward(self, batch: MicroBatch):
-        if self.config.loss != "topk":
-            return super()._train_forward(batch)
-        return score_tokens(
-            self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
-            temperature=self.config.temperature, chunk_size=self.config.chunk_size, return_entropy=True,
-            gather_ids=batch.token_fields["teacher_topk_ids"].long(),
-        )
-
-    def _token_advantages(self, batch: MicroBatch, old_log_probs: torch.Tensor) -> torch.Tensor:
-        weight = self.config.task_advantage_weight
-        if self.config.loss == "topk":
-            return weight * batch.advantages
-        return opd_advantages(batch.token_fields["teacher_log_probs"], old_log_probs, batch.action_mask,
-                              task_advantages=batch.advantages, task_weight=weight)
-
-    def _extra_loss(self, batch: MicroBatch, result, trust: torch.Tensor, denominator: float):
-        if self.config.loss != "topk":
-            return None, 0.0
-        per_token = topk_reverse_kl(result.gathered, batch.token_fields["teacher_topk_log_probs"], trust,
-                                    correction=self.config.topk_correction)
-        return masked_sum_over(per_token, trust, denominator), per_token.detach().sum()
-
-    def _extra_step_metrics(self, extra_per_token: float) -> dict[str, float]:
-        return {"train/topk_kl": extra_per_token} if self.config.loss == "topk" else {}
-
-    def _update_metrics(self, examples, old: OldPolicyStats) -> dict[str, float]:
-        """Mismatch metrics plus ``teacher_kl/<domain>``: mean of log pi_theta - log pi_T over the
-        domain's action tokens (sampled reverse KL to the routed teacher, before the update)."""
-        metrics = super()._update_metrics(examples, old)
-        domains = sorted({e.domain for e in examples})
-        sums = torch.zeros(2 * len(domains), dtype=torch.float64)
-        for index, old_lp in old.old_log_probs.items():
-            example = examples[index]
-            start = example.prompt_length - 1
-            actions = torch.from_numpy(example.action_mask)
-            student = old_lp[start : start + len(actions)]
-            teacher = torch.from_numpy(example.token_fields["teacher_log_probs"].astype(np.float32))
-            kl = sampled_reverse_kl(student, teacher, actions)
-            d = domains.index(example.domain)
-            sums[2 * d] += kl.sum()
-            sums[2 * d + 1] += float(actions.sum())
-        total = self.backend.all_reduce_sum(sums).tolist()
-        for d, domain in enumerate(domains):
-            name = domain or "none"
-            metrics[f"teacher_kl/{name}"] = total[2 * d] / max(total[2 * d + 1], 1.0)
-            metrics[f"teacher_tokens/{name}"] = total[2 * d + 1]
-        metrics["train/teacher_kl"] = sum(total[0::2]) / max(sum(total[1::2]), 1.0)
-        return metrics
-
-
-def _fit(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad or cut a per-example ``[L_i - 1]`` tensor to the micro-batch width."""
-    if values.shape[0] >= width:
-        return values[:width]
-    pad = torch.zeros(width - values.shape[0], dtype=values.dtype)
-    return torch.cat([values, pad])

@@ -21,7 +21,8 @@ from glmpost.quant.qat import apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
 from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.trainer import GRPOConfig, GRPOTrainer, OPDConfig, OPDTrainer, prepare_batch, prepare_opd_batch
+from glmpost.rl.batches import prepare_batch, prepare_opd_batch
+from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
 from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.stage import log
 
@@ -76,7 +77,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
         reference = None
         if config.kl_coef > 0:
             reference = run.load(ref_checkpoint or run.parent, session, trained=False)
-        return GRPOTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
+        return PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
 
     job = TrainingJob(
         stage, config, batch.examples, build,
@@ -136,7 +137,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
         step_metrics["train/reward_mean"] = float(batch.rewards.mean())
     job = TrainingJob(
         stage, config, batch.examples,
-        lambda model, backend, session: OPDTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
+        lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
         step_metrics=step_metrics,
         manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains},
         stage_extra={"excluded": batch.excluded, "teachers": domains},

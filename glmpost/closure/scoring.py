@@ -1,21 +1,10 @@
-"""On-policy distillation (OPD) and multi-teacher OPD (MOPD) as small tensor functions.
+"""Chunked scoring of given tokens: the teacher's prefill (sampled log-probs and its top-k) and the
+student's gather of the teacher's top-k ids, without float32 ``[T, V]`` logits.
 
-Brief, "OPD：把教师变成逐 token 优势": the student samples ``y ~ pi_theta(.|x)``; the teacher scores
-every state ``s_t = (x, y_<t)`` the student actually visited, and the log-ratio replaces the RL
-advantage::
-
-    A_t^OPD = sg[ log pi_T(y_t|s_t) - log pi_theta(y_t|s_t) ]          (group size 1)
-
-which is the policy-gradient form of the sampled reverse KL: only the teacher's log-prob of the
-sampled token is needed, never the ``[tokens, vocab]`` logits. Brief, "MOPD：能力整合发生在策略空间":
-each trajectory is hard-routed by its domain to one teacher; the top-k variant minimises the reverse
-KL over the teacher's top-k set with the correction ``pi_T(v) - pi_theta(v)`` so the optimum on that
-set is still teacher = student.
-
-Shapes: ``[B, T]`` one value per token, ``[B, T, k]`` one per top-k candidate. Masks are ``bool``;
-observation tokens (tool output, copied context) are never in a mask and get no teacher signal.
-The chunked scorers at the bottom compute per-token teacher / student values without materialising
-float32 ``[T, V]`` logits (the same chunking as :mod:`glmpost.closure.logprobs`).
+The formula is :func:`glmpost.closure.logprobs.sequence_log_probs`'s (``z = float(head(h)) / tau``,
+``logp = log_softmax(z)``), with the same chunking; :func:`score_records` is what
+``glmpost score-teacher`` runs per teacher, :func:`score_tokens` also the trainer's forward when a
+loss term needs gathered log-probs (MOPD's top-k loss).
 """
 
 from __future__ import annotations
@@ -34,120 +23,6 @@ from glmpost.closure.logprobs import (
     _split_causal_lm,
     _vocab_size,
 )
-
-__all__ = [
-    "TeacherPayload",
-    "TokenScores",
-    "opd_advantages",
-    "opd_pg_loss",
-    "payload_from_rows",
-    "sampled_reverse_kl",
-    "score_records",
-    "score_tokens",
-    "topk_reverse_kl",
-]
-
-
-def opd_advantages(
-    teacher_log_probs: torch.Tensor,
-    student_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    task_advantages: torch.Tensor | None = None,
-    task_weight: float = 0.0,
-) -> torch.Tensor:
-    """Per-token OPD advantage (brief, "OPD：把教师变成逐 token 优势"), detached::
-
-        A_t = sg[ log pi_T(y_t|s_t) - log pi_theta(y_t|s_t) ] + w * A_task      where mask_t
-        A_t = 0                                                                  elsewhere
-
-    Positive where the teacher likes the sampled token more than the student does (the student
-    raises it), negative where less. ``task_advantages`` (e.g. GRPO group advantages ``[B, 1]``)
-    is added with weight ``w`` (brief, "OPD 和 RL 的关系": "在 OPD advantage 上叠加 task advantage").
-    NaN teacher values off the mask (observations) never leak into the result.
-
-    Args:
-        teacher_log_probs, student_log_probs: float ``[B, T]``.
-        mask: bool ``[B, T]``, the action tokens that enter the loss.
-        task_advantages: optional, broadcastable to ``[B, T]``.
-        task_weight: ``w >= 0``.
-    """
-    delta = (teacher_log_probs.detach().double() - student_log_probs.detach().double())
-    if task_advantages is not None and task_weight:
-        delta = delta + task_weight * task_advantages.detach().double()
-    return torch.where(mask, delta, torch.zeros_like(delta)).float()
-
-
-def opd_pg_loss(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
-    """The brief's OPD loss, policy-gradient form with group size 1::
-
-        L = - sum_{t in mask} A_t * log pi_theta(y_t|s_t) / denominator
-
-    ``advantages`` carries no gradient (see :func:`opd_advantages`), so the gradient is
-    ``-A_t * grad log pi_theta``: the teacher term is a constant. The trainer runs the same term as
-    ``-A_t * r_t`` with ``r_t = pi_theta / pi_theta_old`` (PPO-style, equal gradient at ``r_t = 1``).
-    """
-    if denominator <= 0:
-        return (log_probs * 0).sum()
-    terms = -advantages.detach() * log_probs
-    return torch.where(mask, terms, torch.zeros_like(terms)).sum() / denominator
-
-
-def sampled_reverse_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token sampled reverse KL (the k1 estimator of KL(pi_theta || pi_T) on student samples)::
-
-        k_t = log pi_theta(y_t|s_t) - log pi_T(y_t|s_t)      where mask_t, else 0
-
-    Its mean over action tokens is ``teacher_kl/<domain>`` in ``opd-merge``'s metrics; it is ``-A_t``
-    of :func:`opd_advantages` without the task term.
-    """
-    delta = student_log_probs.double() - teacher_log_probs.double()
-    return torch.where(mask, delta, torch.zeros_like(delta))
-
-
-def topk_reverse_kl(
-    student_topk_log_probs: torch.Tensor,
-    teacher_topk_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    correction: bool = True,
-) -> torch.Tensor:
-    """Reverse KL restricted to the teacher's top-k set ``S_t``, with the MOPD correction
-    (brief, "MOPD：能力整合发生在策略空间"; ``p = pi_theta``, ``q = pi_T``, both full-vocabulary
-    probabilities of the candidates ``v in S_t``)::
-
-        l_t = sum_{v in S_t} [ p(v) (log p(v) - log q(v)) + (q(v) - p(v)) ]    where mask_t, else 0
-
-    Without the ``q - p`` term, ``d l / d p(v) = log(p/q) + 1`` vanishes at ``p = q / e``: the truncated
-    KL pushes student mass out of ``S_t``. With it, ``d l / d p(v) = log(p/q)`` vanishes at ``p = q``:
-    the optimum on the top-k set is the teacher's own probabilities, so the student's distribution
-    renormalised on ``S_t`` is the teacher's renormalised on ``S_t``. Each term is ``>= 0`` (it is
-    ``q * phi(p/q)`` with ``phi(x) = x log x - x + 1``), 0 exactly at ``p = q``. The teacher side
-    carries no gradient.
-
-    Args:
-        student_topk_log_probs: ``[B, T, k]`` log pi_theta of the teacher's top-k ids (with grad).
-        teacher_topk_log_probs: ``[B, T, k]`` the teacher's log-probs of its top-k ids (NaN off mask).
-        mask: bool ``[B, T]``.
-        correction: add ``q - p`` (MOPD); ``False`` gives the plain truncated reverse KL.
-    Returns:
-        ``[B, T]`` float per-token losses.
-    """
-    selected = mask[..., None].expand_as(student_topk_log_probs)
-    # Off the mask the teacher may be NaN: replace it by the student's value so the term is an exact
-    # 0 and no NaN reaches the backward pass (NaN * 0 is NaN).
-    teacher = torch.where(selected, teacher_topk_log_probs.detach(), student_topk_log_probs.detach())
-    log_p = student_topk_log_probs
-    p = log_p.exp()
-    terms = p * (log_p - teacher)
-    if correction:
-        terms = terms + (teacher.exp() - p)
-    per_token = terms.sum(-1)
-    return torch.where(mask, per_token, torch.zeros_like(per_token))
-
-
-# --------------------------------------------------------------------------------------------
-# Chunked scoring: teacher prefill (sampled log-probs and top-k) and the student's top-k gather.
 
 
 @dataclass(frozen=True)
@@ -262,10 +137,6 @@ def _chunk_scores(
         top = torch.topk(log_softmax, topk, dim=-1)
         top_ids, top_lp = top.indices, top.values
     return log_prob, entropy, gathered, top_ids, top_lp
-
-
-# --------------------------------------------------------------------------------------------
-# Teacher scoring of trajectory records (what `glmpost score-teacher` runs per teacher)
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""Records as training examples, and examples as padded micro-batches.
+
+A record becomes a :class:`TrainExample` (prompt + response ids, the action tokens it optimises,
+its rollout log-probs and its advantage); failed rollouts, NaN rewards (when the update uses
+rewards) and records without an action token are excluded and counted. :func:`collate` lays a
+list of examples out right-padded, with every per-token field shifted so entry ``t`` scores
+``input_ids[t + 1]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from glmpost.rl.advantages import group_advantages
+
+TRAINABLE_STATUSES = ("completed", "truncated")
+
+
+
+@dataclass
+class TrainExample:
+    """One trajectory as the trainer needs it."""
+
+    input_ids: list[int]
+    prompt_length: int
+    action_mask: np.ndarray  # bool [T]
+    rollout_log_probs: np.ndarray  # float32 [T]
+    advantage: float
+    group_id: str
+    domain: str = ""
+    teacher: str = ""
+    # Further per-response-token arrays ([T] or [T, k]) that collate lays out like rollout_log_probs,
+    # e.g. the teacher's log-probs for on-policy distillation.
+    token_fields: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class PreparedBatch:
+    """Records turned into examples, with what was left out and why."""
+
+    examples: list[TrainExample]
+    rewards: np.ndarray
+    excluded: dict[str, int] = field(default_factory=dict)
+    zero_advantage_groups: int = 0
+    groups: int = 0
+
+
+def usable_records(records: Sequence[dict[str, Any]], *, need_reward: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The records an update trains on, and how many of the rest were excluded and why: a failed
+    rollout (status), a NaN reward (only when the update uses rewards), no action token."""
+    excluded = {"nan_reward": 0, "status": 0, "no_actions": 0}
+    usable = []
+    for record in records:
+        if record["status"] not in TRAINABLE_STATUSES:
+            excluded["status"] += 1
+        elif need_reward and not math.isfinite(record["reward"]):
+            excluded["nan_reward"] += 1
+        elif not (record["action_mask"] & ~record["observation_mask"]).any():
+            excluded["no_actions"] += 1
+        else:
+            usable.append(record)
+    return usable, excluded
+
+
+def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> TrainExample:
+    """A record as the trainer sees it: prompt + response ids, the action tokens it optimises."""
+    return TrainExample(
+        input_ids=record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist(),
+        prompt_length=len(record["prompt_token_ids"]),
+        action_mask=record["action_mask"] & ~record["observation_mask"],
+        rollout_log_probs=record["rollout_log_probs"],
+        advantage=float(advantage),
+        group_id=record["group_id"],
+        **extra,
+    )
+
+
+def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6) -> PreparedBatch:
+    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted."""
+    usable, excluded = usable_records(records, need_reward=True)
+    rewards = np.array([r["reward"] for r in usable], dtype=np.float64)
+    groups = [r["group_id"] for r in usable]
+    if usable:
+        advantages, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
+    else:
+        advantages, zero_signal = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+    examples = [train_example(r, a) for r, a in zip(usable, advantages.tolist())]
+    zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
+    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, L] right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    action_mask: torch.Tensor  # bool [B, L-1]: entry t scores input_ids[t+1], a response action
+    rollout_log_probs: torch.Tensor  # float32 [B, L-1], NaN off actions
+    advantages: torch.Tensor  # float32 [B, 1]
+    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, L-1, ...]: NaN / 0 off responses
+
+
+def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torch.device) -> MicroBatch:
+    length = max(len(e.input_ids) for e in examples)
+    batch = len(examples)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((batch, length), dtype=torch.long)
+    actions = torch.zeros((batch, length - 1), dtype=torch.bool)
+    rollout = torch.full((batch, length - 1), float("nan"), dtype=torch.float32)
+    for row, e in enumerate(examples):
+        n, p = len(e.input_ids), e.prompt_length
+        input_ids[row, :n] = torch.tensor(e.input_ids)
+        attention[row, :n] = 1
+        # Response token j sits at input position p + j and is predicted by entry p + j - 1.
+        actions[row, p - 1 : n - 1] = torch.from_numpy(e.action_mask)
+        rollout[row, p - 1 : n - 1] = torch.from_numpy(e.rollout_log_probs.astype(np.float32))
+    advantages = torch.tensor([[e.advantage] for e in examples], dtype=torch.float32)
+    fields = {}
+    for name in examples[0].token_fields:
+        first = examples[0].token_fields[name]
+        fill = float("nan") if first.dtype.kind == "f" else 0
+        laid = torch.full((batch, length - 1, *first.shape[1:]), fill, dtype=torch.from_numpy(first[:0]).dtype)
+        for row, e in enumerate(examples):
+            p, n = e.prompt_length, len(e.input_ids)
+            laid[row, p - 1 : n - 1] = torch.from_numpy(np.ascontiguousarray(e.token_fields[name]))
+        fields[name] = laid.to(device)
+    return MicroBatch(input_ids.to(device), attention.to(device), actions.to(device), rollout.to(device), advantages.to(device),
+                      fields)
+
+
+
+def prepare_opd_batch(
+    records: Sequence[dict[str, Any]], *, loss: str = "sampled", task_advantage_weight: float = 0.0, advantage_eps: float = 1e-6
+) -> PreparedBatch:
+    """Scored records as OPD examples: the teacher payload rides along in ``token_fields``.
+
+    Failed rollouts and records without action tokens are excluded and counted; with a task
+    advantage weight, records with a NaN reward are too, and the task advantage is GRPO's group
+    advantage over ``group_id`` (0 for a group of one).
+    """
+    usable, excluded = usable_records(records, need_reward=task_advantage_weight > 0)
+    groups = [r["group_id"] for r in usable]
+    rewards = np.array([r["reward"] for r in usable if "reward" in r], dtype=np.float64)
+    advantages = [0.0] * len(usable)
+    zero_groups: set[str] = set()
+    if task_advantage_weight > 0 and usable:
+        values, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
+        advantages = values.tolist()
+        zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
+    fields = ("teacher_log_probs",) + (("teacher_topk_ids", "teacher_topk_log_probs") if loss == "topk" else ())
+    examples = [
+        train_example(r, a, domain=r.get("domain", ""), teacher=str(r["teacher"].get("id", "")),
+                      token_fields={name: r[name] for name in fields})
+        for r, a in zip(usable, advantages)
+    ]
+    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
+
+
+
+def fit(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad or cut a per-example ``[L_i - 1]`` tensor to the micro-batch width."""
+    if values.shape[0] >= width:
+        return values[:width]
+    pad = torch.zeros(width - values.shape[0], dtype=values.dtype)
+    return torch.cat([values, pad])

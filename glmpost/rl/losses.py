@@ -1,0 +1,216 @@
+"""Loss terms: the pieces an update's loss is the sum of, registered by name.
+
+A loss term has one signature, ``(inputs) -> (per_token_values, metrics)``: ``inputs`` is a
+:class:`LossInputs` (one micro-batch's forward, old log-probs, advantages, trust mask, reference
+log-probs), ``per_token_values`` ``[B, L-1]`` and ``metrics`` named detached sums over the micro-batch
+that the trainer divides by the global trusted-token count. For each term of
+``config.loss_terms()`` the trainer adds ``coefficient * masked_sum_over(values, trust, trusted)``,
+the sum over trusted tokens divided by their number in the whole mini-batch, so the gradient does
+not depend on the micro-batch or data-parallel split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PolicyLossTerms:
+    """Per-token pieces of the clipped objective, ``[B, T]`` each (losses carry the gradient)."""
+
+    losses: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+
+
+def clipped_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> PolicyLossTerms:
+    """PPO/GRPO clipped surrogate per token (brief, "GRPO 在优化什么"; GLM-5: eps_l 0.2, eps_h 0.28).
+
+        r_t  = exp(logp_theta - logp_old)
+        l_t  = -min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+
+    ``advantages`` broadcasts against ``[B, T]`` (``[B, 1]`` for sequence-level GRPO advantages).
+    ``clipped`` marks tokens where the clipped term is the active (smaller) one.
+    """
+    ratio = torch.exp(log_probs - old_log_probs)
+    unclipped = ratio * advantages
+    clipped_term = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    losses = -torch.minimum(unclipped, clipped_term)
+    return PolicyLossTerms(losses=losses, ratio=ratio.detach(), clipped=(clipped_term < unclipped).detach())
+
+
+def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per sampled token, always >= 0.
+
+        k3_t = exp(logp_ref - logp_theta) - (logp_ref - logp_theta) - 1
+    """
+    delta = ref_log_probs - log_probs
+    return torch.exp(delta) - delta - 1.0
+
+
+def masked_sum_over(values: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
+    """``sum(values * mask) / denominator``: token-mean with a denominator fixed for the global batch.
+
+    Dividing every micro-batch and every data-parallel rank by the *global* number of trusted action
+    tokens makes the summed gradient independent of how the batch was split.
+    """
+    if denominator <= 0:
+        return (values * 0).sum()
+    return torch.where(mask, values, torch.zeros_like(values)).sum() / denominator
+
+
+def opd_pg_loss(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
+    """The brief's OPD loss, policy-gradient form with group size 1::
+
+        L = - sum_{t in mask} A_t * log pi_theta(y_t|s_t) / denominator
+
+    ``advantages`` carries no gradient (see :func:`opd_advantages`), so the gradient is
+    ``-A_t * grad log pi_theta``: the teacher term is a constant. The trainer runs the same term as
+    ``-A_t * r_t`` with ``r_t = pi_theta / pi_theta_old`` (PPO-style, equal gradient at ``r_t = 1``).
+    """
+    if denominator <= 0:
+        return (log_probs * 0).sum()
+    terms = -advantages.detach() * log_probs
+    return torch.where(mask, terms, torch.zeros_like(terms)).sum() / denominator
+
+
+def sampled_reverse_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token sampled reverse KL (the k1 estimator of KL(pi_theta || pi_T) on student samples)::
+
+        k_t = log pi_theta(y_t|s_t) - log pi_T(y_t|s_t)      where mask_t, else 0
+
+    Its mean over action tokens is ``teacher_kl/<domain>`` in ``opd-merge``'s metrics; it is ``-A_t``
+    of :func:`opd_advantages` without the task term.
+    """
+    delta = student_log_probs.double() - teacher_log_probs.double()
+    return torch.where(mask, delta, torch.zeros_like(delta))
+
+
+def topk_reverse_kl(
+    student_topk_log_probs: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    correction: bool = True,
+) -> torch.Tensor:
+    """Reverse KL restricted to the teacher's top-k set ``S_t``, with the MOPD correction
+    (brief, "MOPD：能力整合发生在策略空间"; ``p = pi_theta``, ``q = pi_T``, both full-vocabulary
+    probabilities of the candidates ``v in S_t``)::
+
+        l_t = sum_{v in S_t} [ p(v) (log p(v) - log q(v)) + (q(v) - p(v)) ]    where mask_t, else 0
+
+    Without the ``q - p`` term, ``d l / d p(v) = log(p/q) + 1`` vanishes at ``p = q / e``: the truncated
+    KL pushes student mass out of ``S_t``. With it, ``d l / d p(v) = log(p/q)`` vanishes at ``p = q``:
+    the optimum on the top-k set is the teacher's own probabilities, so the student's distribution
+    renormalised on ``S_t`` is the teacher's renormalised on ``S_t``. Each term is ``>= 0`` (it is
+    ``q * phi(p/q)`` with ``phi(x) = x log x - x + 1``), 0 exactly at ``p = q``. The teacher side
+    carries no gradient.
+
+    Args:
+        student_topk_log_probs: ``[B, T, k]`` log pi_theta of the teacher's top-k ids (with grad).
+        teacher_topk_log_probs: ``[B, T, k]`` the teacher's log-probs of its top-k ids (NaN off mask).
+        mask: bool ``[B, T]``.
+        correction: add ``q - p`` (MOPD); ``False`` gives the plain truncated reverse KL.
+    Returns:
+        ``[B, T]`` float per-token losses.
+    """
+    selected = mask[..., None].expand_as(student_topk_log_probs)
+    # Off the mask the teacher may be NaN: replace it by the student's value so the term is an exact
+    # 0 and no NaN reaches the backward pass (NaN * 0 is NaN).
+    teacher = torch.where(selected, teacher_topk_log_probs.detach(), student_topk_log_probs.detach())
+    log_p = student_topk_log_probs
+    p = log_p.exp()
+    terms = p * (log_p - teacher)
+    if correction:
+        terms = terms + (teacher.exp() - p)
+    per_token = terms.sum(-1)
+    return torch.where(mask, per_token, torch.zeros_like(per_token))
+
+
+@dataclass
+class LossInputs:
+    """What every loss term sees for one micro-batch (``[B, L-1]`` unless noted)."""
+
+    forward: Any  # the policy's forward with grad: log_probs, entropy (and gathered [B, L-1, k])
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor  # broadcastable to [B, L-1]
+    trust: torch.Tensor  # bool: the update's final mask
+    batch: Any  # the MicroBatch (token_fields: teacher payloads)
+    ref_log_probs: torch.Tensor | None
+    config: Any
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A registered term: its function, its coefficient read from the config, the metrics it
+    returns (every rank sums the same names), the metric its weighted contribution is logged as (a
+    total; None: not logged), and the token field of ids whose log-probs the forward must gather."""
+
+    fn: Callable[[LossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    coefficient: Callable[[Any], float]
+    metrics: tuple[str, ...] = ()
+    logged_as: str | None = None
+    gather: str | None = None
+
+
+LOSS_TERMS: dict[str, LossTerm] = {}
+
+
+def register_loss_term(name: str, *, coefficient: Callable[[Any], float] = lambda config: 1.0,
+                       metrics: tuple[str, ...] = (), logged_as: str | None = None, gather: str | None = None):
+    def add(fn):
+        if name in LOSS_TERMS:
+            raise ValueError(f"loss term {name!r} is registered twice")
+        LOSS_TERMS[name] = LossTerm(fn, coefficient, metrics, logged_as, gather)
+        return fn
+
+    return add
+
+
+def trusted_sum(values: torch.Tensor, trust: torch.Tensor) -> torch.Tensor:
+    """``sum(values where trust)``: a metric's numerator."""
+    return torch.where(trust, values, torch.zeros_like(values)).sum()
+
+
+@register_loss_term("policy", metrics=("train/clip_fraction", "train/ratio_mean"), logged_as="train/pg_loss")
+def policy_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped policy gradient (:func:`clipped_policy_loss` with ``eps_low`` / ``eps_high``)."""
+    config = inputs.config
+    terms = clipped_policy_loss(inputs.forward.log_probs, inputs.old_log_probs, inputs.advantages,
+                                eps_low=config.eps_low, eps_high=config.eps_high)
+    return terms.losses, {
+        "train/clip_fraction": (terms.clipped & inputs.trust).sum(),
+        "train/ratio_mean": trusted_sum(terms.ratio, inputs.trust),
+    }
+
+
+@register_loss_term("topk_reverse_kl", metrics=("train/topk_kl",), gather="teacher_topk_ids")
+def topk_reverse_kl_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """MOPD's reverse KL on the teacher's top-k set (:func:`topk_reverse_kl`, ``topk_correction``)."""
+    per_token = topk_reverse_kl(inputs.forward.gathered, inputs.batch.token_fields["teacher_topk_log_probs"],
+                                inputs.trust, correction=inputs.config.topk_correction)
+    return per_token, {"train/topk_kl": per_token.detach().sum()}
+
+
+@register_loss_term("kl", coefficient=lambda config: config.kl_coef, metrics=("train/kl_ref_k3",))
+def kl_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The k3 KL to the reference policy (:func:`k3_kl`), weighted by ``kl_coef``."""
+    kl = k3_kl(inputs.forward.log_probs, inputs.ref_log_probs)
+    return kl, {"train/kl_ref_k3": trusted_sum(kl, inputs.trust).detach()}
+
+
+@register_loss_term("entropy", coefficient=lambda config: -config.entropy_coef)
+def entropy_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The entropy bonus, ``-entropy_coef * H`` (``train/entropy`` is logged whether or not it is on)."""
+    return inputs.forward.entropy, {}
