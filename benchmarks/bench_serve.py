@@ -68,12 +68,8 @@ def main(argv=None):
     from glmpost.checkpoints import load_tokenizer
     from glmpost.commands.app import main as glmpost_main
     from glmpost.rollout.engine import SamplingParams
-    from glmpost.serving.server import (
-        EngineServer,
-        bound_address,
-        load_checkpoint,
-        make_http_server,
-    )
+    from glmpost.serving.http_server import bound_address, make_http_server
+    from glmpost.serving.server import EngineServer, load_checkpoint
     from glmpost.serving.sglang_client import SGLangClient
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve."))

@@ -21,7 +21,8 @@ from glmpost.toml import tomllib
 import typer
 
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.stage import log
+from glmpost.fsutil import make_readable
+from glmpost.stage import check_same_options, log
 
 
 def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
@@ -108,48 +109,6 @@ def effective_options(ctx: typer.Context) -> dict[str, Any]:
     return options
 
 
-def check_same_options(
-    out_dir: Path,
-    stage: str,
-    options: dict[str, Any],
-    *,
-    ignore: tuple[str, ...],
-    overwrite: bool,
-    facts: dict[str, Any] | None = None,
-    ctx: typer.Context | None = None,
-) -> None:
-    """Refuse to add shards to ``out_dir`` that an earlier run made with other options.
-
-    Stages that several tasks write into one directory (``--shard-index``) resume by writing only
-    missing shards; that is only sound when every shard comes from the same options.
-    """
-    path = Path(out_dir) / "stage.json"
-    if overwrite or not path.is_file():
-        return
-    try:
-        before = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise GlmpostError(f"{path}: invalid JSON; pass --overwrite to start this output over") from None
-    if before.get("stage") != stage:
-        raise UsageError(f"--out {out_dir} holds output of `glmpost {before.get('stage')}`, not {stage}")
-    for key, value in (facts or {}).items():  # e.g. the policy version a checkpoint root resolved to
-        if key in before and before[key] != value:
-            raise UsageError(
-                f"--out {out_dir} was written with {key} {before[key]!r}, now {value!r}; "
-                "use another --out or pass --overwrite"
-            )
-    earlier = before.get("options", {})
-    for key, value in options.items():
-        if key in ignore or key not in earlier:
-            continue
-        if earlier[key] != value:
-            flag = option_flag(ctx, key) if ctx is not None else "--" + key.replace("_", "-")
-            raise UsageError(
-                f"--out {out_dir} was written with {flag} {earlier[key]!r}, now {value!r}; "
-                "use another --out or pass --overwrite"
-            )
-
-
 def report_update(summary: dict[str, Any] | None, *, as_json: bool, human: Any) -> None:
     """A training stage's result: nothing on a rank other than 0 (``summary`` None), the skip when the
     version existed, else ``human(summary)`` (or the JSON)."""
@@ -172,12 +131,23 @@ def option_flag(ctx: typer.Context, name: str) -> str:
 
 
 @contextmanager
-def staged_output_dir(out: Path, *, overwrite: bool, complete_marker: str) -> Iterator[Path | None]:
+def staged_output_dir(
+    out: Path,
+    *,
+    overwrite: bool,
+    complete_marker: str,
+    stage: str | None = None,
+    options: dict[str, Any] | None = None,
+    ctx: typer.Context | None = None,
+    ignore: tuple[str, ...] = ("config",),
+) -> Iterator[Path | None]:
     """Build a whole output directory under a temporary sibling, then move it into place.
 
     Yields ``None`` (nothing to do) when ``out`` already holds a complete output (``complete_marker``
-    exists in it) and ``overwrite`` is false. A crash leaves ``out`` as it was; an existing
-    incomplete ``out`` is refused unless ``overwrite`` is given, so nothing is silently replaced.
+    exists in it) made with the same effective ``options`` (its ``stage.json``; ``ignore`` names
+    options that do not change the output) and ``overwrite`` is false; other options are refused
+    (exit 2) naming the first that differs. A crash leaves ``out`` as it was; an existing incomplete
+    ``out`` is refused unless ``overwrite`` is given, so nothing is silently replaced.
     """
     out = Path(out)
     if out.exists():
@@ -185,6 +155,9 @@ def staged_output_dir(out: Path, *, overwrite: bool, complete_marker: str) -> It
             raise UsageError(f"--out {out} exists and is not a directory")
         if not overwrite:
             if (out / complete_marker).exists():
+                if stage is not None and options is not None:
+                    check_same_options(out, stage, options, ignore=ignore, overwrite=False,
+                                       flag_name=(lambda name: option_flag(ctx, name)) if ctx is not None else None)
                 yield None
                 return
             if any(out.iterdir()):
@@ -194,6 +167,7 @@ def staged_output_dir(out: Path, *, overwrite: bool, complete_marker: str) -> It
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
+        make_readable(tmp)  # outputs are read by other users (an inference server, a shared cluster)
         if out.exists():
             trash = out.with_name(f".{out.name}.old-{os.getpid()}-{time.time_ns()}")
             os.replace(out, trash)
@@ -210,27 +184,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-class MetricsWriter:
-    """Append one JSON object per line to ``DIR/metrics.jsonl`` (stable key names, flushed per line)."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._f = open(self.path, "a")
-
-    def write(self, **metrics: Any) -> None:
-        self._f.write(json.dumps({"time": round(time.time(), 3), **metrics}, sort_keys=True) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self) -> "MetricsWriter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def print_summary(summary: dict[str, Any], *, as_json: bool, human: str | None = None) -> None:

@@ -35,7 +35,6 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointError, load_tokenizer, resolve_checkpoint
 from glmpost.commands.common import (
-    MetricsWriter,
     config_option,
     effective_options,
     print_summary,
@@ -55,7 +54,7 @@ from glmpost.closure.mismatch import (
     server_path,
 )
 from glmpost.npu import resolve_device
-from glmpost.stage import write_json_atomic, write_stage_json
+from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
 
 STAGE = "diff-logprobs"
 REPRODUCIBLE_ENGINES = ("glmpost-local",)  # engines whose per-sequence uniforms glmpost can redraw
@@ -177,7 +176,8 @@ def diff_logprobs(
         raise UsageError(f"--fail-above {unmeasured[0]}: not measured in this comparison (path B cannot resample)")
     report["gates"] = {"fail_above": gates, "failed": failed}
 
-    with staged_output_dir(out, overwrite=overwrite, complete_marker="stage.json") as staging:
+    with staged_output_dir(out, overwrite=overwrite, complete_marker="stage.json", stage=STAGE,
+                           options=effective_options(ctx), ctx=ctx) as staging:
         if staging is None:
             raise UsageError(f"--out {out} already holds a report; pass --overwrite to replace it")
         if plots:

@@ -15,7 +15,6 @@ import typer
 
 from glmpost.checkpoints import CheckpointManifest, tokenizer_revision, write_manifest
 from glmpost.commands.common import (
-    MetricsWriter,
     config_option,
     effective_options,
     print_summary,
@@ -24,7 +23,7 @@ from glmpost.commands.common import (
 from glmpost.errors import UsageError
 from glmpost.models.tiny import PRESETS, build_model
 from glmpost.models.tokenizer import stop_token_ids, train_tokenizer
-from glmpost.stage import log, write_stage_json
+from glmpost.stage import MetricsWriter, log, write_stage_json
 
 STAGE = "init-model"
 
@@ -78,7 +77,8 @@ def init_model(
 
     options = effective_options(ctx)
     started = time.perf_counter()
-    with staged_output_dir(out, overwrite=overwrite, complete_marker="glmpost.json") as staging:
+    with staged_output_dir(out, overwrite=overwrite, complete_marker="glmpost.json", stage=STAGE,
+                           options=options, ctx=ctx) as staging:
         if staging is None:
             log(f"{out} already holds a checkpoint; nothing to do (--overwrite replaces it)")
             summary = {"out": str(out), "skipped": True}

@@ -27,11 +27,10 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import load_tokenizer
 from glmpost.commands.common import (
-    MetricsWriter,
-    check_same_options,
     complete_shard,
     config_option,
     effective_options,
+    option_flag,
     print_summary,
     shard_outputs,
 )
@@ -55,7 +54,7 @@ from glmpost.rewards.mixture import (
     uses_domain_routing,
 )
 from glmpost.rewards.verifiers import VerifierTable
-from glmpost.stage import log, write_stage_json
+from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
 
 STAGE = "judge"
 # What judging reads from each record (all produced by `glmpost rollout`).
@@ -172,7 +171,8 @@ def judge(
     options = _json_options(ctx, specs)
     paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
     targets = shard_outputs(paths, out, what="judged shards")
-    check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite, ctx=ctx)
+    check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite,
+                       flag_name=lambda name: option_flag(ctx, name))
     tokenizer, revision = load_tokenizer(checkpoint)
     routes = {**(domains or {}), **dict(verifiers)}
     table = VerifierTable(routes, default_verifier)

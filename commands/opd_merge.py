@@ -24,6 +24,7 @@ from typing import List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
+from glmpost.commands.options import config_from, flags_in_errors, json_option, option
 from glmpost.errors import UsageError
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
@@ -37,56 +38,40 @@ def opd_merge(
     inputs: List[str] = typer.Argument(..., help="Teacher-scored rollout shards (`glmpost score-teacher` output)."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Student to update: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version v(N+1) and its LATEST pointer."),
-    loss: str = typer.Option("sampled", "--loss", help="sampled: OPD advantage in the policy-gradient loss; topk: MOPD top-k reverse KL."),
-    task_advantage_weight: float = typer.Option(
-        0.0, "--task-advantage-weight", min=0.0, help="Weight of the GRPO task advantage added to the OPD advantage (needs judged shards; 0 = pure distillation)."
-    ),
-    topk_correction: bool = typer.Option(
-        True, "--topk-correction/--no-topk-correction", help="Add MOPD's pi_T - pi_theta term to the top-k loss (the optimum is then teacher = student on the set)."
-    ),
-    lr: float = typer.Option(1e-6, "--lr", help="AdamW learning rate."),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
-    epochs: int = typer.Option(1, "--epochs", min=1, help="Passes over the batch."),
-    mini_batches: int = typer.Option(1, "--mini-batches", min=1, help="Optimizer steps per epoch (the batch is split into this many mini-batches)."),
-    micro_batch_size: int = typer.Option(8, "--micro-batch-size", min=1, help="Trajectories per forward/backward on each rank (gradient accumulation)."),
-    grad_clip: float = typer.Option(1.0, "--grad-clip", min=0.0, help="Clip the global gradient norm to this; 0 disables."),
-    eps_low: float = typer.Option(0.2, "--eps-low", help="PPO clip below 1 (GLM-5: 0.2)."),
-    eps_high: float = typer.Option(0.28, "--eps-high", help="PPO clip above 1 (GLM-5: 0.28)."),
-    icepop: bool = typer.Option(True, "--icepop/--no-icepop", help="Mask tokens whose train/infer probability ratio leaves [1/beta, beta]."),
-    icepop_beta: float = typer.Option(2.0, "--icepop-beta", help="IcePop beta (GLM-5: 2)."),
-    advantage_eps: float = typer.Option(1e-6, "--advantage-eps", help="eps in the task advantage (R - mean) / (std + eps)."),
-    entropy_coef: float = typer.Option(0.0, "--entropy-coef", min=0.0, help="Entropy bonus weight (0 = off, the default)."),
-    chunk_size: int = typer.Option(512, "--chunk-size", min=1, help="Positions per chunk of the log-prob computation (bounds [chunk, V] memory)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the mini-batch shuffling."),
-    reset_optimizer: bool = typer.Option(False, "--reset-optimizer", help="Start AdamW fresh instead of from the parent version's optimizer state."),
-    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (default under a multi-process launcher: 1)."),
-    deepspeed_config: Optional[Path] = typer.Option(None, "--deepspeed", help="DeepSpeed JSON config (its optimizer, ZeRO and clipping settings are used)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N] (under a launcher: this rank's local device)."),
-    deterministic_topk: bool = typer.Option(
-        True, "--deterministic-topk/--torch-topk",
-        help="DSA indexer top-k with ties to the lower position (the same keys in rollout and training); --torch-topk keeps torch.topk's tie order.",
-    ),
-    deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic algorithms (torch, cuBLAS, HCCL switches)."),
-    save_every: int = typer.Option(0, "--save-every", min=0, help="Save resumable training state every N optimizer steps (0 = only at the end)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its saved state without repeating a step."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Discard an interrupted run's state and start the update over."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    loss: str = option(OPDConfig, 'loss'),
+    task_advantage_weight: float = option(OPDConfig, 'task_advantage_weight'),
+    topk_correction: bool = option(OPDConfig, 'topk_correction'),
+    lr: float = option(OPDConfig, 'lr'),
+    weight_decay: float = option(OPDConfig, 'weight_decay'),
+    epochs: int = option(OPDConfig, 'epochs'),
+    mini_batches: int = option(OPDConfig, 'mini_batches'),
+    micro_batch_size: int = option(OPDConfig, 'micro_batch_size'),
+    grad_clip: float = option(OPDConfig, 'grad_clip'),
+    eps_low: float = option(OPDConfig, 'eps_low'),
+    eps_high: float = option(OPDConfig, 'eps_high'),
+    icepop: bool = option(OPDConfig, 'icepop'),
+    icepop_beta: float = option(OPDConfig, 'icepop_beta'),
+    advantage_eps: float = option(OPDConfig, 'advantage_eps'),
+    entropy_coef: float = option(OPDConfig, 'entropy_coef'),
+    chunk_size: int = option(OPDConfig, 'chunk_size'),
+    seed: int = option(OPDConfig, 'seed'),
+    reset_optimizer: bool = option(RunOptions, 'reset_optimizer'),
+    zero_stage: Optional[int] = option(RunOptions, 'zero_stage'),
+    deepspeed_config: Optional[Path] = option(RunOptions, 'deepspeed_config'),
+    device: str = option(RunOptions, 'device'),
+    deterministic_topk: bool = option(RunOptions, 'deterministic_topk'),
+    deterministic: bool = option(RunOptions, 'deterministic'),
+    save_every: int = option(RunOptions, 'save_every'),
+    resume: bool = option(RunOptions, 'resume'),
+    overwrite: bool = option(RunOptions, 'overwrite'),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
-    run = TrainingRun(checkpoint, out, RunOptions(
-        device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config,
-        deterministic_topk=deterministic_topk, save_every=save_every, resume=resume, overwrite=overwrite,
-        reset_optimizer=reset_optimizer,
-    ))
-    opd = OPDConfig(
-        lr=lr, weight_decay=weight_decay, epochs=epochs, mini_batches=mini_batches, micro_batch_size=micro_batch_size,
-        grad_clip=grad_clip, eps_low=eps_low, eps_high=eps_high, icepop=icepop, icepop_beta=icepop_beta,
-        advantage_eps=advantage_eps, entropy_coef=entropy_coef, chunk_size=chunk_size, seed=seed,
-        loss=loss, task_advantage_weight=task_advantage_weight, topk_correction=topk_correction,
-    )
-    summary = opd_update(run, inputs, opd, stage_options=effective_options(ctx))
+    run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
+    with flags_in_errors(ctx):
+        summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
 
     def human(s: dict) -> str:
         text = (f"{s['out']}: student v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} "

@@ -23,6 +23,7 @@ from pathlib import Path
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
+from glmpost.commands.options import config_from, flags_in_errors, json_option, option
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
 from glmpost.rl.updates import qat_update
@@ -41,32 +42,28 @@ def qat(
     include: list[str] = typer.Option([], "--include", help="Regex of extra layers to quantize (e.g. lm_head); repeatable."),
     exclude: list[str] = typer.Option([], "--exclude", help="Regex of layers to leave in float; repeatable."),
     eval_data: list[str] = typer.Option([], "--eval", help="Held-out data (same forms as the inputs): loss before and after, with fake quant on."),
-    lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate."),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
-    epochs: int = typer.Option(1, "--epochs", min=1, help="Passes over the data."),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Trajectories per optimizer step (over all ranks)."),
-    micro_batch_size: int = typer.Option(8, "--micro-batch-size", min=1, help="Trajectories per forward/backward on each rank."),
-    grad_clip: float = typer.Option(1.0, "--grad-clip", min=0.0, help="Clip the global gradient norm to this; 0 disables."),
-    chunk_size: int = typer.Option(512, "--chunk-size", min=1, help="Positions per chunk of the log-prob computation."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the data shuffling."),
-    zero_stage: int | None = typer.Option(None, "--zero-stage", min=0, max=3, help="Train with DeepSpeed ZeRO at this stage (1, 2 or 3)."),
-    deepspeed_config: Path | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON config."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N]."),
-    deterministic: bool = typer.Option(False, "--deterministic", help="Deterministic algorithms (torch, cuBLAS, HCCL switches)."),
-    save_every: int = typer.Option(0, "--save-every", min=0, help="Save resumable training state every N optimizer steps (0 = only at the end)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its saved state without repeating a step."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Discard an interrupted run's state and start over."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    lr: float = option(SFTConfig, 'lr'),
+    weight_decay: float = option(SFTConfig, 'weight_decay'),
+    epochs: int = option(SFTConfig, 'epochs'),
+    batch_size: int = option(SFTConfig, 'batch_size'),
+    micro_batch_size: int = option(SFTConfig, 'micro_batch_size'),
+    grad_clip: float = option(SFTConfig, 'grad_clip'),
+    chunk_size: int = option(SFTConfig, 'chunk_size'),
+    seed: int = option(SFTConfig, 'seed'),
+    zero_stage: int | None = option(RunOptions, 'zero_stage'),
+    deepspeed_config: Path | None = option(RunOptions, 'deepspeed_config'),
+    device: str = option(RunOptions, 'device'),
+    deterministic: bool = option(RunOptions, 'deterministic'),
+    save_every: int = option(RunOptions, 'save_every'),
+    resume: bool = option(RunOptions, 'resume'),
+    overwrite: bool = option(RunOptions, 'overwrite'),
+    as_json: bool = json_option(),
     config: Path | None = config_option(),
 ) -> None:
-    run = TrainingRun(checkpoint, out, RunOptions(
-        device=device, deterministic=deterministic, zero_stage=zero_stage, deepspeed_config=deepspeed_config,
-        save_every=save_every, resume=resume, overwrite=overwrite,
-    ))
-    sft = SFTConfig(lr=lr, weight_decay=weight_decay, epochs=epochs, batch_size=batch_size,
-                    micro_batch_size=micro_batch_size, grad_clip=grad_clip, chunk_size=chunk_size, seed=seed)
-    summary = qat_update(run, inputs, sft, scheme=scheme, group_size=group_size, targets=targets, include=include,
-                         exclude=exclude, eval_data=eval_data, stage_options=effective_options(ctx))
+    run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
+    with flags_in_errors(ctx):
+        summary = qat_update(run, inputs, config_from(ctx, SFTConfig), scheme=scheme, group_size=group_size, targets=targets,
+                             include=include, exclude=exclude, eval_data=eval_data, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: {scheme} QAT of {s['quantized_layers']} layers, {s['records']} trajectories, {s['steps']} steps, "
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}"

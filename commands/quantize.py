@@ -23,47 +23,12 @@ from pathlib import Path
 
 import typer
 
-from glmpost.checkpoints import (
-    MANIFEST,
-    CheckpointManifest,
-    model_skeleton,
-    read_manifest,
-    resolve_checkpoint,
-    tokenizer_revision,
-    write_manifest,
-)
-from glmpost.commands.common import (
-    MetricsWriter,
-    config_option,
-    effective_options,
-    print_summary,
-    staged_output_dir,
-)
+from glmpost.checkpoints import MANIFEST, resolve_checkpoint
+from glmpost.commands.common import config_option, effective_options, print_summary, staged_output_dir
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.stage import log, write_json_atomic, write_stage_json
+from glmpost.stage import MetricsWriter, log, write_stage_json
 
 STAGE = "quantize"
-_SKIP_FILES = {MANIFEST, "stage.json", "metrics.jsonl", "config.json", "model.safetensors.index.json"}
-
-
-def _open_weights(path: Path):
-    """``safe_open`` with an unreadable or truncated file reported in one line."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(str(path), "pt")
-    except (SafetensorError, OSError) as exc:
-        raise GlmpostError(f"{path}: cannot read safetensors ({exc})") from None
-
-
-def _sqnr_db(w, wq) -> float | None:
-    signal = float(w.double().pow(2).sum())
-    noise = float((w.double() - wq.double()).pow(2).sum())
-    if noise == 0.0:
-        return None  # exact (infinite SQNR; JSON has no inf)
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 def quantize(
@@ -81,21 +46,9 @@ def quantize(
     as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
     config: Path | None = config_option(),
 ) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from glmpost.quant.core import check_shape, dequant, quantize_weight
-    from glmpost.quant.formats import (
-        MODELSLIM_DESCRIPTION,
-        check_format,
-        default_format,
-        encode_layer,
-        is_quantized_checkpoint,
-        modelslim_description,
-        quantization_config,
-    )
+    from glmpost.quant.formats import check_format, default_format, is_quantized_checkpoint
     from glmpost.quant.spec import make_spec
-    from glmpost.quant.targets import candidates_from_model, select_targets
+    from glmpost.quant.writer import plan_checkpoint, quantize_checkpoint
 
     spec = make_spec(scheme, group_size=group_size)
     fmt = fmt or default_format(scheme)
@@ -115,96 +68,28 @@ def quantize(
     if method is not None:
         raise UsageError(f"checkpoint {src} is already quantized ({method}); quantize its float parent, "
                          "or pass --scheme none to dequantize it")
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise GlmpostError(f"checkpoint {src}: no *.safetensors weight files")
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with _open_weights(f) as sf:
-            for key in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                shapes[key] = tuple(sf.get_slice(key).get_shape())
-    chosen: list[str] = []
-    if scheme != "none":
-        candidates = candidates_from_model(model_skeleton(src), shapes)
-        chosen = select_targets(candidates, targets=targets, include=include, exclude=exclude)
-        if not chosen:
-            raise UsageError("no layer selected for quantization (check --targets/--include/--exclude)")
-        for module in chosen:  # every shape error before anything is written
-            check_shape(shapes[f"{module}.weight"], spec, module)
-        linear_like = {c.module for c in candidates if c.kind in ("linear", "expert")}
-        ignore = sorted(linear_like - set(chosen))
-    chosen_set = set(chosen)
-
+    files, plan = plan_checkpoint(src, spec, targets=targets, include=include, exclude=exclude)
     options = effective_options(ctx)
-    rows: list[dict] = []
-    with staged_output_dir(out, overwrite=overwrite, complete_marker=MANIFEST) as staging:
+    with staged_output_dir(out, overwrite=overwrite, complete_marker=MANIFEST, stage=STAGE, options=options, ctx=ctx) as staging:
         if staging is None:
             log(f"{out} already holds a checkpoint; nothing to do (--overwrite replaces it)")
             print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: already complete (skipped)")
             return
-        log(f"quantizing {len(chosen)} layer(s) of {src} with {scheme}" + (f" ({fmt})" if scheme != "none" else ""))
-        weight_map: dict[str, str] = {}
-        bytes_in = bytes_out = 0
+        log(f"quantizing {len(plan.chosen)} layer(s) of {src} with {scheme}" + (f" ({fmt})" if scheme != "none" else ""))
         with MetricsWriter(staging / "metrics.jsonl") as metrics:
-            for f in files:
-                tensors: dict[str, torch.Tensor] = {}
-                with _open_weights(f) as sf:
-                    for key in sf.keys():  # noqa: SIM118 - safe_open is not a dict  # noqa: SIM118 - safe_open is not a dict
-                        t = sf.get_tensor(key)
-                        bytes_in += t.numel() * t.element_size()
-                        module = key[: -len(".weight")] if key.endswith(".weight") else None
-                        if module in chosen_set:
-                            if t.numel() and not bool(torch.isfinite(t).all()):  # inf/NaN would give a NaN scale
-                                raise GlmpostError(f"{f}: {key} holds inf or NaN; cannot quantize it")
-                            codes, scale = quantize_weight(t, spec)
-                            wq = dequant(codes, scale, spec, t.dtype)
-                            err = float((t.float() - wq.float()).abs().max()) if t.numel() else 0.0
-                            row = {"layer": module, "shape": list(t.shape), "sqnr_db": _sqnr_db(t, wq), "max_abs_err": err}
-                            rows.append(row)
-                            metrics.write(**row)
-                            encoded = encode_layer(module, codes, scale, spec, fmt)
-                        else:
-                            encoded = {key: t}
-                        for name, value in encoded.items():
-                            tensors[name] = value
-                            weight_map[name] = f.name
-                            bytes_out += value.numel() * value.element_size()
-                save_file(tensors, str(staging / f.name), metadata={"format": "pt"})
-        if len(files) > 1 or (src / "model.safetensors.index.json").is_file():
-            index = {"metadata": {"total_size": bytes_out}, "weight_map": weight_map}
-            write_json_atomic(staging / "model.safetensors.index.json", index)
-        for item in sorted(src.iterdir()):
-            if item.is_file() and item.name not in _SKIP_FILES and item.suffix != ".safetensors":
-                shutil.copy2(item, staging / item.name)
-        if fmt == "msmodelslim":  # vLLM-Ascend reads the per-tensor type map, not config.json
-            write_json_atomic(staging / MODELSLIM_DESCRIPTION, modelslim_description(weight_map, chosen))
-        elif scheme != "none":
-            model_config["quantization_config"] = quantization_config(spec, fmt, ignore)
-        write_json_atomic(staging / "config.json", model_config)
-        parent = read_manifest(src) if (src / MANIFEST).is_file() else None
-        revision = tokenizer_revision(staging)
-        manifest = CheckpointManifest(
-            policy_version=parent.policy_version if parent else 0,
-            tokenizer_revision=revision,
-            stage=STAGE,
-            step=parent.step if parent else 0,
-            parent=str(src),
-            extra={"scheme": scheme, "format": fmt if scheme != "none" else None, "spec": spec.to_json(), "layers": len(chosen)},
-        )
-        write_manifest(staging, manifest)
-        write_stage_json(staging, STAGE, options, quantized_layers=len(chosen))
+            result = quantize_checkpoint(src, staging, files, plan, spec, fmt, model_config=model_config,
+                                         on_row=lambda row: metrics.write(**row))
+        write_stage_json(staging, STAGE, options, quantized_layers=len(plan.chosen))
+    _report(out, scheme, fmt, result, report=report, as_json=as_json)
 
+
+def _report(out: Path, scheme: str, fmt: str, result, *, report: bool, as_json: bool) -> None:
+    rows = result.rows
     finite = [r["sqnr_db"] for r in rows if r["sqnr_db"] is not None and math.isfinite(r["sqnr_db"])]
     summary = {
-        "out": str(out),
-        "scheme": scheme,
-        "format": fmt if scheme != "none" else None,
-        "layers": len(chosen),
-        "bytes_in": bytes_in,
-        "bytes_out": bytes_out,
-        "min_sqnr_db": min(finite) if finite else None,
-        "policy_version": manifest.policy_version,
+        "out": str(out), "scheme": scheme, "format": fmt if scheme != "none" else None, "layers": result.layers,
+        "bytes_in": result.bytes_in, "bytes_out": result.bytes_out, "min_sqnr_db": min(finite) if finite else None,
+        "policy_version": result.policy_version,
     }
     if report:
         width = max([len(r["layer"]) for r in rows] + [5])
@@ -215,9 +100,9 @@ def quantize(
         # the table is a result (stdout), unless stdout carries --json
         (sys.stderr if as_json else sys.stdout).write("\n".join(lines) + "\n")
     human = (
-        f"{out}: {scheme} {len(chosen)} layer(s), {bytes_in / 2**20:.2f} MiB -> {bytes_out / 2**20:.2f} MiB"
+        f"{out}: {scheme} {result.layers} layer(s), {result.bytes_in / 2**20:.2f} MiB -> {result.bytes_out / 2**20:.2f} MiB"
         + (f", min SQNR {min(finite):.1f} dB" if finite else "")
-        + f", policy version {manifest.policy_version}"
+        + f", policy version {result.policy_version}"
     )
     print_summary(summary, as_json=as_json, human=human)
 

@@ -38,11 +38,10 @@ from glmpost.checkpoints import (
     resolve_checkpoint,
 )
 from glmpost.commands.common import (
-    MetricsWriter,
-    check_same_options,
     complete_shard,
     config_option,
     effective_options,
+    option_flag,
     print_summary,
     shard_outputs,
 )
@@ -55,7 +54,7 @@ from glmpost.formats import (
     select_shards,
 )
 from glmpost.closure.scoring import TeacherPayload, payload_from_rows, score_records
-from glmpost.stage import log, write_stage_json
+from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
 
 STAGE = "score-teacher"
 ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "observation_mask", "status", "tokenizer_revision")
@@ -192,7 +191,8 @@ def score_teacher(
 
     paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
     targets = shard_outputs(paths, out, what="scored shards")
-    check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite, ctx=ctx)
+    check_same_options(out, STAGE, options, ignore=PER_TASK_OPTIONS, overwrite=overwrite,
+                       flag_name=lambda name: option_flag(ctx, name))
     pending = [p for p in paths if overwrite or not complete_shard(targets[p], STAGE, redo="scoring again")]
     skipped = len(paths) - len(pending)
 

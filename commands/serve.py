@@ -29,10 +29,10 @@ from typing import Optional
 
 import typer
 
-from glmpost.commands.common import MetricsWriter, config_option
+from glmpost.commands.common import config_option
 from glmpost.errors import UsageError
 from glmpost.npu import resolve_device
-from glmpost.stage import log
+from glmpost.stage import MetricsWriter, log
 
 STAGE = "serve"
 
@@ -62,12 +62,8 @@ def serve(
     metrics_interval: float = typer.Option(10.0, "--metrics-interval", min=0.1, help="Seconds between --metrics lines."),
     config: Optional[Path] = config_option(),
 ) -> None:
-    from glmpost.serving.server import (
-        EngineServer,
-        bound_address,
-        make_http_server,
-        serve_until_signalled,
-    )
+    from glmpost.serving.http_server import bound_address, make_http_server, serve_until_signalled
+    from glmpost.serving.server import EngineServer
 
     metrics_writer = None
     if metrics is not None:

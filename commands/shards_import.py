@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import load_tokenizer
 from glmpost.commands.common import (
-    MetricsWriter,
     config_option,
     effective_options,
     print_summary,
@@ -27,7 +26,7 @@ from glmpost.commands.common import (
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardWriter, record_from_json
 from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
-from glmpost.stage import log, write_stage_json
+from glmpost.stage import MetricsWriter, log, write_stage_json
 
 STAGE = "shards.import"
 
@@ -51,7 +50,8 @@ def shards_import(
         tokenizer, revision = load_tokenizer(checkpoint)
     options = effective_options(ctx)
     counts = {"records": 0, "shards": 0, "prompt_tokens": 0, "response_tokens": 0}
-    with staged_output_dir(out, overwrite=overwrite, complete_marker="stage.json") as staging:
+    with staged_output_dir(out, overwrite=overwrite, complete_marker="stage.json", stage=STAGE,
+                           options=options, ctx=ctx) as staging:
         if staging is None:
             log(f"{out} is already complete; nothing to do (--overwrite replaces it)")
             print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: already complete (skipped)")

@@ -32,22 +32,19 @@ from glmpost.checkpoints import (
     tokenizer_revision,
     write_manifest,
 )
-from glmpost.commands.common import MetricsWriter, config_option, effective_options, print_summary
+from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.serving.convert import DTYPES, SCHEMES, convert, resolve_source
 from glmpost.serving.sync import (
-    DTYPES,
-    SCHEMES,
     clean_stale_staging,
-    convert,
     prune,
     publish,
-    resolve_source,
     root_lock,
     staging_dir,
     sync_servers,
     weight_version_name,
 )
-from glmpost.stage import log, write_stage_json
+from glmpost.stage import MetricsWriter, log, write_stage_json
 
 STAGE = "sync-weights"
 

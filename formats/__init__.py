@@ -1,10 +1,14 @@
 """Trajectory records and shards (schema v1; ``formats/SPEC.md`` is the normative byte-level spec).
 
 Records are plain dicts of Python values and numpy arrays (:mod:`glmpost.formats.schema`); shards
-are ``*.msgpack.zst`` files of records with a header and a checksummed footer
-(:mod:`glmpost.formats.shards`).
+are ``*.msgpack.zst`` files of records with a header and a checksummed footer, written by
+:mod:`glmpost.formats.shards` and read by :mod:`glmpost.formats.shard_reader`. Datasets of shards
+(files, directories, globs) are :mod:`glmpost.formats.datasets`; the JSON form of records is
+:mod:`glmpost.formats.json_form`.
 """
 
+from glmpost.formats.datasets import iter_records, resolve_shard_paths, select_shards
+from glmpost.formats.json_form import record_from_json, record_to_json
 from glmpost.formats.reading import iter_checked_records, read_checked_records
 from glmpost.formats.schema import (
     ARRAY_FIELDS,
@@ -20,20 +24,13 @@ from glmpost.formats.schema import (
     require_fields,
     validate_record,
 )
+from glmpost.formats.shard_reader import Shard, ShardReader, read_shard
 from glmpost.formats.shards import (
     DTYPE_CODES,
     FORMAT_NAME,
     SHARD_SUFFIX,
-    Shard,
     ShardError,
-    ShardReader,
     ShardWriter,
-    iter_records,
-    read_shard,
-    record_from_json,
-    record_to_json,
-    resolve_shard_paths,
-    select_shards,
     write_shard,
 )
 from glmpost.formats.synthetic import synthetic_record

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from glmpost.errors import GlmpostError
+from glmpost.formats.datasets import resolve_shard_paths
 from glmpost.formats.schema import require_fields
-from glmpost.formats.shards import ShardReader, resolve_shard_paths
+from glmpost.formats.shard_reader import ShardReader
 
 
 def iter_checked_records(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from glmpost.errors import GlmpostError
-from glmpost.fsutil import fsync_dir, write_text_atomic
+from glmpost.fsutil import fsync_dir, make_readable, write_text_atomic
 
 MANIFEST = "glmpost.json"
 LATEST = "LATEST"
@@ -182,6 +182,7 @@ class CheckpointRoot:
         if target.exists():
             raise CheckpointError(f"{target} already exists; policy versions are never overwritten")
         self.path.mkdir(parents=True, exist_ok=True)
+        make_readable(staged)
         os.replace(staged, target)
         fsync_dir(self.path)
         if move_latest:

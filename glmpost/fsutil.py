@@ -38,3 +38,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def make_readable(directory: Path) -> None:
+    """Give every file under ``directory`` (and itself) the permissions the umask allows
+    (0644 / 0755 under the usual 022): checkpoints are read by servers running as other users, and
+    some writers (safetensors, mkdtemp) create 0600 / 0700."""
+    mask = os.umask(0)
+    os.umask(mask)
+    directory = Path(directory)
+    os.chmod(directory, 0o777 & ~mask)
+    for path in directory.rglob("*"):
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)

@@ -1,14 +1,17 @@
 """What every stage's output shares, on the library side: ``stage.json`` (the effective options an
-output was made with), crash-safe JSON files, and logs on stderr (stdout carries results)."""
+output was made with), crash-safe JSON files, ``metrics.jsonl``, and logs on stderr (stdout carries
+results)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from glmpost import __version__
+from glmpost.errors import GlmpostError, UsageError
 from glmpost.fsutil import write_text_atomic
 
 
@@ -20,6 +23,76 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra: Any) -> None:
     payload = {"stage": stage, "glmpost_version": __version__, "options": options, **extra}
     write_json_atomic(Path(out_dir) / "stage.json", payload)
+
+
+def default_flag_name(name: str) -> str:
+    """An option's flag spelled from its Python name (``max_new_tokens`` -> ``--max-new-tokens``)."""
+    return "--" + name.replace("_", "-")
+
+
+def check_same_options(
+    out_dir: Path,
+    stage: str,
+    options: dict[str, Any],
+    *,
+    ignore: tuple[str, ...],
+    overwrite: bool,
+    facts: dict[str, Any] | None = None,
+    flag_name: Callable[[str], str] | None = None,
+) -> None:
+    """Refuse to add shards to ``out_dir`` that an earlier run made with other options.
+
+    Stages that several tasks write into one directory (``--shard-index``) resume by writing only
+    missing shards; that is only sound when every shard comes from the same options. ``flag_name``
+    spells an option's flag in the message (the command line's spelling; by default
+    :func:`default_flag_name`).
+    """
+    path = Path(out_dir) / "stage.json"
+    if overwrite or not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise GlmpostError(f"{path}: invalid JSON; pass --overwrite to start this output over") from None
+    if before.get("stage") != stage:
+        raise UsageError(f"--out {out_dir} holds output of `glmpost {before.get('stage')}`, not {stage}")
+    for key, value in (facts or {}).items():  # e.g. the policy version a checkpoint root resolved to
+        if key in before and before[key] != value:
+            raise UsageError(
+                f"--out {out_dir} was written with {key} {before[key]!r}, now {value!r}; "
+                "use another --out or pass --overwrite"
+            )
+    earlier = before.get("options", {})
+    for key, value in options.items():
+        if key in ignore or key not in earlier:
+            continue
+        if earlier[key] != value:
+            flag = (flag_name or default_flag_name)(key)
+            raise UsageError(
+                f"--out {out_dir} was written with {flag} {earlier[key]!r}, now {value!r}; "
+                "use another --out or pass --overwrite"
+            )
+
+
+class MetricsWriter:
+    """Append one JSON object per line to ``DIR/metrics.jsonl`` (stable key names, flushed per line)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._f = open(self.path, "a")
+
+    def write(self, **metrics: Any) -> None:
+        self._f.write(json.dumps({"time": round(time.time(), 3), **metrics}, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def log(message: str) -> None:

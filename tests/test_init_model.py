@@ -53,8 +53,11 @@ def test_existing_output_is_skipped_refused_or_replaced(glmpost_cli, tmp_path):
     out = tmp_path / "ckpt"
     assert glmpost_cli("init-model", "--out", out, "--seed", "0").exit_code == 0
     weights = (out / "model.safetensors").read_bytes()
-    rerun = glmpost_cli("init-model", "--out", out, "--seed", "5", "--json")
+    rerun = glmpost_cli("init-model", "--out", out, "--seed", "0", "--json")
     assert rerun.exit_code == 0 and json.loads(rerun.stdout) == {"out": str(out), "skipped": True}
+    # Another seed is another output (issue 13: it used to be skipped, keeping seed 0's weights).
+    other = glmpost_cli("init-model", "--out", out, "--seed", "5", "--json")
+    assert other.exit_code == 2 and "was written with --seed 0, now 5" in other.stderr
     assert (out / "model.safetensors").read_bytes() == weights
     replaced = glmpost_cli("init-model", "--out", out, "--seed", "5", "--overwrite")
     assert replaced.exit_code == 0 and (out / "model.safetensors").read_bytes() != weights

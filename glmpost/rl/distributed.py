@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from glmpost.config import SettingError, setting
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.npu import distributed_backend, resolve_device, set_deterministic
 
@@ -27,11 +28,11 @@ from glmpost.npu import distributed_backend, resolve_device, set_deterministic
 class OptimizerConfig:
     """What the optimisation backends read (AdamW and gradient clipping); trainer configs extend it."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.0
+    lr: float = setting(1e-6, "AdamW learning rate.")
+    weight_decay: float = setting(0.0, "AdamW weight decay.")
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    grad_clip: float = 1.0
+    grad_clip: float = setting(1.0, "Clip the global gradient norm to this; 0 disables.", min=0.0)
 
     def validate(self) -> None:
         self._require({"lr": self.lr > 0, "grad_clip": self.grad_clip >= 0})
@@ -39,7 +40,7 @@ class OptimizerConfig:
     def _require(self, checks: dict[str, bool]) -> None:
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"{name} = {getattr(self, name)!r} is out of range")
+                raise SettingError(name, getattr(self, name), "is out of range")
 
 
 class LocalBackend:

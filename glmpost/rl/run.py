@@ -28,6 +28,7 @@ from typing import Any, Callable, Protocol
 from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointManifest, NextVersion, load_model
+from glmpost.config import setting
 from glmpost.errors import UsageError
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
 from glmpost.stage import log, write_stage_json
@@ -37,15 +38,19 @@ from glmpost.stage import log, write_stage_json
 class RunOptions:
     """How a training run executes, whatever it optimises (the same for every training stage)."""
 
-    device: str = "auto"
-    deterministic: bool = False
-    zero_stage: int | None = None
-    deepspeed_config: Path | None = None
-    deterministic_topk: bool = True
-    save_every: int = 0
-    resume: bool = False
-    overwrite: bool = False
-    reset_optimizer: bool = False
+    device: str = setting("auto", "auto, cpu, cuda[:N] or npu[:N] (under a launcher: this rank's local device).")
+    deterministic: bool = setting(False, "Deterministic algorithms (torch, cuBLAS, HCCL switches).")
+    zero_stage: int | None = setting(
+        None, "Train with DeepSpeed ZeRO at this stage (default under a multi-process launcher: 1).", min=0, max=3)
+    deepspeed_config: Path | None = setting(
+        None, "DeepSpeed JSON config (its optimizer, ZeRO and clipping settings are used).", flag="--deepspeed")
+    deterministic_topk: bool = setting(
+        True, "DSA indexer top-k with ties to the lower position (the same keys in rollout and training); "
+        "--torch-topk keeps torch.topk's tie order.", flag="--deterministic-topk/--torch-topk")
+    save_every: int = setting(0, "Save resumable training state every N optimizer steps (0 = only at the end).", min=0)
+    resume: bool = setting(False, "Continue an interrupted run from its saved state without repeating a step.")
+    overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
+    reset_optimizer: bool = setting(False, "Start AdamW fresh instead of from the parent version's optimizer state.")
 
 
 class Trainer(Protocol):

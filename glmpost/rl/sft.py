@@ -23,17 +23,18 @@ import torch
 
 from glmpost.rl.distributed import LocalBackend, OptimizerConfig
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.config import setting
 from glmpost.rl.batches import TrainExample, collate
 
 
 @dataclass
 class SFTConfig(OptimizerConfig):
-    lr: float = 1e-5
-    epochs: int = 1
-    batch_size: int = 32  # trajectories per optimizer step
-    micro_batch_size: int = 8
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    seed: int = 0
+    lr: float = setting(1e-5, "AdamW learning rate.")
+    epochs: int = setting(1, "Passes over the data.", min=1)
+    batch_size: int = setting(32, "Trajectories per optimizer step (over all ranks).", min=1)
+    micro_batch_size: int = setting(8, "Trajectories per forward/backward on each rank.", min=1)
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation.", min=1)
+    seed: int = setting(0, "Seed of the data shuffling.")
 
     def validate(self) -> None:
         super().validate()

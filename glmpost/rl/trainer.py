@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.config import SettingError, setting
 from glmpost.closure.scoring import score_tokens
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS
 from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit
@@ -41,19 +42,20 @@ from glmpost.rl.masks import TRUST_MASKS
 class GRPOConfig(OptimizerConfig):
     """Defaults are GLM-5's Reasoning RL values where the brief gives them."""
 
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_size: int = 8
-    eps_low: float = 0.2  # PPO clip, brief: eps_l = 0.2
-    eps_high: float = 0.28  # brief: eps_h = 0.28
-    icepop: bool = True
-    icepop_beta: float = 2.0  # brief: beta = 2
-    advantage_eps: float = 1e-6
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    epochs: int = setting(1, "Passes over the batch (PPO epochs).", min=1)
+    mini_batches: int = setting(1, "Optimizer steps per epoch (the batch is split into this many mini-batches).", min=1)
+    micro_batch_size: int = setting(8, "Trajectories per forward/backward on each rank (gradient accumulation).", min=1)
+    eps_low: float = setting(0.2, "PPO clip below 1 (GLM-5: 0.2).")  # brief: eps_l = 0.2
+    eps_high: float = setting(0.28, "PPO clip above 1 (GLM-5: 0.28).")  # brief: eps_h = 0.28
+    icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",
+                           flag="--icepop/--no-icepop")
+    icepop_beta: float = setting(2.0, "IcePop beta (GLM-5: 2).")  # brief: beta = 2
+    advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).")
+    kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
+    entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
     temperature: float = 1.0
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    seed: int = 0
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation (bounds [chunk, V] memory).", min=1)
+    seed: int = setting(0, "Seed of the mini-batch shuffling.")
 
     def validate(self) -> None:
         super().validate()
@@ -97,14 +99,17 @@ class OPDConfig(GRPOConfig):
     ``pi_T - pi_theta`` correction (plus ``w * A_task`` in the policy-gradient term).
     """
 
-    loss: str = "sampled"
-    task_advantage_weight: float = 0.0
-    topk_correction: bool = True
+    loss: str = setting("sampled", "sampled: OPD advantage in the policy-gradient loss; topk: MOPD top-k reverse KL.")
+    task_advantage_weight: float = setting(
+        0.0, "Weight of the GRPO task advantage added to the OPD advantage (needs judged shards; 0 = pure distillation).", min=0.0)
+    topk_correction: bool = setting(
+        True, "Add MOPD's pi_T - pi_theta term to the top-k loss (the optimum is then teacher = student on the set).",
+        flag="--topk-correction/--no-topk-correction")
 
     def validate(self) -> None:
         super().validate()
         if self.loss not in OPD_LOSSES:
-            raise ValueError(f"loss = {self.loss!r} is not one of {', '.join(OPD_LOSSES)}")
+            raise SettingError("loss", self.loss, f"is not one of {', '.join(OPD_LOSSES)}")
         self._require({"task_advantage_weight": self.task_advantage_weight >= 0})
 
     def advantage_estimator(self) -> str:

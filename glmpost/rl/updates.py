@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from glmpost.checkpoints import load_tokenizer
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.errors import GlmpostError
 from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import apply_fake_quant, remove_fake_quant
@@ -28,10 +28,9 @@ from glmpost.stage import log
 
 
 def _validated(config) -> None:
-    try:
-        config.validate()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    """A refused setting is the caller's mistake: a :class:`~glmpost.config.SettingError` naming the
+    field (a command turns it into its flag)."""
+    config.validate()
 
 
 def _one_temperature(records: Sequence[dict], stage: str) -> float:

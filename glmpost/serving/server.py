@@ -27,53 +27,27 @@ batch request runs as its own batch(es), exactly as the in-process engine would 
 so ``rollout --engine sglang`` reproduces ``--engine local`` bit for bit. Weight swaps happen between
 batches. Output log-probs are those of the distribution sampled from (temperature, top-k, top-p; as
 ``rollout_log_probs``); input log-probs are the model's own (temperature 1), by the trainer's formula.
+
+This module holds :class:`EngineServer` (the worker, request batching, weight swaps) and checkpoint
+loading. Parsing and validating ``/generate`` requests is :mod:`glmpost.serving.parsing`; the HTTP
+routes, the listening server and its signal-driven lifetime are :mod:`glmpost.serving.http_server`.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from glmpost.rollout.engine import LocalEngine, SamplingParams, Scores
+from glmpost.rollout.engine import LocalEngine, Scores
 from glmpost.errors import GlmpostError
-
-# Sampling parameters that would change the output if honoured; refused unless at SGLang's default.
-_UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                         "min_new_tokens": 0, "min_p": 0.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-                         "stop": None}
-_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
-          "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
-          *_UNSUPPORTED_DEFAULTS}
-
-
-class RequestError(Exception):
-    """A request the server refuses (HTTP 4xx) with a one-line message."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class _Item:
-    """One sequence of a /generate request."""
-
-    prompt: list[int]
-    params: SamplingParams  # max_new_tokens may be 0 here (prefill only)
-    seed: int
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    result: dict | None = None
+from glmpost.serving.parsing import RequestError, _Item, parse_generate
 
 
 @dataclass
@@ -214,23 +188,7 @@ class EngineServer:
         }
 
     def generate(self, body: dict) -> Any:
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        if body.get("text") is not None and body.get("input_ids") is None:
-            raise RequestError("glmpost serve takes token ids: send input_ids, not text")
-        input_ids = body.get("input_ids")
-        batch = isinstance(input_ids, list) and len(input_ids) > 0 and isinstance(input_ids[0], list)
-        prompts = input_ids if batch else [input_ids]
-        if not isinstance(input_ids, list) or not input_ids or not all(_is_ids(p) for p in prompts):
-            raise RequestError("input_ids must be a non-empty list of token ids, or a list of such lists")
-        sampling = body.get("sampling_params") or {}
-        per_item = _per_item(sampling, len(prompts), "sampling_params")
-        flags = {name: _per_item(body.get(name, default), len(prompts), name)
-                 for name, default in (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0))}
-        if body.get("stream"):
-            raise RequestError("stream is not supported by glmpost serve")
-        items = [self._item(prompts[i], per_item[i], flags["return_logprob"][i], flags["logprob_start_len"][i],
-                            flags["top_logprobs_num"][i]) for i in range(len(prompts))]
+        items, batch = parse_generate(body, self.loaded)
         if batch:
             return self.submit(_Job("generate", items, batch=True))
         with self._cond:
@@ -256,60 +214,6 @@ class EngineServer:
                               "abort_all_requests": bool(body.get("abort_all_requests", False))})
         answer = self.submit(job)
         return (HTTPStatus.OK if answer["success"] else HTTPStatus.BAD_REQUEST), answer
-
-    # ------------------------------------------------------------------ parsing
-
-    def _item(self, prompt: list[int], sp: Any, return_logprob: Any, start: Any, top_n: Any) -> _Item:
-        if not isinstance(sp, dict):
-            raise RequestError("sampling_params must be an object (or a list of objects, one per sequence)")
-        unknown = sorted(set(sp) - _KNOWN)
-        if unknown:
-            raise RequestError(f"sampling_params: unknown key(s) {', '.join(unknown)}")
-        for key, default in _UNSUPPORTED_DEFAULTS.items():
-            if sp.get(key, default) not in (default, None) and not (key == "stop" and sp.get(key) == []):
-                raise RequestError(f"sampling_params.{key} is not supported by glmpost serve")
-        try:
-            max_new = int(sp.get("max_new_tokens", 128))
-            temperature = float(sp.get("temperature", 1.0))
-            top_p = float(sp.get("top_p", 1.0))
-            top_k = int(sp.get("top_k", -1))
-            stops = [int(t) for t in (sp.get("stop_token_ids") or [])]
-            seed = sp.get("sampling_seed")
-            seed = secrets.randbits(63) if seed is None else int(seed)
-            start, top_n = int(start), int(top_n)
-        except (TypeError, ValueError) as exc:
-            raise RequestError(f"sampling_params: {exc}") from None
-        if max_new < 0:
-            raise RequestError(f"max_new_tokens must be >= 0, got {max_new}")
-        # SGLang's Req._check_token_based_finish: ignore_eos turns off every token stop; otherwise
-        # stop_token_ids and the model's eos ids both end a sequence.
-        stops = [] if sp.get("ignore_eos", False) else sorted(set(stops) | set(self._eos_ids()))
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=0 if top_k in (-1, 0) else top_k,
-                                max_new_tokens=max(max_new, 1), seed=0, stop_token_ids=stops)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise RequestError(f"sampling_params: {exc}") from None
-        if top_k < -1:
-            raise RequestError(f"top_k must be -1 (off) or >= 1, got {top_k}")
-        params.max_new_tokens = max_new
-        vocab = self.loaded.config.get("vocab_size")
-        if vocab is not None and any(not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"input_ids: a token id is outside the vocabulary [0, {vocab})")
-        context = self.loaded.config.get("max_position_embeddings")
-        if context is not None and len(prompt) + max_new > context:
-            raise RequestError(f"{len(prompt)} input tokens + max_new_tokens {max_new} exceed the context of {context}")
-        if start >= len(prompt):
-            raise RequestError(f"logprob_start_len {start} must be < the {len(prompt)} input tokens")
-        if top_n < 0:
-            raise RequestError("top_logprobs_num must be >= 0")
-        return _Item(list(prompt), params, seed, bool(return_logprob), start, top_n)
-
-    def _eos_ids(self) -> list[int]:
-        eos = getattr(self.loaded.engine.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
     # ------------------------------------------------------------------ the worker
 
@@ -494,134 +398,8 @@ def _top_rows(ids: list[int], lps: list[float]) -> list[list]:
     return [[lp, t, None] for lp, t in zip(lps, ids)]
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _per_item(value: Any, count: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise RequestError(f"{name}: {len(value)} entries for {count} sequences")
-        return value
-    return [value] * count
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "glmpost-serve"
-    engine: EngineServer  # set on the subclass made by make_http_server
-    quiet = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        if not self.quiet:
-            super().log_message(format, *args)
-
-    def _send(self, status: int, payload: Any) -> None:
-        body = b"" if payload is None else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message, "code": int(status)}})
-
-    def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        try:
-            return json.loads(raw) if raw else {}
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"the request body is not JSON ({exc})") from None
-
-    def _dispatch(self, method: str) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        try:
-            if method == "GET" and path == "/health":
-                self._send(200, None)
-            elif method == "GET" and path in ("/get_weight_version", "/weight_version"):
-                self._send(200, {"weight_version": self.engine.weight_version})
-            elif method == "GET" and path in ("/model_info", "/get_model_info"):
-                self._send(200, self.engine.model_info())
-            elif method == "GET" and path == "/get_server_info":
-                self._send(200, self.engine.server_info())
-            elif method == "POST" and path == "/generate":
-                self._send(200, self.engine.generate(self._body()))
-            elif method == "POST" and path == "/update_weights_from_disk":
-                status, answer = self.engine.update_weights_from_disk(self._body())
-                self._send(status, answer)
-            elif path in ("/health", "/get_weight_version", "/model_info", "/get_server_info", "/generate", "/update_weights_from_disk"):
-                self._error(405, f"{method} is not allowed on {path}")
-            else:
-                self._error(404, f"no route {path}")
-        except RequestError as exc:
-            self._error(exc.status, str(exc))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away
-        except Exception as exc:  # never let one request take the server down
-            try:
-                self._error(500, f"{type(exc).__name__}: {exc}")
-            except OSError:
-                pass
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-
-def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True) -> ThreadingHTTPServer:
-    """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port)."""
-    handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
-
-
-def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, on_ready=None, on_tick=None,
-                          tick_s: float = 10.0) -> None:
-    """Serve until SIGTERM or SIGINT, then stop accepting, fail queued work with 503, and return.
-    ``on_tick(final)`` runs every ``tick_s`` seconds and once more (``final`` True) after the stop."""
-    import signal
-
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="glmpost-serve-http", daemon=True)
-    engine.start()
-    thread.start()
-    try:
-        if on_ready is not None:
-            on_ready()
-        next_tick = time.monotonic() + tick_s
-        while not stop.wait(min(0.5, max(0.0, next_tick - time.monotonic()))):
-            if time.monotonic() >= next_tick:
-                if on_tick is not None:
-                    on_tick(False)
-                next_tick += tick_s
-                if next_tick <= time.monotonic():  # a slow tick: skip the missed ones, no backlog
-                    next_tick = time.monotonic() + tick_s
-    finally:
-        server.shutdown()
-        server.server_close()
-        engine.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if on_tick is not None:
-            on_tick(True)
-
-
-def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:
-    host, port = server.server_address[:2]
-    return (host if isinstance(host, str) else host.decode()), int(port)
-
-
 __all__ = [
     "EngineServer",
-    "RequestError",
-    "bound_address",
     "load_checkpoint",
-    "make_http_server",
     "model_tensors",
-    "serve_until_signalled",
 ]

@@ -1,0 +1,81 @@
+"""Datasets of shards: files, directories and globs resolved to shard paths, split across tasks.
+
+:func:`resolve_shard_paths` expands a stage's inputs (``formats/SPEC.md`` §1), :func:`select_shards`
+gives each Slurm array task its shards, and :func:`iter_records` reads the records of a selection
+(each shard verified by :class:`~glmpost.formats.shard_reader.ShardReader`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from glmpost.errors import UsageError
+from glmpost.formats.shard_reader import ShardReader
+from glmpost.formats.shards import SHARD_SUFFIX
+
+
+def resolve_shard_paths(inputs: Sequence[str | Path]) -> list[Path]:
+    """Expand inputs to shard files, in input order, each input sorted, duplicates dropped.
+
+    A file is taken as is; a directory contributes its ``*.msgpack.zst`` files (not recursive,
+    hidden files skipped); anything else is a glob. An input matching no shard is a
+    :class:`UsageError` naming it.
+    """
+    if not inputs:
+        raise UsageError("no input shards given")
+    seen: set[Path] = set()
+    paths: list[Path] = []
+    for item in inputs:
+        for path in _expand(str(item)):
+            key = path.resolve()
+            if key not in seen:
+                seen.add(key)
+                paths.append(path)
+    return paths
+
+
+def _expand(item: str) -> list[Path]:
+    path = Path(item)
+    if path.is_dir():
+        found = _shards_in(path)
+        if not found:
+            raise UsageError(f"{item}: directory holds no *{SHARD_SUFFIX} shards")
+        return found
+    if path.exists():
+        return [path]
+    if not any(c in item for c in "*?["):
+        raise UsageError(f"{item}: no such file or directory")
+    found = []
+    for match in sorted(glob.glob(item, recursive=True)):
+        found.extend(_shards_in(Path(match)) if os.path.isdir(match) else [Path(match)])
+    if not found:
+        raise UsageError(f"{item}: no shards match this pattern")
+    return found
+
+
+def _shards_in(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob(f"*{SHARD_SUFFIX}") if not p.name.startswith(".") and p.is_file())
+
+
+def select_shards(paths: Sequence[Path], shard_index: int, num_shards: int) -> list[Path]:
+    """The shards of Slurm array task ``shard_index`` of ``num_shards``: round-robin over sorted paths.
+
+    Every shard goes to exactly one task; a task may get none when there are fewer shards than tasks.
+    """
+    if num_shards < 1:
+        raise UsageError(f"--num-shards must be >= 1, got {num_shards}")
+    if not 0 <= shard_index < num_shards:
+        raise UsageError(f"--shard-index must be in [0, {num_shards}) for --num-shards {num_shards}, got {shard_index}")
+    return sorted(paths, key=str)[shard_index::num_shards]
+
+
+def iter_records(
+    inputs: Sequence[str | Path], *, shard_index: int = 0, num_shards: int = 1
+) -> Iterator[dict[str, Any]]:
+    """Validated records of every shard selected from ``inputs`` (see :func:`resolve_shard_paths`)."""
+    for path in select_shards(resolve_shard_paths(inputs), shard_index, num_shards):
+        yield from ShardReader(path)

@@ -1,0 +1,318 @@
+"""One rollout run: from a checkpoint and prompts to rollout shards, ``stage.json`` and ``metrics.jsonl``.
+
+    check the settings -> open the checkpoint -> load the prompts -> open the engine
+    -> claim the output directory -> plan this task's shards -> write the missing ones
+
+* **engine**: ``local`` samples in this process (:class:`~glmpost.rollout.engine.LocalEngine`,
+  ``batch_size`` sequences per call); ``sglang`` sends the same batches to SGLang servers (or
+  ``glmpost serve``) with each sequence's seed as ``sampling_seed``, after checking that every server
+  is reachable and serves the checkpoint's tokenizer revision. A request that finally fails becomes
+  ``aborted`` records, never a lost prompt.
+* **output**: an output directory written before with other options (or another checkpoint version)
+  is refused unless ``overwrite``; the prompts are cut into parts of ``prompts_per_shard`` prompts,
+  parts are split among ``num_shards`` tasks, and a task writes only its parts that are missing.
+* **metrics**: one ``metrics.jsonl`` line per written shard; :meth:`RolloutRunner.run` returns the
+  run's summary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from glmpost.errors import UsageError
+from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
+from glmpost.npu import resolve_device
+from glmpost.rollout.engine import Completion, SamplingParams
+from glmpost.rollout.engines import (
+    LocalBackend,
+    Outcome,
+    PolicyCheckpoint,
+    SGLangBackend,
+    as_version,
+    engine_version,
+    eos_id_list,
+    open_backend,
+)
+from glmpost.rollout.records import RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record
+from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
+
+STAGE = "rollout"
+ENGINES = ("local", "sglang")
+# Options that may differ between the tasks or reruns writing one output directory.
+PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "device", "config",
+                    "engine_name", "server", "concurrency", "timeout", "retries")
+
+@dataclass
+class RolloutConfig:
+    """The settings of one rollout run (the options of ``glmpost rollout``, under the same names)."""
+
+    inputs: list[str] = field(default_factory=list)  # prompt JSONL files, or shards to resample
+    checkpoint: Optional[Path] = None  # a checkpoint root (its LATEST) or a version directory
+    out: Optional[Path] = None  # the output directory for the rollout shards
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: str = "default"  # comma-separated ids, "default" (the model's eos ids) or "none"
+    seed: int = 0
+    batch_size: int = 32
+    prompts_per_shard: int = 64
+    limit: Optional[int] = None
+    shard_index: int = 0
+    num_shards: int = 1
+    device: str = "auto"
+    deterministic_topk: bool = True
+    engine_name: str = "local"  # local or sglang
+    server: Optional[str] = None  # with sglang: comma-separated server URLs
+    concurrency: int = 8
+    timeout: float = 600.0
+    retries: int = 3
+    zstd_level: int = 3
+    overwrite: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """The sampling settings, checked (their stop ids are set once the model's eos ids are known)."""
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                max_new_tokens=self.max_new_tokens, seed=self.seed)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return params
+
+    def check_engine(self) -> None:
+        """Refuse an unknown engine, or ``sglang`` without servers."""
+        if self.engine_name not in ENGINES:
+            raise UsageError(f"--engine must be local or sglang, got {self.engine_name!r}")
+        if self.engine_name == "sglang" and not self.server:
+            raise UsageError("--engine sglang needs --server URL[,URL...]")
+
+    def as_options(self) -> dict[str, Any]:
+        """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output)."""
+        options: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "overwrite":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, (list, tuple)):
+                value = [str(v) if isinstance(v, Path) else v for v in value]
+            options[f.name] = value
+        return options
+
+
+def parse_stop_ids(value: str, default: list[int]) -> list[int]:
+    """``--stop-token-ids``: ``default`` (the model's eos ids), ``none`` / empty, or comma-separated ids."""
+    if value == "default":
+        return list(default)
+    if value in ("", "none"):
+        return []
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        raise UsageError(f"--stop-token-ids {value!r}: expected comma-separated integers, 'default' or 'none'") from None
+
+
+@dataclass
+class ShardPlan:
+    """The prompts cut into parts (one shard each) and this task's parts still to write."""
+
+    parts: list[list[RolloutPrompt]]
+    mine: int  # how many parts belong to this task
+    todo: list[tuple[int, Path]]  # (part index, shard path) of those to write
+
+    @property
+    def skipped(self) -> int:
+        return self.mine - len(self.todo)
+
+
+def plan_shards(prompts: list[RolloutPrompt], config: RolloutConfig) -> ShardPlan:
+    """Parts of ``prompts_per_shard`` prompts; this task's (``shard_index`` of ``num_shards``) that
+    are missing in ``out`` (all of them with ``overwrite``)."""
+    out, size = config.out, config.prompts_per_shard
+    parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    names = [f"rollout-{i:05d}{SHARD_SUFFIX}" for i in range(len(parts))]
+    mine = select_shards([Path(n) for n in names], config.shard_index, config.num_shards)
+    todo = [(names.index(str(p)), out / p) for p in mine if config.overwrite or not (out / p).exists()]
+    if len(todo) < len(mine):
+        log(f"{len(mine) - len(todo)} of this task's {len(mine)} shard(s) already exist in {out}; writing the rest")
+    return ShardPlan(parts, len(mine), todo)
+
+
+@dataclass
+class RolloutTotals:
+    """What the shards written so far add up to."""
+
+    shards: int = 0
+    records: int = 0
+    response_tokens: int = 0
+    truncated: int = 0
+    aborted: int = 0
+    seconds: float = 0.0
+
+    def add(self, outcomes: int, completions: list[Completion], seconds: float) -> None:
+        """Count one written shard of ``outcomes`` records, ``completions`` of them delivered."""
+        self.shards += 1
+        self.records += outcomes
+        self.aborted += outcomes - len(completions)
+        self.response_tokens += int(_lengths(completions).sum())
+        self.truncated += _truncated(completions)
+        self.seconds += seconds
+
+
+def _lengths(completions: list[Completion]) -> np.ndarray:
+    """The response lengths (``[0]`` when there is none)."""
+    return np.array([len(c.token_ids) for c in completions] or [0])
+
+
+def _truncated(completions: list[Completion]) -> int:
+    """How many responses ``max_new_tokens`` ended."""
+    return sum(c.finish_reason == "length" for c in completions)
+
+
+def shard_metrics(name: str, completions: list[Completion], *, aborted: int, seconds: float,
+                  policy_version: int) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of one written shard."""
+    lengths = _lengths(completions)
+    return {
+        "shard": name,
+        "rollout/records": len(completions),
+        "rollout/tokens_per_s": round(float(lengths.sum()) / max(seconds, 1e-9), 2),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_min": int(lengths.min()),
+        "rollout/response_length_max": int(lengths.max()),
+        "rollout/truncation_rate": _truncated(completions) / max(len(completions), 1),
+        "rollout/aborted": aborted,
+        "rollout/policy_version": policy_version,
+    }
+
+
+class RolloutRunner:
+    """Runs one rollout: ``RolloutRunner(config, options=...).run()`` returns the summary.
+
+    ``options`` are the options recorded in ``stage.json`` and the shard headers (by default
+    :meth:`RolloutConfig.as_options`); ``flag_name`` spells an option's flag in the message that
+    refuses an output written with other options.
+    """
+
+    def __init__(self, config: RolloutConfig, *, options: dict[str, Any] | None = None,
+                 flag_name: Callable[[str], str] | None = None):
+        self.config = config
+        self.options = config.as_options() if options is None else options
+        self.flag_name = flag_name
+
+    def run(self) -> dict[str, Any]:
+        """Check, load, claim the output, write this task's missing shards; the run's summary."""
+        config = self.config
+        if config.checkpoint is None or config.out is None:
+            raise UsageError("a rollout needs a checkpoint and an output directory")
+        params = config.sampling_params()
+        device = resolve_device(config.device)
+        checkpoint = PolicyCheckpoint.open(config.checkpoint)
+        config.check_engine()
+        prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
+        backend = open_backend(checkpoint, config, device)
+        try:
+            self._prepare(backend, params, prompts)
+            self._claim_output(checkpoint)
+            plan = plan_shards(prompts, config)
+            totals = self._write_shards(plan, backend, params, checkpoint)
+        finally:
+            backend.close()
+        return self._summary(prompts, plan, totals, checkpoint)
+
+    def _prepare(self, backend: LocalBackend | SGLangBackend, params: SamplingParams,
+                 prompts: list[RolloutPrompt]) -> None:
+        """Set the stop ids, check the prompts against the model's context, hand the engine its params."""
+        eos_ids = eos_id_list(backend.default_stops)
+        params.stop_token_ids = parse_stop_ids(self.config.stop_token_ids, eos_ids)
+        check_context(prompts, max_new_tokens=self.config.max_new_tokens,
+                      context=backend.model_config.max_position_embeddings)
+        backend.prepare(params, eos_ids)
+
+    def _claim_output(self, checkpoint: PolicyCheckpoint) -> None:
+        """Create ``out``, refuse one written with other options, record this run's in stage.json."""
+        out = self.config.out
+        out.mkdir(parents=True, exist_ok=True)
+        facts = {"policy_version": checkpoint.policy_version, "checkpoint": str(checkpoint.version_dir)}
+        check_same_options(out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=self.config.overwrite,
+                           facts=facts, flag_name=self.flag_name)
+        write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
+                         policy_version=checkpoint.policy_version)
+
+    def _write_shards(self, plan: ShardPlan, backend: LocalBackend | SGLangBackend, params: SamplingParams,
+                      checkpoint: PolicyCheckpoint) -> RolloutTotals:
+        """Generate and write every shard of ``plan.todo``, one metrics line each."""
+        group_size = self.config.group_size
+        engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(), "group_size": group_size}
+        totals = RolloutTotals()
+        total = sum(len(plan.parts[i]) for i, _ in plan.todo) * group_size
+        progress = tqdm(total=total, desc="rollout", unit="seq", leave=False, disable=None)
+        with MetricsWriter(self.config.out / "metrics.jsonl") as metrics, progress:
+            for part_index, path in plan.todo:
+                part = plan.parts[part_index]
+                started = time.perf_counter()
+                outcomes = self._generate(part, backend, progress)
+                seconds = time.perf_counter() - started
+                self._write_shard(path, part, outcomes, params, checkpoint, engine_info)
+                completions = [c for c, _, _ in outcomes if c is not None]
+                aborted = len(outcomes) - len(completions)
+                if aborted:
+                    log(f"{path.name}: {aborted} of {len(outcomes)} sequences aborted: {next(r for _, _, r in outcomes if r)}")
+                metrics.write(**shard_metrics(path.name, completions, aborted=aborted, seconds=seconds,
+                                              policy_version=checkpoint.policy_version))
+                totals.add(len(outcomes), completions, seconds)
+        return totals
+
+    def _generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Outcome]:
+        """``group_size`` samples of every prompt of one part, keyed ``prompt_id/sample_index``."""
+        group_size = self.config.group_size
+        keys = [f"{p.prompt_id}/{i}" for p in part for i in range(group_size)]
+        sequences = [p.token_ids for p in part for _ in range(group_size)]
+        return backend.generate(sequences, keys, progress)
+
+    def _write_shard(self, path: Path, part: list[RolloutPrompt], outcomes: Sequence[Outcome], params: SamplingParams,
+                     checkpoint: PolicyCheckpoint, engine_info: dict[str, Any]) -> None:
+        """One shard: a rollout record per delivered sequence, an aborted record per failed one."""
+        group_size = self.config.group_size
+        with ShardWriter(path, stage=STAGE, options=self.options, tokenizer_revision=checkpoint.revision,
+                         level=self.config.zstd_level) as writer:
+            for index, (completion, version, reason) in enumerate(outcomes):
+                prompt = part[index // group_size]
+                common = {"sample_index": index % group_size, "params": params, "policy_version": checkpoint.policy_version,
+                          "tokenizer_revision": checkpoint.revision, "engine": engine_info}
+                if completion is None:
+                    writer.write(aborted_record(prompt, reason, **common))
+                else:
+                    writer.write(rollout_record(prompt, completion, token_policy_version=as_version(version), **common))
+
+    def _summary(self, prompts: list[RolloutPrompt], plan: ShardPlan, totals: RolloutTotals,
+                 checkpoint: PolicyCheckpoint) -> dict[str, Any]:
+        """The run's result, as ``glmpost rollout --json`` prints it."""
+        return {
+            "out": str(self.config.out),
+            "policy_version": checkpoint.policy_version,
+            "prompts": len(prompts),
+            "shards_written": totals.shards,
+            "shards_skipped": plan.skipped,
+            "records": totals.records,
+            "response_tokens": totals.response_tokens,
+            "truncation_rate": round(totals.truncated / totals.records, 4) if totals.records else 0.0,
+            "aborted": totals.aborted,
+            "engine": self.config.engine_name,
+            "tokens_per_s": round(totals.response_tokens / totals.seconds, 1) if totals.seconds else 0.0,
+        }
+
+
+def run_rollout(config: RolloutConfig, *, options: dict[str, Any] | None = None,
+                flag_name: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """``RolloutRunner(config, options=options, flag_name=flag_name).run()``."""
+    return RolloutRunner(config, options=options, flag_name=flag_name).run()
