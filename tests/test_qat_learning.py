@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.commands.qat import read_sft_records
+from glmpost.rl.updates import read_sft_records
 from glmpost.quant.formats import dequantize_checkpoint
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 

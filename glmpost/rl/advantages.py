@@ -17,18 +17,11 @@ from typing import Sequence
 
 import torch
 
+from glmpost.registry import Registry
+
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    def add(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return add
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
 def group_advantages(

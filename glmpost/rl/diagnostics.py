@@ -14,20 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from glmpost.registry import Registry
 from glmpost.rl.losses import sampled_reverse_kl
 
 Diagnostic = Callable[[Any, Any, Callable[[torch.Tensor], torch.Tensor]], dict[str, float]]
-BATCH_DIAGNOSTICS: dict[str, Diagnostic] = {}
-
-
-def register_diagnostic(name: str) -> Callable[[Diagnostic], Diagnostic]:
-    def add(fn: Diagnostic) -> Diagnostic:
-        if name in BATCH_DIAGNOSTICS:
-            raise ValueError(f"batch diagnostic {name!r} is registered twice")
-        BATCH_DIAGNOSTICS[name] = fn
-        return fn
-
-    return add
+BATCH_DIAGNOSTICS: Registry[Diagnostic] = Registry("batch diagnostic")
+register_diagnostic = BATCH_DIAGNOSTICS.register
 
 
 def _response_slice(example, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

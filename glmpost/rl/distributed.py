@@ -10,6 +10,7 @@ the same in one process and in many.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -35,7 +36,13 @@ class OptimizerConfig:
     grad_clip: float = setting(1.0, "Clip the global gradient norm to this; 0 disables.", min=0.0)
 
     def validate(self) -> None:
-        self._require({"lr": self.lr > 0, "grad_clip": self.grad_clip >= 0})
+        """Every field within the ``min`` / ``max`` its setting declares (the bounds the command line
+        enforces too), and the rules a bound cannot say; subclasses add theirs."""
+        self._require({"lr": self.lr > 0})
+        for f in dataclasses.fields(self):
+            low, high, value = f.metadata.get("min"), f.metadata.get("max"), getattr(self, f.name)
+            if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
+                raise SettingError(f.name, value, "is out of range")
 
     def _require(self, checks: dict[str, bool]) -> None:
         for name, ok in checks.items():

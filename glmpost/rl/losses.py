@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from glmpost.registry import Registry
+
 
 @dataclass
 class PolicyLossTerms:
@@ -164,18 +166,13 @@ class LossTerm:
     gather: str | None = None
 
 
-LOSS_TERMS: dict[str, LossTerm] = {}
+LOSS_TERMS: Registry[LossTerm] = Registry("loss term")
 
 
 def register_loss_term(name: str, *, coefficient: Callable[[Any], float] = lambda config: 1.0,
                        metrics: tuple[str, ...] = (), logged_as: str | None = None, gather: str | None = None):
-    def add(fn):
-        if name in LOSS_TERMS:
-            raise ValueError(f"loss term {name!r} is registered twice")
-        LOSS_TERMS[name] = LossTerm(fn, coefficient, metrics, logged_as, gather)
-        return fn
-
-    return add
+    """``@register_loss_term("name", ...)``: the function and how the trainer weighs and logs it."""
+    return lambda fn: LOSS_TERMS.add(name, LossTerm(fn, coefficient, metrics, logged_as, gather)).fn
 
 
 def trusted_sum(values: torch.Tensor, trust: torch.Tensor) -> torch.Tensor:

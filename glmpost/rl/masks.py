@@ -12,18 +12,11 @@ from collections.abc import Callable
 
 import torch
 
+from glmpost.registry import Registry
+
 TrustMask = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-TRUST_MASKS: dict[str, TrustMask] = {}
-
-
-def register_trust_mask(name: str) -> Callable[[TrustMask], TrustMask]:
-    def add(fn: TrustMask) -> TrustMask:
-        if name in TRUST_MASKS:
-            raise ValueError(f"trust mask {name!r} is registered twice")
-        TRUST_MASKS[name] = fn
-        return fn
-
-    return add
+TRUST_MASKS: Registry[TrustMask] = Registry("trust mask")
+register_trust_mask = TRUST_MASKS.register
 
 
 def icepop_mask(train_old_log_probs: torch.Tensor, infer_log_probs: torch.Tensor, *, beta: float = 2.0) -> torch.Tensor:

@@ -36,14 +36,6 @@ class SFTConfig(OptimizerConfig):
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation.", min=1)
     seed: int = setting(0, "Seed of the data shuffling.")
 
-    def validate(self) -> None:
-        super().validate()
-        self._require({
-            "epochs": self.epochs >= 1,
-            "batch_size": self.batch_size >= 1,
-            "micro_batch_size": self.micro_batch_size >= 1,
-        })
-
 
 def sft_examples(records: Sequence[dict[str, Any]]) -> list[TrainExample]:
     """Records with at least one action token, as trainer examples (the loss tokens are the actions)."""

@@ -46,7 +46,7 @@ class GRPOConfig(OptimizerConfig):
     mini_batches: int = setting(1, "Optimizer steps per epoch (the batch is split into this many mini-batches).", min=1)
     micro_batch_size: int = setting(8, "Trajectories per forward/backward on each rank (gradient accumulation).", min=1)
     eps_low: float = setting(0.2, "PPO clip below 1 (GLM-5: 0.2).")  # brief: eps_l = 0.2
-    eps_high: float = setting(0.28, "PPO clip above 1 (GLM-5: 0.28).")  # brief: eps_h = 0.28
+    eps_high: float = setting(0.28, "PPO clip above 1 (GLM-5: 0.28).", min=0.0)  # brief: eps_h = 0.28
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",
                            flag="--icepop/--no-icepop")
     icepop_beta: float = setting(2.0, "IcePop beta (GLM-5: 2).")  # brief: beta = 2
@@ -60,14 +60,9 @@ class GRPOConfig(OptimizerConfig):
     def validate(self) -> None:
         super().validate()
         self._require({
-            "epochs": self.epochs >= 1,
-            "mini_batches": self.mini_batches >= 1,
-            "micro_batch_size": self.micro_batch_size >= 1,
             "eps_low": 0 <= self.eps_low < 1,
-            "eps_high": self.eps_high >= 0,
             "icepop_beta": self.icepop_beta >= 1,
             "temperature": self.temperature > 0,
-            "kl_coef": self.kl_coef >= 0,
         })
 
     # What the trainer composes (glmpost.rl.advantages / masks / losses / diagnostics), by name.
@@ -110,7 +105,6 @@ class OPDConfig(GRPOConfig):
         super().validate()
         if self.loss not in OPD_LOSSES:
             raise SettingError("loss", self.loss, f"is not one of {', '.join(OPD_LOSSES)}")
-        self._require({"task_advantage_weight": self.task_advantage_weight >= 0})
 
     def advantage_estimator(self) -> str:
         return "task" if self.loss == "topk" else "opd"

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -149,22 +150,16 @@ def plan_shards(prompts: list[RolloutPrompt], config: RolloutConfig) -> ShardPla
 
 @dataclass
 class RolloutTotals:
-    """What the shards written so far add up to."""
+    """What the shards written so far add up to: ``counts`` of shards, records, response_tokens,
+    truncated and aborted responses, and the seconds spent generating."""
 
-    shards: int = 0
-    records: int = 0
-    response_tokens: int = 0
-    truncated: int = 0
-    aborted: int = 0
+    counts: Counter = field(default_factory=Counter)
     seconds: float = 0.0
 
     def add(self, outcomes: int, completions: list[Completion], seconds: float) -> None:
         """Count one written shard of ``outcomes`` records, ``completions`` of them delivered."""
-        self.shards += 1
-        self.records += outcomes
-        self.aborted += outcomes - len(completions)
-        self.response_tokens += int(_lengths(completions).sum())
-        self.truncated += _truncated(completions)
+        self.counts.update(shards=1, records=outcomes, aborted=outcomes - len(completions),
+                           response_tokens=int(_lengths(completions).sum()), truncated=_truncated(completions))
         self.seconds += seconds
 
 
@@ -297,18 +292,19 @@ class RolloutRunner:
     def _summary(self, prompts: list[RolloutPrompt], plan: ShardPlan, totals: RolloutTotals,
                  checkpoint: PolicyCheckpoint) -> dict[str, Any]:
         """The run's result, as ``glmpost rollout --json`` prints it."""
+        counts = totals.counts
         return {
             "out": str(self.config.out),
             "policy_version": checkpoint.policy_version,
             "prompts": len(prompts),
-            "shards_written": totals.shards,
+            "shards_written": counts["shards"],
             "shards_skipped": plan.skipped,
-            "records": totals.records,
-            "response_tokens": totals.response_tokens,
-            "truncation_rate": round(totals.truncated / totals.records, 4) if totals.records else 0.0,
-            "aborted": totals.aborted,
+            "records": counts["records"],
+            "response_tokens": counts["response_tokens"],
+            "truncation_rate": round(counts["truncated"] / counts["records"], 4) if counts["records"] else 0.0,
+            "aborted": counts["aborted"],
             "engine": self.config.engine_name,
-            "tokens_per_s": round(totals.response_tokens / totals.seconds, 1) if totals.seconds else 0.0,
+            "tokens_per_s": round(counts["response_tokens"] / totals.seconds, 1) if totals.seconds else 0.0,
         }
 
 
