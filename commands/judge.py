@@ -27,12 +27,10 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import load_tokenizer
 from glmpost.commands.common import (
-    complete_shard,
     config_option,
     effective_options,
     option_flag,
     print_summary,
-    shard_outputs,
 )
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
@@ -54,7 +52,7 @@ from glmpost.rewards.mixture import (
     uses_domain_routing,
 )
 from glmpost.rewards.verifiers import VerifierTable
-from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
+from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
 
 STAGE = "judge"
 # What judging reads from each record (all produced by `glmpost rollout`).

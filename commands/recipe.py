@@ -13,16 +13,16 @@ resolve them), trainer settings out of range, and batch arithmetic that does not
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from glmpost.toml import tomllib
+from glmpost.toml import load_recipe
 import typer
 
 from glmpost.commands.common import print_summary
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.rl.batch_rules import batch_arithmetic
 
 app = typer.Typer(
     name="recipe",
@@ -62,18 +62,6 @@ class RecipeReport:
             "warnings": self.warnings,
             "ranks": self.ranks,
         }
-
-
-def load_recipe(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"recipe {path} does not exist") from None
-    except IsADirectoryError:
-        raise UsageError(f"recipe {path} is a directory, not a TOML file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"recipe {path} is not valid TOML: {exc}") from None
 
 
 def stage_commands(root: Any) -> dict[str, Any]:
@@ -228,80 +216,6 @@ def trainer_config_errors(stage: str, values: dict[str, Any]) -> list[str]:
             except GlmpostError as exc:
                 errors.append(str(exc))
     return errors
-
-
-def batch_arithmetic(
-    values: dict[str, dict[str, Any]], *, ranks: int
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """The rules a recipe's batch sizes must satisfy; returns ``(errors, warnings)`` as (section, message).
-
-    ``values`` maps a stage to all its options (recipe values and the commands' defaults). For a
-    GRPO update (``train-grpo``; ``opd-merge`` likewise) fed by ``[rollout]``, one update trains
-    ``R = prompts-per-shard * group-size`` trajectories (one rollout shard per update, as the
-    brief's batch of 32 prompts x 32 samples). glmpost's trainer (glmpost/trainer.py) splits the
-    shuffled R into ``mini-batches`` optimizer steps and each step's trajectories round-robin over
-    the ``ranks`` data-parallel ranks, which run ``micro-batch-size`` trajectories per
-    forward/backward. Errors:
-
-    - ``group-size >= 2`` for train-grpo: a group of one has advantage (R - mean) / (std + eps) = 0;
-    - ``mini-batches <= R``: else a mini-batch is empty;
-    - ``R % mini-batches == 0``: every optimizer step sees the same number of trajectories;
-    - ``(R / mini-batches) % ranks == 0``: every rank gets the same share (else ranks run
-      zero-weighted filler passes to keep their collectives in step).
-
-    Warnings: a rank's share not a multiple of ``micro-batch-size`` (the last micro-batch is
-    partly filled) or smaller than it; train-grpo ``temperature`` differing from the rollout's.
-    ``qat``: ``batch-size % ranks == 0`` (error) and ``(batch-size / ranks) % micro-batch-size``
-    (warning).
-    """
-    errors: list[tuple[str, str]] = []
-    warnings: list[tuple[str, str]] = []
-    rollout = values.get("rollout")
-    for stage in ("train-grpo", "opd-merge"):
-        train = values.get(stage)
-        if train is None or rollout is None:
-            continue
-        group, prompts = rollout.get("group_size"), rollout.get("prompts_per_shard")
-        mini, micro = train.get("mini_batches"), train.get("micro_batch_size")
-        if not all(isinstance(v, int) for v in (group, prompts, mini, micro)):
-            continue
-        records = prompts * group
-        if stage == "train-grpo" and group < 2:
-            errors.append(("rollout", (f"group-size {group} with [train-grpo]: GRPO needs at least 2 samples per "
-                                      "prompt (a group of one has advantage (R - mean) / (std + eps) = 0)")))
-        how = f"prompts-per-shard {prompts} x group-size {group} = {records} trajectories per update"
-        if mini > records:
-            errors.append((stage, f"mini-batches {mini} exceeds the {how}: some optimizer steps would be empty"))
-            continue
-        if records % mini:
-            errors.append((stage, (f"mini-batches {mini} does not divide the {how} "
-                                  f"(steps of {records // mini} and {records // mini + 1})")))
-            continue
-        per_step = records // mini
-        if per_step % ranks:
-            errors.append((stage, (f"{per_step} trajectories per optimizer step ({how} / mini-batches {mini}) "
-                                  f"do not split evenly over {ranks} ranks")))
-            continue
-        share = per_step // ranks
-        if micro > share:
-            warnings.append((stage, (f"micro-batch-size {micro} exceeds a rank's {share} trajectories per step; "
-                                    f"micro-batches hold {share}")))
-        elif share % micro:
-            warnings.append((stage, (f"micro-batch-size {micro} does not divide a rank's {share} trajectories per "
-                                    f"step; the last micro-batch holds {share % micro}")))
-        temp_train, temp_roll = train.get("temperature"), rollout.get("temperature")
-        if isinstance(temp_train, float) and isinstance(temp_roll, float) and not math.isclose(temp_train, temp_roll):
-            warnings.append((stage, (f"temperature {temp_train} differs from [rollout] temperature {temp_roll}; "
-                                    "IcePop would compare different distributions")))
-    qat = values.get("qat")
-    if qat is not None and isinstance(qat.get("batch_size"), int) and isinstance(qat.get("micro_batch_size"), int):
-        batch, micro = qat["batch_size"], qat["micro_batch_size"]
-        if batch % ranks:
-            errors.append(("qat", f"batch-size {batch} does not split evenly over {ranks} ranks"))
-        elif (batch // ranks) % micro:
-            warnings.append(("qat", (f"micro-batch-size {micro} does not divide a rank's {batch // ranks} "
-                                    "trajectories per step; the last micro-batch is partly filled")))
-    return errors, warnings
 
 
 def check_recipe(path: Path, *, ranks: int | None = None, root: Any = None) -> RecipeReport:

@@ -74,6 +74,45 @@ def check_same_options(
             )
 
 
+def shard_outputs(paths: list[Path], out: Path, *, what: str) -> dict[Path, Path]:
+    """``out/NAME`` for each input shard of a stage that writes one output per input (judge,
+    score-teacher); two inputs with one name, or an output that is an input, are refused.
+    ``what`` names the outputs in the message (``judged shards``)."""
+    targets: dict[Path, Path] = {}
+    by_name: dict[str, Path] = {}
+    for path in paths:
+        if path.name in by_name:
+            raise UsageError(f"input shards {by_name[path.name]} and {path} share the file name {path.name}; outputs keep input names")
+        by_name[path.name] = path
+        target = out / path.name
+        if target.resolve() == path.resolve():
+            raise UsageError(f"--out {out} holds the input {path}; {what} must not replace their inputs")
+        targets[path] = target
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    return targets
+
+
+def complete_shard(target: Path, stage: str, *, redo: str) -> bool:
+    """Whether ``target`` is a complete shard written by ``stage`` (read through, checksums verified);
+    when it is not, says why it will be redone (``redo``: ``judging again``)."""
+    from glmpost.formats import ShardError, ShardReader
+
+    if not target.exists():
+        return False
+    try:
+        reader = ShardReader(target)
+        for _ in reader:
+            pass
+    except ShardError as exc:
+        log(f"{redo}: {exc}")
+        return False
+    if reader.header["stage"] != stage:
+        log(f"{redo}: {target} was written by {reader.header['stage']!r}, not {stage!r}")
+        return False
+    return True
+
+
 class MetricsWriter:
     """Append one JSON object per line to ``DIR/metrics.jsonl`` (stable key names, flushed per line)."""
 

@@ -6,4 +6,19 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["tomllib"]
+__all__ = ["load_recipe", "tomllib"]
+
+
+def load_recipe(path) -> dict:
+    """A TOML recipe as a dict; a missing, directory or malformed file is a one-line usage error."""
+    from glmpost.errors import UsageError
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"recipe {path} does not exist") from None
+    except IsADirectoryError:
+        raise UsageError(f"recipe {path} is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"recipe {path} is not valid TOML: {exc}") from None

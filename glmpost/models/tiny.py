@@ -64,3 +64,59 @@ def build_model(config, *, seed: int):
     finally:
         torch.random.set_rng_state(generator_state)
     return model.float().eval()
+
+
+def model_settings(preset: str, overrides: dict[str, Any], *, index_topk: int | None = None) -> dict[str, Any]:
+    """A preset's ``GlmMoeDsaConfig`` fields with ``overrides`` (and ``index_topk``) applied; an
+    unknown preset or field is a usage error naming it."""
+    from transformers import GlmMoeDsaConfig
+
+    from glmpost.errors import UsageError
+
+    if preset not in PRESETS:
+        raise UsageError(f"--preset {preset!r}: unknown preset (known: {', '.join(PRESETS)})")
+    settings = {**PRESETS[preset], **overrides}
+    if index_topk is not None:
+        settings["index_topk"] = index_topk
+    unknown = sorted(set(settings) - set(GlmMoeDsaConfig.__dataclass_fields__) - {"rope_parameters"})
+    if unknown:
+        raise UsageError(f"--set: unknown GlmMoeDsaConfig field(s): {', '.join(unknown)}")
+    return settings
+
+
+def write_tiny_checkpoint(directory, settings: dict[str, Any], *, preset: str, seed: int, dtype: str) -> dict[str, Any]:
+    """Train the tokenizer, build the model with ``seed``, save both and ``glmpost.json`` (policy
+    version 0) into ``directory``; returns the facts ``init-model`` reports and logs."""
+    import time
+
+    from transformers import GlmMoeDsaConfig
+    from transformers.utils import logging as hf_logging
+
+    from glmpost.checkpoints import CheckpointManifest, tokenizer_revision, write_manifest
+    from glmpost.errors import UsageError
+    from glmpost.models.tokenizer import stop_token_ids, train_tokenizer
+    from glmpost.stage import log
+
+    hf_logging.disable_progress_bar()
+    started = time.perf_counter()
+    log(f"training a {settings['vocab_size']}-id byte-level BPE tokenizer on the shipped task text")
+    tokenizer = train_tokenizer(settings["vocab_size"])
+    stops = stop_token_ids(tokenizer)
+    settings = {**settings, "eos_token_id": stops, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
+    try:
+        model_config = GlmMoeDsaConfig(**settings)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"model config: {exc}") from None
+    model = build_model(model_config, seed=seed)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.generation_config.eos_token_id = stops
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    revision = tokenizer_revision(directory)
+    write_manifest(directory, CheckpointManifest(policy_version=0, tokenizer_revision=revision, stage="init-model",
+                                                 step=0, parent=None, extra={"preset": preset, "seed": seed}))
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model_config.vocab_size,
+            "index_topk": model_config.index_topk, "tokenizer_size": len(tokenizer), "tokenizer_revision": revision,
+            "seconds": round(time.perf_counter() - started, 3)}

@@ -89,16 +89,14 @@ class TrainingJob:
 
 @dataclass
 class RunResult:
-    """A finished run on rank 0 (``history`` empty and ``skipped`` set when the version existed)."""
+    """A finished run, on rank 0."""
 
     target: Path
     version: int
     parent: Path
     history: list[dict] = field(default_factory=list)
-    finish_lines: list[dict] = field(default_factory=list)
     world_size: int = 1
     steps: int = 0
-    skipped: bool = False
 
 
 class TrainingRun:
@@ -122,9 +120,6 @@ class TrainingRun:
         if staging.exists() and not (self.options.resume or self.options.overwrite):
             raise UsageError(f"an interrupted run left {staging}; pass --resume to continue it or --overwrite to start over")
 
-    def skipped(self) -> RunResult:
-        return RunResult(self.plan.target, self.plan.version, self.parent, skipped=True)
-
     def start_session(self) -> TrainingSession:
         o = self.options
         return TrainingSession.start(device=o.device, deterministic=o.deterministic, zero_stage=o.zero_stage,
@@ -136,12 +131,11 @@ class TrainingRun:
         dtype = "float32" if trained and session.device.type == "cpu" else None
         return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=self.options.deterministic_topk)
 
-    def run(self, job: TrainingJob, *, tokenizer_revision: str, stage_options: dict[str, Any],
-            session: TrainingSession | None = None) -> RunResult | None:
+    def run(self, job: TrainingJob, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
         """Train ``job`` and publish; the result on rank 0, None on the other ranks."""
         plan, options = self.plan, self.options
         staging, resume_state = plan.staging, plan.staging / "trainer_state" / "resume.pt"
-        session = session or self.start_session()
+        session = self.start_session()
         model = self.load(self.parent, session)
         if job.adapt_model is not None:
             job.adapt_model(model)
@@ -203,5 +197,5 @@ class TrainingRun:
         session.close()
         if not session.is_main:
             return None
-        return RunResult(plan.target, plan.version, self.parent, history, finish_lines, session.world_size, total)
+        return RunResult(plan.target, plan.version, self.parent, history, session.world_size, total)
 

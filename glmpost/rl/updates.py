@@ -40,8 +40,9 @@ def _one_temperature(records: Sequence[dict], stage: str) -> float:
     return temperatures.pop()
 
 
-def _skipped(result: RunResult) -> dict[str, Any]:
-    return {"out": str(result.target), "skipped": True, "policy_version": result.version}
+def _skipped(run: TrainingRun) -> dict[str, Any]:
+    """The summary of an update whose version was already published."""
+    return {"out": str(run.plan.target), "skipped": True, "policy_version": run.plan.version}
 
 
 def _published(result: RunResult, records: int, trained: int, excluded: dict) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own)."""
     stage = "train-grpo"
     if run.done:
-        return _skipped(run.skipped())
+        return _skipped(run)
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
@@ -101,7 +102,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     """One OPD / MOPD update on teacher-scored shards (the temperature is the records')."""
     stage = "opd-merge"
     if run.done:
-        return _skipped(run.skipped())
+        return _skipped(run)
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
 
@@ -190,7 +191,7 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, sc
     stage = "qat"
     spec = make_spec(scheme, group_size=group_size)
     if run.done:
-        return _skipped(run.skipped())
+        return _skipped(run)
     run.check_staging()
     _validated(config)
     tokenizer, revision = load_tokenizer(run.parent)

@@ -1,50 +1,15 @@
-"""The recipe's ``[pipeline]`` section: which GLM-5 stages run, in what order, on what data.
-
-``bin/pipeline`` (plain shell) and ``bin/slurm/submit-pipeline`` (an sbatch chain) run GLM-5's
-post-training sequence from ONE recipe (brief, "GLM-5 的后训练流水线"): INT4 QAT SFT -> Reasoning RL
-iterations (rollout -> judge -> train-grpo -> sync-weights) -> cross-stage OPD (rollout ->
-score-teacher -> opd-merge) -> quantize for deployment -> the diff-logprobs gate. Every stage reads
-its options from its own section of the same recipe (``[rollout]``, ``[train-grpo]``, ...); this
-module owns ``[pipeline]`` (and its ``[pipeline.slurm]`` and ``[pipeline.teachers]`` tables)::
-
-    [pipeline]
-    stages = ["qat", "rl", "opd", "quantize", "diff-logprobs"]   # in this order; any subset that can run
-    base-checkpoint = "ckpt/glm5-sft"     # or put "init-model" first to build the tiny model
-    run-dir = "runs/glm5"                 # every step's output lives in its own folder below it
-    sft-data = ["data/sft.jsonl"]         # qat's inputs
-    prompts = ["data/reasoning.jsonl"]    # Reasoning RL prompts
-    iterations = 2                        # RL policy updates
-    rollout-tasks = 4                     # rollout split (Slurm array size, --num-shards)
-    train-ranks = 8                       # training ranks per node (DeepSpeed data parallel)
-    train-nodes = 1
-    launcher = "npu"                      # cpu | cuda | npu: environment and device of every job
-
-Relative paths are resolved against the current directory, as the stages resolve theirs. A path may
-name environment variables (``base-checkpoint = "${GLM5_SFT_CHECKPOINT}"``): a recipe that leaves
-site paths to the environment still passes ``glmpost recipe check``; planning a run (the scripts)
-refuses an unset one, naming it. Versions
-are fixed when the pipeline is planned (the base checkpoint's policy version + 1 per update), so a
-rerun names the same version directories and every stage skips the work it already published.
-
-``python -m glmpost.pipeline RECIPE --shell`` prints the plan as shell assignments for
-``eval`` (the scripts use it); ``--json`` prints it as JSON. Errors are one line (exit 2).
-"""
+"""The ``[pipeline]`` section of a recipe, read and validated (see :mod:`glmpost.pipeline`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
-import shlex
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmpost.toml import tomllib
-
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.errors import UsageError
+from glmpost.toml import load_recipe
 
 STAGE_ORDER = ("init-model", "qat", "rl", "opd", "quantize", "diff-logprobs")
 LAUNCHERS = ("cpu", "cuda", "npu")
@@ -166,15 +131,7 @@ def load_pipeline(path: Path | str, overrides: dict[str, Any] | None = None) -> 
     list that cannot run in that order, a missing data file or base checkpoint.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            recipe = tomllib.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"recipe {path} does not exist") from None
-    except IsADirectoryError:
-        raise UsageError(f"recipe {path} is a directory, not a TOML file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"recipe {path} is not valid TOML: {exc}") from None
+    recipe = load_recipe(path)
     where = f"{path}: [pipeline]"
     section = recipe.get("pipeline")
     if not isinstance(section, dict):
@@ -286,7 +243,7 @@ def _validate(config: PipelineConfig, where: str) -> None:
     elif not config.base_checkpoint.exists():
         raise UsageError(f"{where} base-checkpoint: {config.base_checkpoint} does not exist")
     else:
-        _base_version(config, where)  # refuses a directory that is no checkpoint
+        base_checkpoint_version(config, where)  # refuses a directory that is no checkpoint
 
     needs = {"qat": ("sft_data", "sft-data"), "rl": ("prompts", "prompts")}
     for stage, (name, key) in needs.items():
@@ -316,7 +273,7 @@ def _validate(config: PipelineConfig, where: str) -> None:
                 raise UsageError(f"{where} {label}: teacher checkpoint {ref} does not exist (or use {', '.join(TEACHER_REFS)})")
 
 
-def _base_version(config: PipelineConfig, where: str) -> tuple[Path, int]:
+def base_checkpoint_version(config: PipelineConfig, where: str) -> tuple[Path, int]:
     """The base checkpoint's version directory and policy version (0 for a plain HF directory)."""
     from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 
@@ -332,192 +289,3 @@ def _base_version(config: PipelineConfig, where: str) -> tuple[Path, int]:
     except CheckpointError:
         version = 0
     return directory, version
-
-
-def _vdir(root: Path, version: int) -> Path:
-    return root / f"v{version:06d}"
-
-
-@dataclass
-class PipelinePlan:
-    """Every step's input and output paths, fixed before anything runs."""
-
-    base: str
-    base_version: int
-    sft_root: str
-    sft: str | None
-    rl_start: str
-    rl_start_version: int
-    policy_root: str
-    rollout_weights_root: str
-    rl_dirs: dict[int, str]           # iteration -> folder holding rollout/ and judged/
-    rl_train_from: dict[int, str]     # iteration -> version directory the update starts from
-    rl_sample_with: dict[int, str]    # iteration -> checkpoint the rollouts sample with
-    rl_trained: dict[int, str]        # iteration -> version directory the update publishes
-    opd_dir: str
-    opd_student: str
-    opd_root: str
-    opd_trained: str | None
-    opd_default_teacher: str | None
-    opd_routes: dict[str, str]
-    final: str
-    deploy: str
-    gate_rollout: str | None
-    gate_checkpoint: str | None
-    gate_out: str
-
-
-def plan(config: PipelineConfig) -> PipelinePlan:
-    """Where every step reads and writes (see the module docstring for the order)."""
-    where = f"{config.recipe}: [pipeline]"
-    require_resolved(config)
-    run = config.run_dir
-    base, base_version = _base_version(config, where)
-    sft_root = run / "sft"
-    sft = _vdir(sft_root, base_version + 1) if config.runs("qat") else None
-    start, start_version = (sft, base_version + 1) if sft is not None else (base, base_version)
-    policy_root, weights_root = run / "policy", run / "rollout-weights"
-    rl_dirs, train_from, sample_with, trained = {}, {}, {}, {}
-    final, final_version = start, start_version
-    gate_rollout = gate_checkpoint = None
-    if config.runs("rl"):
-        for i in range(1, config.iterations + 1):
-            rl_dirs[i] = run / "rl" / f"iter-{i:03d}"
-            train_from[i] = start if i == 1 else _vdir(policy_root, start_version + i - 1)
-            sample_with[i] = _vdir(weights_root, start_version + i - 1) if config.sync_weights else train_from[i]
-            trained[i] = _vdir(policy_root, start_version + i)
-        final, final_version = trained[config.iterations], start_version + config.iterations
-        gate_rollout, gate_checkpoint = rl_dirs[config.iterations] / "rollout", train_from[config.iterations]
-    refs = {"base": base, "sft": sft, "rl": final if config.runs("rl") else None}
-    opd_root = run / "opd-policy"
-    opd_student = final
-    opd_trained = None
-    routes = {domain: str(refs.get(ref) or Path(ref).absolute()) for domain, ref in config.teachers.items()}
-    default_teacher = None
-    if config.opd_default_teacher is not None:
-        ref = config.opd_default_teacher
-        default_teacher = str(refs.get(ref) or Path(ref).absolute())
-    if config.runs("opd"):
-        opd_trained = _vdir(opd_root, final_version + 1)
-        gate_rollout, gate_checkpoint = run / "opd" / "rollout", opd_student
-        final = opd_trained
-    return PipelinePlan(
-        base=str(base), base_version=base_version, sft_root=str(sft_root), sft=None if sft is None else str(sft),
-        rl_start=str(start), rl_start_version=start_version, policy_root=str(policy_root),
-        rollout_weights_root=str(weights_root),
-        rl_dirs={i: str(p) for i, p in rl_dirs.items()}, rl_train_from={i: str(p) for i, p in train_from.items()},
-        rl_sample_with={i: str(p) for i, p in sample_with.items()}, rl_trained={i: str(p) for i, p in trained.items()},
-        opd_dir=str(run / "opd"), opd_student=str(opd_student), opd_root=str(opd_root),
-        opd_trained=None if opd_trained is None else str(opd_trained),
-        opd_default_teacher=default_teacher, opd_routes=routes, final=str(final), deploy=str(run / "deploy"),
-        gate_rollout=None if gate_rollout is None else str(gate_rollout),
-        gate_checkpoint=None if gate_checkpoint is None else str(gate_checkpoint), gate_out=str(run / "diff-logprobs"),
-    )
-
-
-def shell_assignments(config: PipelineConfig, steps: PipelinePlan) -> str:
-    """``NAME=value`` lines (bash arrays for lists and per-iteration paths) for ``eval``."""
-    q = shlex.quote
-
-    def scalar(name: str, value: Any) -> str:
-        if isinstance(value, bool):
-            value = int(value)
-        return f"{name}={q('' if value is None else str(value))}"
-
-    def array(name: str, values: list[Any]) -> str:
-        return f"{name}=({' '.join(q(str(v)) for v in values)})"
-
-    def indexed(name: str, values: dict[int, str]) -> str:
-        return f"{name}=({' '.join(f'[{i}]={q(v)}' for i, v in values.items())})"
-
-    routes = [f"{domain}={path}" for domain, path in steps.opd_routes.items()]
-    lines = [
-        scalar("PIPELINE_RECIPE", config.recipe),
-        scalar("PIPELINE_RUN_DIR", config.run_dir),
-        array("PIPELINE_STAGES", config.stages),
-        scalar("PIPELINE_LAUNCHER", config.launcher),
-        scalar("PIPELINE_ITERATIONS", config.iterations if config.runs("rl") else 0),
-        scalar("PIPELINE_ROLLOUT_TASKS", config.rollout_tasks),
-        scalar("PIPELINE_TRAIN_RANKS", config.train_ranks),
-        scalar("PIPELINE_TRAIN_NODES", config.train_nodes),
-        scalar("PIPELINE_WORLD_SIZE", config.world_size),
-        scalar("PIPELINE_SYNC_WEIGHTS", config.sync_weights),
-        scalar("PIPELINE_SEED", config.seed),
-        array("PIPELINE_SFT_DATA", config.sft_data),
-        array("PIPELINE_PROMPTS", config.prompts),
-        array("PIPELINE_OPD_PROMPTS", config.opd_prompts or config.prompts),
-        scalar("PIPELINE_OPD_GROUP_SIZE", config.opd_group_size),
-        scalar("PIPELINE_OPD_JUDGE", config.opd_judge),
-        scalar("PIPELINE_BASE", steps.base),
-        scalar("PIPELINE_SFT_ROOT", steps.sft_root),
-        scalar("PIPELINE_SFT", steps.sft),
-        scalar("PIPELINE_RL_START", steps.rl_start),
-        scalar("PIPELINE_POLICY_ROOT", steps.policy_root),
-        scalar("PIPELINE_ROLLOUT_WEIGHTS_ROOT", steps.rollout_weights_root),
-        indexed("PIPELINE_RL_DIR", steps.rl_dirs),
-        indexed("PIPELINE_RL_TRAIN_FROM", steps.rl_train_from),
-        indexed("PIPELINE_RL_SAMPLE_WITH", steps.rl_sample_with),
-        indexed("PIPELINE_RL_TRAINED", steps.rl_trained),
-        scalar("PIPELINE_OPD_DIR", steps.opd_dir),
-        scalar("PIPELINE_OPD_STUDENT", steps.opd_student),
-        scalar("PIPELINE_OPD_ROOT", steps.opd_root),
-        scalar("PIPELINE_OPD_TRAINED", steps.opd_trained),
-        scalar("PIPELINE_OPD_DEFAULT_TEACHER", steps.opd_default_teacher),
-        array("PIPELINE_OPD_ROUTES", routes),
-        scalar("PIPELINE_FINAL", steps.final),
-        scalar("PIPELINE_DEPLOY", steps.deploy),
-        scalar("PIPELINE_GATE_ROLLOUT", steps.gate_rollout),
-        scalar("PIPELINE_GATE_CHECKPOINT", steps.gate_checkpoint),
-        scalar("PIPELINE_GATE_OUT", steps.gate_out),
-        array("PIPELINE_SBATCH_ARGS", config.slurm.sbatch_args()),
-        scalar("PIPELINE_JOB_NAME", config.slurm.job_name),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _parse_override(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE in TOML (``iterations=2``, ``launcher="npu"``); a bare word is a string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise UsageError(f"--set {text}: expected KEY=VALUE (a [pipeline] key and a TOML value)")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip(), value
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m glmpost.pipeline",
-        description="Validate a recipe's [pipeline] section and print its plan (paths of every step).",
-    )
-    parser.add_argument("recipe", help="TOML recipe with a [pipeline] section.")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="Override a [pipeline] key (TOML value); repeatable.")
-    parser.add_argument("--run-dir", help="Override [pipeline] run-dir.")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--shell", action="store_true", help="Print bash assignments for eval.")
-    mode.add_argument("--json", action="store_true", help="Print the configuration and plan as JSON.")
-    args = parser.parse_args(argv)
-    try:
-        overrides = dict(_parse_override(s) for s in args.set)
-        if args.run_dir:
-            overrides["run-dir"] = args.run_dir
-        config = load_pipeline(args.recipe, overrides)
-        steps = plan(config)
-    except GlmpostError as exc:
-        sys.stderr.write(f"glmpost: error: {exc}\n")
-        return exc.exit_code
-    if args.shell:
-        sys.stdout.write(shell_assignments(config, steps))
-    elif args.json:
-        payload = {"config": asdict(config), "plan": asdict(steps)}
-        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    else:
-        sys.stdout.write(f"ok: {config.recipe}: stages {' -> '.join(config.stages)}; outputs under {config.run_dir}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,352 @@
+"""One ``glmpost diff-logprobs`` run: how far two numerical paths' log-probs are apart on the same
+action tokens (:mod:`glmpost.closure.mismatch` measures; this module runs the comparison).
+
+    check the settings -> resolve the checkpoints -> read the records -> score path A, then path B
+    -> compare (and the DSA indexers) -> check the gates -> write the caller's staging directory
+
+* **path A** is always the trainer's forward of ``checkpoint`` (in ``dtype``, on ``device``, with its
+  DSA top-k rule and ``batch_size``).
+* **path B** (``mode``): ``rollout`` (the shards' recorded ``rollout_log_probs``), ``checkpoint``
+  (``against``, dequantized), ``local`` (the same checkpoint in another dtype, device, top-k rule or
+  batch size) or ``server`` (``against_server``, prefill log-probs).
+* **output**: :meth:`LogprobDiff.write` writes ``report.json``, the plots, ``metrics.jsonl`` and
+  ``stage.json`` into a staging directory the caller provides (and moves into place);
+  :meth:`LogprobDiff.check_gates` raises when a ``fail_above`` gate failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from tqdm import tqdm
+
+from glmpost.checkpoints import CheckpointError, load_tokenizer, resolve_checkpoint
+from glmpost.closure.mismatch import (
+    DTYPES,
+    PathScores,
+    compare_indexers,
+    compare_paths,
+    load_path_model,
+    local_path,
+    mismatch_report,
+    parse_gates,
+    rollout_path,
+    server_path,
+)
+from glmpost.errors import GlmpostError, UsageError
+from glmpost.formats import iter_checked_records
+from glmpost.npu import resolve_device
+from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
+
+STAGE = "diff-logprobs"
+REPRODUCIBLE_ENGINES = ("glmpost-local",)  # engines whose per-sequence uniforms glmpost can redraw
+
+
+@dataclass
+class DiffConfig:
+    """The settings of one comparison (the options of ``glmpost diff-logprobs``, under the same names)."""
+
+    inputs: list[str] = field(default_factory=list)  # trajectory shards (files, directories or globs)
+    checkpoint: Optional[Path] = None  # path A: a checkpoint root (its LATEST) or a version
+    out: Optional[Path] = None  # the report directory, as messages name it (the caller stages it)
+    against: Optional[Path] = None  # path B: another checkpoint
+    against_server: Optional[str] = None  # path B: a glmpost serve / SGLang server URL
+    dtype: str = "auto"
+    against_dtype: Optional[str] = None
+    device: str = "auto"
+    against_device: Optional[str] = None
+    deterministic_topk: bool = True
+    against_topk: Optional[str] = None  # deterministic or torch
+    batch_size: int = 8
+    against_batch_size: Optional[int] = None
+    indexer: bool = False
+    beta: float = 2.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    fail_above: list[str] = field(default_factory=list)  # METRIC=VALUE gates
+    worst: int = 10
+    context_tokens: int = 12
+    plots: bool = True
+
+    @property
+    def local_b(self) -> bool:
+        """Whether path B is a local model (another checkpoint, or path A's with other settings)."""
+        return self.against is not None or any(
+            v is not None for v in (self.against_dtype, self.against_device, self.against_topk, self.against_batch_size))
+
+    @property
+    def mode(self) -> str:
+        """What path B is: ``checkpoint``, ``server``, ``local`` or ``rollout``."""
+        return "checkpoint" if self.against is not None else "server" if self.against_server else "local" if self.local_b else "rollout"
+
+    def check(self) -> dict[str, float]:
+        """Refuse contradictory or unknown settings (exit 2); returns the parsed ``fail_above`` gates."""
+        try:
+            gates = parse_gates(self.fail_above)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        for flag, value in (("--dtype", self.dtype), ("--against-dtype", self.against_dtype)):
+            if value is not None and value not in DTYPES:
+                raise UsageError(f"{flag} {value!r}: expected one of {', '.join(DTYPES)}")
+        if self.against_topk not in (None, "deterministic", "torch"):
+            raise UsageError(f"--against-topk {self.against_topk!r}: expected deterministic or torch")
+        if self.against is not None and self.against_server is not None:
+            raise UsageError("--against and --against-server both name path B; pass one")
+        if self.against_server is not None and self.local_b:
+            raise UsageError("--against-server compares with the server as it runs; drop --against-dtype/--against-device/--against-topk/--against-batch-size")
+        if self.indexer and not self.local_b:
+            raise UsageError("--indexer compares two local paths: add --against, --against-dtype, --against-device, --against-topk or --against-batch-size")
+        if "indexer_differing_sets" in gates and not self.indexer:
+            raise UsageError("--fail-above indexer_differing_sets: not measured in this comparison (add --indexer)")
+        return gates
+
+
+@dataclass
+class LocalSide:
+    """One local path: a checkpoint's model in ``dtype`` on ``device`` with a DSA top-k rule, scoring
+    ``batch_size`` trajectories per forward pass."""
+
+    checkpoint: Path
+    dtype: str
+    device: Any
+    deterministic_topk: bool
+    batch_size: int
+
+    def load(self):
+        """The model of this path (:func:`~glmpost.closure.mismatch.load_path_model`)."""
+        return load_path_model(self.checkpoint, dtype=self.dtype, device=self.device, deterministic_topk=self.deterministic_topk)
+
+    def adopt(self, model):
+        """Another path's model (same weights, dtype and device), switched to this path's top-k rule."""
+        from glmpost.npu.topk import set_indexer_topk
+
+        set_indexer_topk(model, deterministic=self.deterministic_topk)
+        return model
+
+    def score(self, model, records, *, temperature: float, label: str, indexer: bool, progress: Callable) -> PathScores:
+        """``records`` scored through the trainer's forward (:func:`~glmpost.closure.mismatch.local_path`)."""
+        return local_path(model, records, temperature=temperature, label=label, batch_size=self.batch_size,
+                          indexer=indexer, progress=progress)
+
+    def describe(self) -> dict[str, Any]:
+        """The path as the report names it."""
+        return {"kind": "checkpoint", "checkpoint": str(self.checkpoint), "dtype": self.dtype, "device": str(self.device),
+                "topk": "deterministic" if self.deterministic_topk else "torch", "batch_size": self.batch_size}
+
+
+def resolve_flag_checkpoint(flag: str, path: Path) -> Path:
+    """The version directory ``path`` names; an error names ``flag``."""
+    try:
+        return resolve_checkpoint(path)
+    except CheckpointError as exc:
+        raise GlmpostError(f"{flag}: {exc}") from None
+
+
+def open_checkpoints(config: DiffConfig) -> tuple[Path, Path, Any, str]:
+    """``(version_dir, against_dir, tokenizer, revision)``: path A's checkpoint and path B's (A's
+    without ``against``), which must share A's tokenizer revision."""
+    version_dir = resolve_flag_checkpoint("--checkpoint", config.checkpoint)
+    tokenizer, revision = load_tokenizer(version_dir)
+    against_dir = resolve_flag_checkpoint("--against", config.against) if config.against is not None else version_dir
+    if config.against is not None:
+        _, against_revision = load_tokenizer(against_dir)
+        if against_revision != revision:
+            raise GlmpostError(f"--against {against_dir}: tokenizer revision {against_revision} differs from --checkpoint's {revision}")
+    return version_dir, against_dir, tokenizer, revision
+
+
+def read_diff_records(inputs: list[str], revision: str, *, need_rollout: bool) -> tuple[list[dict[str, Any]], set[float], set[str]]:
+    """Every record of ``inputs`` (checked: fields, tokenizer ``revision``), and the sampling
+    temperatures and engines they name."""
+    records, temperatures, engines = [], set(), set()
+    require = ["rollout_log_probs", "sampling"] if need_rollout else []
+    for record, _ in iter_checked_records(inputs, revision=revision, stage=STAGE, require=require):
+        sampling = record.get("sampling") or {}
+        if "temperature" in sampling:
+            temperatures.add(float(sampling["temperature"]))
+        engines.add(str(sampling.get("engine", "unknown")))
+        records.append(record)
+    if not records:
+        raise GlmpostError(f"{STAGE}: {', '.join(map(str, inputs))}: no records")
+    return records, temperatures, engines
+
+
+def comparison_temperature(temperatures: set[float], mode: str) -> float:
+    """The one temperature the records were sampled at (1 when they name none); greedy records
+    compare two model paths' own distributions, and have nothing to compare with the rollout."""
+    if len(temperatures) > 1:
+        raise GlmpostError(f"{STAGE}: records were sampled at different temperatures {sorted(temperatures)}; compare them separately")
+    temperature = next(iter(temperatures)) if temperatures else 1.0
+    if temperature == 0:
+        if mode == "rollout":
+            raise GlmpostError(f"{STAGE}: greedy rollouts (temperature 0) record no sampling log-probs to compare")
+        temperature = 1.0  # two model paths: compare the model's own distributions (samples stay greedy)
+    return temperature
+
+
+def server_path_b(url: str, records, *, temperature: float, revision: str, vocab_size: int,
+                  progress: Callable) -> tuple[PathScores, dict[str, Any]]:
+    """Path B on a server: its scores and its description; the server must be reachable and serve
+    tokenizer ``revision``."""
+    from glmpost.serving.sglang_client import ServerError, SGLangClient
+
+    client = SGLangClient(url, timeout=120.0, retries=2, backoff=0.2)
+    try:
+        info = client.model_info()
+    except ServerError as exc:
+        raise GlmpostError(f"--against-server {client.url}: {exc}") from None
+    theirs = info.get("tokenizer_revision") if isinstance(info, dict) else None
+    if theirs is not None and theirs != revision:
+        raise GlmpostError(f"--against-server {client.url}: tokenizer revision {theirs} differs from --checkpoint's {revision}")
+    try:
+        path = server_path(client, records, temperature=temperature, vocab_size=vocab_size, label="B", progress=progress)
+    except (ValueError, ServerError) as exc:
+        raise GlmpostError(f"--against-server {client.url}: {exc}") from None
+    return path, {"kind": "server", "url": client.url, "weight_version": info.get("weight_version"),
+                  "model_path": info.get("model_path")}
+
+
+def worst_context(tokenizer, record: dict[str, Any], position: int, size: int) -> dict[str, Any]:
+    """The worst token's id and text, and the ``size`` tokens before it, decoded."""
+    ids = [int(x) for x in record["prompt_token_ids"]] + [int(x) for x in record["response_token_ids"]]
+    at = len(record["prompt_token_ids"]) + position
+    return {"token_id": ids[at], "token": tokenizer.decode([ids[at]]), "context": tokenizer.decode(ids[max(0, at - size) : at])}
+
+
+def apply_gates(report: dict[str, Any], gates: dict[str, float]) -> list[str]:
+    """Record the gates in ``report``; returns the failed ones (``"NAME VALUE > LIMIT"``). A gate on
+    a metric this comparison did not measure is refused (exit 2)."""
+    overall = report["overall"]
+    failed = [f"{name} {overall[name]:.6g} > {limit:g}" for name, limit in gates.items() if name in overall and overall[name] > limit]
+    unmeasured = [name for name in gates if name not in overall and overall.get("tokens")]
+    if unmeasured:
+        raise UsageError(f"--fail-above {unmeasured[0]}: not measured in this comparison (path B cannot resample)")
+    report["gates"] = {"fail_above": gates, "failed": failed}
+    return failed
+
+
+def metrics_row(report: dict[str, Any]) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of a report: ``mismatch/*`` and (with the indexer) ``indexer/*``."""
+    row = {f"mismatch/{k}": v for k, v in report["overall"].items()}
+    if "indexer" in report:
+        row.update({f"indexer/{k}": v for k, v in report["indexer"]["overall"].items()})
+    return row
+
+
+class LogprobDiff:
+    """Runs one comparison: :meth:`measure` returns the report, :meth:`write` writes it into a
+    staging directory, :meth:`check_gates` raises when a gate failed."""
+
+    def __init__(self, config: DiffConfig):
+        self.config = config
+        self.report: dict[str, Any] = {}
+        self.failed: list[str] = []
+        self.deltas = None
+        self.version_dir: Optional[Path] = None
+
+    def measure(self) -> dict[str, Any]:
+        """Check the settings, score both paths, compare them and check the gates; returns the report."""
+        c = self.config
+        gates = c.check()
+        self.version_dir, against_dir, tokenizer, revision = open_checkpoints(c)
+        records, temperatures, engines = read_diff_records(c.inputs, revision, need_rollout=c.mode == "rollout")
+        temperature = comparison_temperature(temperatures, c.mode)
+        path_a, path_b, desc_a, desc_b = self._score(records, temperature=temperature, revision=revision,
+                                                     engines=engines, against_dir=against_dir)
+        self.deltas = deltas = compare_paths(path_a, path_b, records)
+        report = mismatch_report(deltas, worst=c.worst, beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high,
+                                 context=lambda i, position: worst_context(tokenizer, records[i], position, c.context_tokens))
+        report.update({"mode": c.mode, "path_a": desc_a, "path_b": desc_b, "records": len(records),
+                       "temperature": temperature, "resampled": deltas.agree is not None,
+                       "checkpoint": str(self.version_dir), "deterministic_topk": c.deterministic_topk})
+        if c.indexer:
+            report["indexer"] = compare_indexers(path_a, path_b)
+            report["overall"]["indexer_differing_sets"] = report["indexer"]["overall"].get("differing_sets", 0)
+        self.failed = apply_gates(report, gates)
+        self.report = report
+        return report
+
+    def _score(self, records, *, temperature: float, revision: str, engines: set[str], against_dir: Path):
+        """``(path_a, path_b, description_a, description_b)``, with a progress bar over both."""
+        c = self.config
+        side_a = LocalSide(self.version_dir, c.dtype, resolve_device(c.device), c.deterministic_topk, c.batch_size)
+        progress = tqdm(total=len(records) * 2, desc=STAGE, unit="traj", leave=False, disable=None)
+        with progress:
+            model_a = side_a.load()
+            path_a = side_a.score(model_a, records, temperature=temperature, label="A", indexer=c.indexer, progress=progress.update)
+            if c.mode == "rollout":
+                path_b = rollout_path(records, resample=bool(engines) and engines <= set(REPRODUCIBLE_ENGINES))
+                progress.update(len(records))
+                return path_a, path_b, side_a.describe(), {"kind": "rollout", "engines": sorted(engines)}
+            if c.mode == "server":
+                path_b, desc_b = server_path_b(c.against_server, records, temperature=temperature, revision=revision,
+                                               vocab_size=model_a.get_output_embeddings().weight.shape[0], progress=progress.update)
+                return path_a, path_b, side_a.describe(), desc_b
+            side_b = self._side_b(side_a, against_dir)
+            if c.against is None and side_b.dtype == side_a.dtype and str(side_b.device) == str(side_a.device):
+                model_b = side_b.adopt(model_a)
+            else:
+                del model_a  # free path A's weights before loading path B's
+                model_b = side_b.load()
+            path_b = side_b.score(model_b, records, temperature=temperature, label="B", indexer=c.indexer, progress=progress.update)
+            return path_a, path_b, side_a.describe(), side_b.describe()
+
+    def _side_b(self, side_a: LocalSide, against_dir: Path) -> LocalSide:
+        """Path B as a local path: each ``against_*`` setting, else path A's."""
+        c = self.config
+        return LocalSide(against_dir, c.against_dtype or c.dtype,
+                         resolve_device(c.against_device) if c.against_device is not None else side_a.device,
+                         side_a.deterministic_topk if c.against_topk is None else c.against_topk == "deterministic",
+                         c.against_batch_size or c.batch_size)
+
+    def write(self, staging: Path, options: dict[str, Any]) -> None:
+        """Write the plots (with ``plots``), ``report.json``, ``metrics.jsonl`` and ``stage.json``
+        (recording ``options``) into ``staging``."""
+        report, deltas = self.report, self.deltas
+        if self.config.plots:
+            from glmpost.closure.plots import write_mismatch_plots
+
+            report["plots"] = write_mismatch_plots(staging, deltas.delta, deltas.position, deltas.log_prob_a, deltas.log_prob_b,
+                                                   label_a="A", label_b=f"B: {report['mode']}")
+        write_json_atomic(staging / "report.json", report)
+        with MetricsWriter(staging / "metrics.jsonl") as metrics:
+            metrics.write(**metrics_row(report))
+        write_stage_json(staging, STAGE, options, checkpoint=str(self.version_dir), mode=report["mode"])
+
+    def check_gates(self) -> None:
+        """Raise (exit 1) when a ``fail_above`` gate failed, naming the gates and the report."""
+        if self.failed:
+            raise GlmpostError(f"{STAGE}: gate failed: {'; '.join(self.failed)} (report in {self.config.out / 'report.json'})")
+
+
+def diff_table(report: dict[str, Any], out: Path) -> str:
+    """The terminal table of a report: both paths, the statistics per slice, the indexer and the worst tokens."""
+    overall = report["overall"]
+    a, b = report["path_a"], report["path_b"]
+    b_name = {"rollout": "rollout log-probs", "server": f"server {b.get('url')}"}.get(report["mode"], f"{b.get('checkpoint')} {b.get('dtype')} {b.get('device')} {b.get('topk')}")
+    lines = [f"{out}: {overall.get('tokens', 0)} action tokens of {report['records']} trajectories",
+             f"  A: {a['checkpoint']} {a['dtype']} {a['device']} {a['topk']}-topk",
+             f"  B: {b_name}"]
+    agree = report["resampled"]
+    lines.append(f"{'slice':12} {'tokens':>7} {'mean|d|':>9} {'p99|d|':>9} {'max|d|':>9} {'k3':>9} {'icepop':>7} {'dis':>7}"
+                 + (f" {'agree':>7}" if agree else ""))
+    for label, stats in [("all", overall), *report["by_position"].items(), *report["by_status"].items()]:
+        if stats.get("tokens"):
+            lines.append(f"{label:12} {stats['tokens']:>7} {stats['mean_abs']:9.2e} {stats['p99_abs']:9.2e} {stats['max_abs']:9.2e} "
+                         f"{stats['k3']:9.2e} {stats['icepop_kept']:7.1%} {stats['dis_kept']:7.1%}"
+                         + (f" {stats['sample_agreement']:7.1%}" if agree else ""))
+    lines += _indexer_lines(report)
+    for row in report["worst"][:5]:
+        lines.append(f"  worst {row['delta']:+.3g} {row['record']} @{row['position']}: ...{row.get('context', '')!r} -> {row.get('token', '')!r}")
+    return "\n".join(lines)
+
+
+def _indexer_lines(report: dict[str, Any]) -> list[str]:
+    """The table's indexer line (none without indexer rows)."""
+    ix = report.get("indexer", {}).get("overall", {})
+    if not ix.get("rows"):
+        return []
+    return [f"indexer: {ix['rows']} rows x layers, mean Jaccard {ix['mean_jaccard']:.4f}, identical sets {ix['identical_sets']:.1%}, "
+            f"identical order {ix['identical_order']:.1%}, boundary ties A {ix['boundary_ties_a']:.1%} B {ix['boundary_ties_b']:.1%}"]
