@@ -29,7 +29,7 @@ Estimated terms (within the tolerance stated in ``tests/test_plan.py``):
 
 - saved activations of one training micro-batch, summed per operator of transformers'
   GlmMoeDsa forward (:func:`saved_activation_terms`); the ``[C, H]`` inputs of the chunked log-prob
-  head (glmpost/logprobs.py checkpoints each chunk, so ``[T, V]`` logits are never saved);
+  head (glmpost/closure/logprobs.py checkpoints each chunk, so ``[T, V]`` logits are never saved);
 - workspace: the largest transient of one operator (the chunked head's ``[C, V]`` float32 buffers,
   attention scores, the DSA indexer's ``[B, S, H_idx, S]`` float32 scores), not their sum;
 - communication buffers: DeepSpeed's reduce and all-gather buckets (5e8 elements each unless the
@@ -221,7 +221,7 @@ def saved_activation_terms(
     router input (float32) and small routing tensors, per routed (token, expert) pair the gathered
     input and its expert output, gate_up output, act output, product, 3 int64 indices and a float32
     weight, and the shared-expert MLP. The chunked log-prob head keeps its [scored, H] input rows,
-    int64 targets and the bool mask (glmpost/logprobs.py checkpoints each [C, V] chunk).
+    int64 targets and the bool mask (glmpost/closure/logprobs.py checkpoints each [C, V] chunk).
     """
     a = dtype_bytes(dtype)
     n = batch * seq

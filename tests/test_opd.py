@@ -1,4 +1,4 @@
-"""OPD / MOPD formulas (glmpost/opd.py) on hand-computed cases, and the OPD trainer's gradient."""
+"""OPD / MOPD formulas (glmpost/rl/advantages.py, losses.py) on hand-computed cases, and the OPD trainer's gradient."""
 
 from __future__ import annotations
 

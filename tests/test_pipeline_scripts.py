@@ -1,4 +1,4 @@
-"""bin/pipeline (plain shell) on the tiny recipe, and glmpost/pipeline.py's [pipeline] validation and plan."""
+"""bin/pipeline (plain shell) on the tiny recipe, and glmpost/pipeline/'s [pipeline] validation and plan."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 # Every step is one glmpost command reading its options from the recipe section named after it
 # (`--config "$PIPELINE_RECIPE"`), with inputs and outputs taken from the plan that
 #   python -m glmpost.pipeline RECIPE --shell
-# prints (PIPELINE_* variables: see glmpost/pipeline.py). Each step writes its own output folder
+# prints (PIPELINE_* variables: see glmpost/pipeline/). Each step writes its own output folder
 # and every stage skips what it already finished (existing shards, published versions), so a rerun
 # of any step, or of the whole chain, only does the missing work.
 #
