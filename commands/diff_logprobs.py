@@ -38,6 +38,7 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
+from glmpost.commands.options import json_option
 from glmpost.errors import UsageError
 
 
@@ -65,7 +66,7 @@ def diff_logprobs(
     context_tokens: int = typer.Option(12, "--context-tokens", min=0, help="Tokens of context decoded before each worst token."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots beside report.json."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    as_json: bool = json_option("the report"),
     config: Path | None = config_option(),
 ) -> None:
     diff = LogprobDiff(DiffConfig(

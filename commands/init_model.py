@@ -18,6 +18,7 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
+from glmpost.commands.options import json_option
 from glmpost.errors import UsageError
 from glmpost.models.tiny import PRESETS, model_settings, write_tiny_checkpoint
 from glmpost.stage import MetricsWriter, log, write_stage_json
@@ -52,7 +53,7 @@ def init_model(
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Dtype the weights are saved in: float32 or bfloat16."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
     if dtype not in ("float32", "bfloat16"):

@@ -32,6 +32,7 @@ from glmpost.commands.common import (
     option_flag,
     print_summary,
 )
+from glmpost.commands.options import json_option
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
     ShardReader,
@@ -162,7 +163,7 @@ def judge(
     num_shards: int = typer.Option(1, "--num-shards", min=1, help="Split the input shards round-robin over this many tasks."),
     zstd_level: int = typer.Option(3, "--zstd-level", min=1, max=22, help="zstd compression level of the output shards."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Judge again shards whose output already exists."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
     specs = check_components([*(rewards or default_components()), *penalties])

@@ -30,8 +30,9 @@ def config_from(ctx: typer.Context, cls: type, **overrides: Any):
     return from_values(cls, ctx.params, **overrides)
 
 
-def json_option() -> Any:
-    return typer.Option(False, "--json", help="Print the result summary as JSON.")
+def json_option(what: str = "the result summary") -> Any:
+    """``--json``: stdout carries ``what`` as one JSON document instead of text."""
+    return typer.Option(False, "--json", help=f"Print {what} as JSON.")
 
 
 @contextmanager

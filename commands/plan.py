@@ -22,6 +22,7 @@ from typing import Any
 import typer
 
 from glmpost.commands.common import print_summary
+from glmpost.commands.options import json_option
 from glmpost.errors import UsageError
 from glmpost.memory_plan import (
     ModelShape,
@@ -137,7 +138,7 @@ def plan(
     attention: str | None = typer.Option(
         None, "--attention", help="Attention kernel: math (torch SDPA math path, CPU), eager, or fused (flash / memory-efficient). Default: math."),
     margin: float | None = typer.Option(None, "--margin", min=0.0, help="Runtime margin as a fraction of each role's sum (the brief's M_runtime_margin). Default: 0."),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    as_json: bool = json_option("the plan"),
 ) -> None:
     from glmpost.commands.recipe import check_recipe, stage_commands, stage_values
 

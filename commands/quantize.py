@@ -25,6 +25,7 @@ import typer
 
 from glmpost.checkpoints import MANIFEST, resolve_checkpoint
 from glmpost.commands.common import config_option, effective_options, print_summary, staged_output_dir
+from glmpost.commands.options import json_option
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.stage import MetricsWriter, log, write_stage_json
 
@@ -43,7 +44,7 @@ def quantize(
     exclude: list[str] = typer.Option([], "--exclude", help="Regex of module names to keep in float (repeatable)."),
     report: bool = typer.Option(False, "--report", help="Print a per-layer table of SQNR and max abs error (stderr with --json)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Path | None = config_option(),
 ) -> None:
     from glmpost.quant.formats import check_format, default_format, is_quantized_checkpoint

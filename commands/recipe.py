@@ -21,6 +21,7 @@ from glmpost.toml import load_recipe
 import typer
 
 from glmpost.commands.common import print_summary
+from glmpost.commands.options import json_option
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.rl.batch_rules import batch_arithmetic
 
@@ -270,7 +271,7 @@ def check(
     ranks: int | None = typer.Option(
         None, "--ranks", min=1,
         help="Data-parallel ranks the training stages run on, for the batch arithmetic. Default: [pipeline] train-ranks x train-nodes, else 1."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
 ) -> None:
     import sys
 

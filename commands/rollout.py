@@ -28,6 +28,7 @@ from typing import List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, option_flag, print_summary
+from glmpost.commands.options import json_option
 from glmpost.rollout.runner import RolloutConfig, RolloutRunner
 
 
@@ -64,7 +65,7 @@ def rollout(
     retries: int = typer.Option(3, "--retries", min=0, help="With --engine sglang: retries of a failed request (backoff 0.5 s, doubling)."),
     zstd_level: int = typer.Option(3, "--zstd-level", min=1, max=22, help="zstd level of the shards."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Regenerate this task's shards even where they exist."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
 

@@ -28,6 +28,7 @@ import typer
 
 from glmpost.closure.teachers import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
 from glmpost.commands.common import config_option, effective_options, option_flag, print_summary
+from glmpost.commands.options import json_option
 
 
 def score_teacher(
@@ -61,7 +62,7 @@ def score_teacher(
     num_shards: int = typer.Option(1, "--num-shards", min=1, help="Split the input shards round-robin over this many tasks."),
     zstd_level: int = typer.Option(3, "--zstd-level", min=1, max=22, help="zstd level of the output shards."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Score again shards whose output already exists."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
     run = ScoreTeacherRun(ScoreTeacherConfig(

@@ -23,6 +23,7 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
+from glmpost.commands.options import json_option
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardWriter, record_from_json
 from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
@@ -41,7 +42,7 @@ def shards_import(
     records_per_shard: int = typer.Option(1024, "--records-per-shard", min=1, help="Records in each output shard."),
     zstd_level: int = typer.Option(3, "--zstd-level", min=1, max=22, help="zstd compression level of the shards."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
     """Turn a JSONL file of records or text conversations into trajectory shards."""

@@ -22,6 +22,7 @@ from typing import List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
+from glmpost.commands.options import json_option
 from glmpost.serving.convert import DTYPES, SCHEMES
 from glmpost.serving.weight_sync import SyncConfig, failed_servers_error, sync_report, sync_weights_run
 
@@ -40,7 +41,7 @@ def sync_weights(
     backoff: float = typer.Option(1.0, "--backoff", help="Seconds before a server's first retry; doubled before each further one."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for one server answer (a weight load must fit in it)."),
     keep: int = typer.Option(0, "--keep", help="Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result summary as JSON."),
+    as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
     settings = SyncConfig(
