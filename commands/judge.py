@@ -33,6 +33,7 @@ from glmpost.commands.common import (
     print_summary,
 )
 from glmpost.commands.options import json_option
+from glmpost.config import domain_assignment
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
     ShardReader,
@@ -92,12 +93,8 @@ class ComponentOption:
 
 def parse_verifier_route(value: Any) -> tuple[str, str]:
     """``DOMAIN=VERIFIER`` (VERIFIER a built-in name or package.module:function)."""
-    if isinstance(value, tuple):
-        return value
-    domain, sep, spec = str(value).partition("=")
-    if not sep or not domain.strip() or not spec.strip():
-        raise UsageError(f"--verifier {value!r}: expected DOMAIN=VERIFIER, e.g. --verifier gsm8k=math or mydomain=pkg.mod:fn")
-    return domain.strip(), spec.strip()
+    return domain_assignment(value, flag="--verifier",
+                             example="DOMAIN=VERIFIER, e.g. --verifier gsm8k=math or mydomain=pkg.mod:fn")
 
 
 def parse_domains(value: Any) -> dict[str, str]:

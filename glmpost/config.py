@@ -42,3 +42,16 @@ class SettingError(ValueError):
     def __init__(self, field: str, value: Any, problem: str):
         super().__init__(f"{field} = {value!r} {problem}")
         self.field, self.value, self.problem = field, value, problem
+
+
+def domain_assignment(value: Any, *, flag: str, example: str) -> tuple[str, str]:
+    """``DOMAIN=VALUE`` (a ``--route`` / ``--verifier`` item) as ``(domain, value)``, both stripped;
+    anything else is a usage error that shows ``flag`` and ``example`` (``DOMAIN=CHECKPOINT``)."""
+    from glmpost.errors import UsageError
+
+    if isinstance(value, tuple):
+        return value
+    domain, sep, rest = str(value).partition("=")
+    if not sep or not domain.strip() or not rest.strip():
+        raise UsageError(f"{flag} {value!r}: expected {example}")
+    return domain.strip(), rest.strip()

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
 from glmpost.closure.scoring import TeacherPayload, payload_from_rows, score_records
+from glmpost.config import domain_assignment
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
 from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
@@ -34,12 +35,7 @@ SCORING_TEMPERATURE = 1.0  # the teacher's own distribution (brief: log pi_T(y_t
 
 def parse_route(value: Any) -> tuple[str, str]:
     """``--route DOMAIN=CHECKPOINT`` as ``(domain, checkpoint)``."""
-    if isinstance(value, tuple):
-        return value
-    domain, sep, path = str(value).partition("=")
-    if not sep or not domain.strip() or not path.strip():
-        raise UsageError(f"--route {value!r}: expected DOMAIN=CHECKPOINT")
-    return domain.strip(), path.strip()
+    return domain_assignment(value, flag="--route", example="DOMAIN=CHECKPOINT")
 
 
 def parse_routes(value: Any) -> dict[str, str]:
