@@ -19,12 +19,12 @@ after an interruption, metrics.jsonl beside the version and in the root.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import config_from, flags_in_errors, json_option, option
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, flags_in_errors, json_option, option, with_options
 from glmpost.errors import UsageError
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
@@ -33,6 +33,7 @@ from glmpost.rl.updates import opd_update
 STAGE = "opd-merge"
 
 
+@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 def opd_merge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="Teacher-scored rollout shards (`glmpost score-teacher` output)."),
@@ -55,17 +56,9 @@ def opd_merge(
     entropy_coef: float = option(OPDConfig, 'entropy_coef'),
     chunk_size: int = option(OPDConfig, 'chunk_size'),
     seed: int = option(OPDConfig, 'seed'),
-    reset_optimizer: bool = option(RunOptions, 'reset_optimizer'),
-    zero_stage: Optional[int] = option(RunOptions, 'zero_stage'),
-    deepspeed_config: Optional[Path] = option(RunOptions, 'deepspeed_config'),
-    device: str = option(RunOptions, 'device'),
-    deterministic_topk: bool = option(RunOptions, 'deterministic_topk'),
-    deterministic: bool = option(RunOptions, 'deterministic'),
-    save_every: int = option(RunOptions, 'save_every'),
-    resume: bool = option(RunOptions, 'resume'),
-    overwrite: bool = option(RunOptions, 'overwrite'),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **shared: Any,
 ) -> None:
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")

@@ -43,3 +43,35 @@ def flags_in_errors(ctx: typer.Context) -> Iterator[None]:
     except SettingError as exc:
         flag = next((o for p in ctx.command.params if p.name == exc.field for o in p.opts if o.startswith("--")), None)
         raise UsageError(f"{flag} {exc.value!r} {exc.problem}" if flag else str(exc)) from None
+
+
+def with_options(cls: type, names: tuple[str, ...]):
+    """Add the options of fields ``names`` of config ``cls`` to a command (before ``--config``), so
+    commands that share a config share its option lines too; the body reads them with
+    :func:`config_from` and receives them in ``**shared``."""
+    import functools
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(cls)
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+        params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        at = next((i for i, p in enumerate(params) if p.name == "config"), len(params))
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(cls, name), annotation=hints[name])
+                 for name in names]
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                  and i > 0 else p for i, p in enumerate(params)]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        command.__signature__ = signature.replace(parameters=params[:at] + added + params[at:])
+        return command
+
+    return wrap
+
+
+TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "deterministic", "save_every", "resume", "overwrite")

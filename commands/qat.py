@@ -19,11 +19,12 @@ held-out loss (--eval) before and after, and per-layer quantization error (SQNR,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import config_from, flags_in_errors, json_option, option
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, flags_in_errors, json_option, option, with_options
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
 from glmpost.rl.updates import qat_update
@@ -31,6 +32,7 @@ from glmpost.rl.updates import qat_update
 STAGE = "qat"
 
 
+@with_options(RunOptions, TRAINING_RUN_OPTIONS)
 def qat(
     ctx: typer.Context,
     inputs: list[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL files, or trajectory shards."),
@@ -50,15 +52,9 @@ def qat(
     grad_clip: float = option(SFTConfig, 'grad_clip'),
     chunk_size: int = option(SFTConfig, 'chunk_size'),
     seed: int = option(SFTConfig, 'seed'),
-    zero_stage: int | None = option(RunOptions, 'zero_stage'),
-    deepspeed_config: Path | None = option(RunOptions, 'deepspeed_config'),
-    device: str = option(RunOptions, 'device'),
-    deterministic: bool = option(RunOptions, 'deterministic'),
-    save_every: int = option(RunOptions, 'save_every'),
-    resume: bool = option(RunOptions, 'resume'),
-    overwrite: bool = option(RunOptions, 'overwrite'),
     as_json: bool = json_option(),
     config: Path | None = config_option(),
+    **shared: Any,
 ) -> None:
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     with flags_in_errors(ctx):

@@ -16,12 +16,12 @@ with DeepSpeed ZeRO (--zero-stage or --deepspeed ds.json); rank 0 alone writes f
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import config_from, flags_in_errors, json_option, option
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, flags_in_errors, json_option, option, with_options
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import GRPOConfig
 from glmpost.rl.updates import grpo_update
@@ -29,6 +29,7 @@ from glmpost.rl.updates import grpo_update
 STAGE = "train-grpo"
 
 
+@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 def train_grpo(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="Judged rollout shards (files, directories or globs)."),
@@ -51,17 +52,9 @@ def train_grpo(
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature of the log-probs; default: the one the records were sampled at."),
     chunk_size: int = option(GRPOConfig, 'chunk_size'),
     seed: int = option(GRPOConfig, 'seed'),
-    reset_optimizer: bool = option(RunOptions, 'reset_optimizer'),
-    zero_stage: Optional[int] = option(RunOptions, 'zero_stage'),
-    deepspeed_config: Optional[Path] = option(RunOptions, 'deepspeed_config'),
-    device: str = option(RunOptions, 'device'),
-    deterministic_topk: bool = option(RunOptions, 'deterministic_topk'),
-    deterministic: bool = option(RunOptions, 'deterministic'),
-    save_every: int = option(RunOptions, 'save_every'),
-    resume: bool = option(RunOptions, 'resume'),
-    overwrite: bool = option(RunOptions, 'overwrite'),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **shared: Any,
 ) -> None:
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     with flags_in_errors(ctx):
