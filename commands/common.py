@@ -21,7 +21,7 @@ from glmpost.toml import tomllib
 import typer
 
 from glmpost.errors import GlmpostError, UsageError
-from glmpost.fsutil import make_readable
+from glmpost.fsutil import current_umask, make_readable
 from glmpost.stage import check_same_options, log
 
 
@@ -164,7 +164,7 @@ def staged_output_dir(
                 raise UsageError(f"--out {out} exists but holds no complete output; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~_umask())
+    os.chmod(tmp, 0o777 & ~current_umask())
     try:
         yield tmp
         make_readable(tmp)  # outputs are read by other users (an inference server, a shared cluster)
@@ -178,12 +178,6 @@ def staged_output_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def print_summary(summary: dict[str, Any], *, as_json: bool, human: str | None = None) -> None:

@@ -7,6 +7,13 @@ import tempfile
 from pathlib import Path
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -26,9 +33,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 would make shared outputs unreadable to others
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would make shared outputs unreadable to others
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -44,8 +49,7 @@ def make_readable(directory: Path) -> None:
     """Give every file under ``directory`` (and itself) the permissions the umask allows
     (0644 / 0755 under the usual 022): checkpoints are read by servers running as other users, and
     some writers (safetensors, mkdtemp) create 0600 / 0700."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     directory = Path(directory)
     os.chmod(directory, 0o777 & ~mask)
     for path in directory.rglob("*"):

@@ -23,14 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmpost.fsutil import fsync_path
+from glmpost.fsutil import current_umask, fsync_path
 
 
 def readable_mode() -> int:
     """0644 under the usual umask: files others may read (safetensors itself writes 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~current_umask()
 
 
 @dataclass
