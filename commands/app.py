@@ -25,6 +25,7 @@ from glmpost.commands import (
     sync_weights,
     train_grpo,
 )
+from glmpost.commands.options import spelled_with_flags
 from glmpost.errors import GlmpostError
 
 app = typer.Typer(
@@ -58,21 +59,21 @@ def root(
 
 
 # In the order of GLM-5's pipeline, then the tools around it.
-app.command("init-model", help=init_model.__doc__)(init_model.init_model)
-app.command("qat", help=qat.__doc__)(qat.qat)
-app.command("rollout", help=rollout.__doc__)(rollout.rollout)
-app.command("judge", help=judge.__doc__)(judge.judge)
-app.command("train-grpo", help=train_grpo.__doc__)(train_grpo.train_grpo)
-app.command("sync-weights", help=sync_weights.__doc__)(sync_weights.sync_weights)
-app.command("serve", help=serve.__doc__)(serve.serve)
-app.command("score-teacher", help=score_teacher.__doc__)(score_teacher.score_teacher)
-app.command("opd-merge", help=opd_merge.__doc__)(opd_merge.opd_merge)
-app.command("quantize", help=quantize.__doc__)(quantize.quantize)
-app.command("diff-logprobs", help=diff_logprobs.__doc__)(diff_logprobs.diff_logprobs)
-shards.app.command("import", help=shards_import.__doc__)(shards_import.shards_import)
+app.command("init-model", help=init_model.__doc__)(spelled_with_flags(init_model.init_model))
+app.command("qat", help=qat.__doc__)(spelled_with_flags(qat.qat))
+app.command("rollout", help=rollout.__doc__)(spelled_with_flags(rollout.rollout))
+app.command("judge", help=judge.__doc__)(spelled_with_flags(judge.judge))
+app.command("train-grpo", help=train_grpo.__doc__)(spelled_with_flags(train_grpo.train_grpo))
+app.command("sync-weights", help=sync_weights.__doc__)(spelled_with_flags(sync_weights.sync_weights))
+app.command("serve", help=serve.__doc__)(spelled_with_flags(serve.serve))
+app.command("score-teacher", help=score_teacher.__doc__)(spelled_with_flags(score_teacher.score_teacher))
+app.command("opd-merge", help=opd_merge.__doc__)(spelled_with_flags(opd_merge.opd_merge))
+app.command("quantize", help=quantize.__doc__)(spelled_with_flags(quantize.quantize))
+app.command("diff-logprobs", help=diff_logprobs.__doc__)(spelled_with_flags(diff_logprobs.diff_logprobs))
+shards.app.command("import", help=shards_import.__doc__)(spelled_with_flags(shards_import.shards_import))
 app.add_typer(shards.app, name="shards")
 app.add_typer(recipe.app, name="recipe")
-app.command("plan", help=plan.__doc__)(plan.plan)
+app.command("plan", help=plan.__doc__)(spelled_with_flags(plan.plan))
 
 
 class _LogsToStderr(logging.Logger):

@@ -20,7 +20,8 @@ from typing import Any, Iterator
 from glmpost.toml import tomllib
 import typer
 
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError
+from glmpost.errors import GlmpostError
 from glmpost.fsutil import current_umask, make_readable
 from glmpost.stage import check_same_options, log
 
@@ -121,15 +122,6 @@ def report_update(summary: dict[str, Any] | None, *, as_json: bool, human: Any) 
     print_summary(summary, as_json=as_json, human=human(summary))
 
 
-def option_flag(ctx: typer.Context, name: str) -> str:
-    """The command-line spelling of a parameter (``penalties`` -> ``--penalty``)."""
-    for param in ctx.command.params:
-        if param.name == name:
-            longs = [o for o in param.opts if o.startswith("--")]
-            return longs[0] if longs else name.upper()
-    return "--" + name.replace("_", "-")
-
-
 @contextmanager
 def staged_output_dir(
     out: Path,
@@ -138,7 +130,6 @@ def staged_output_dir(
     complete_marker: str,
     stage: str | None = None,
     options: dict[str, Any] | None = None,
-    ctx: typer.Context | None = None,
     ignore: tuple[str, ...] = ("config",),
 ) -> Iterator[Path | None]:
     """Build a whole output directory under a temporary sibling, then move it into place.
@@ -152,16 +143,15 @@ def staged_output_dir(
     out = Path(out)
     if out.exists():
         if not out.is_dir():
-            raise UsageError(f"--out {out} exists and is not a directory")
+            raise ConfigError("{out} {out_dir} exists and is not a directory", out_dir=out)
         if not overwrite:
             if (out / complete_marker).exists():
                 if stage is not None and options is not None:
-                    check_same_options(out, stage, options, ignore=ignore, overwrite=False,
-                                       flag_name=(lambda name: option_flag(ctx, name)) if ctx is not None else None)
+                    check_same_options(out, stage, options, ignore=ignore, overwrite=False)
                 yield None
                 return
             if any(out.iterdir()):
-                raise UsageError(f"--out {out} exists but holds no complete output; pass --overwrite to replace it")
+                raise ConfigError("{out} {out_dir} exists but holds no complete output; pass {overwrite} to replace it", out_dir=out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     os.chmod(tmp, 0o777 & ~current_umask())

@@ -24,7 +24,7 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, flags_in_errors, json_option, option, with_options
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
 from glmpost.errors import UsageError
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
@@ -63,8 +63,7 @@ def opd_merge(
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    with flags_in_errors(ctx):
-        summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
+    summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
 
     def human(s: dict) -> str:
         text = (f"{s['out']}: student v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} "

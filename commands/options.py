@@ -13,8 +13,8 @@ from typing import Any, Iterator
 
 import typer
 
-from glmpost.config import SettingError, from_values, setting_of
-from glmpost.errors import UsageError
+from glmpost.config import ConfigError, SettingError, from_values, setting_of
+from glmpost.errors import GlmpostError, UsageError
 
 
 def option(cls: type, name: str, **overrides: Any) -> Any:
@@ -35,14 +35,50 @@ def json_option(what: str = "the result summary") -> Any:
     return typer.Option(False, "--json", help=f"Print {what} as JSON.")
 
 
+def flag_of(command: Any, name: str) -> str:
+    """How a (click) command spells the parameter ``name``: its long flag (``engine_name`` ->
+    ``--engine``), an argument's name (``INPUTS``), else ``--name-with-dashes`` (a field it does not take)."""
+    for param in command.params:
+        if param.name == name:
+            longs = [o for o in param.opts if o.startswith("--")]
+            return longs[0] if longs else name.upper()
+    return "--" + name.replace("_", "-")
+
+
 @contextmanager
 def flags_in_errors(ctx: typer.Context) -> Iterator[None]:
-    """A :class:`~glmpost.config.SettingError` becomes a usage error that names the option's flag."""
+    """A library error naming config fields (:class:`~glmpost.config.SettingError`,
+    :class:`~glmpost.config.ConfigError`) is said with the command's flags instead."""
     try:
         yield
     except SettingError as exc:
-        flag = next((o for p in ctx.command.params if p.name == exc.field for o in p.opts if o.startswith("--")), None)
-        raise UsageError(f"{flag} {exc.value!r} {exc.problem}" if flag else str(exc)) from None
+        raise UsageError(f"{flag_of(ctx.command, exc.field)} {exc.value!r} {exc.problem}") from None
+    except ConfigError as exc:
+        kind = UsageError if exc.exit_code == UsageError.exit_code else GlmpostError
+        error = kind(exc.spelled(lambda name: flag_of(ctx.command, name)))
+        error.exit_code = exc.exit_code
+        raise error from None
+
+
+def spelled_with_flags(fn):
+    """``fn`` as a command whose library errors name its flags (:func:`flags_in_errors`); the app
+    registers every stage through it."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(fn)
+    takes_ctx = "ctx" in signature.parameters
+
+    @functools.wraps(fn)
+    def command(*args, **kwargs):
+        ctx = kwargs["ctx"] if takes_ctx else kwargs.pop("ctx")
+        with flags_in_errors(ctx):
+            return fn(*args, **kwargs)
+
+    if not takes_ctx:
+        ctx_param = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+        command.__signature__ = signature.replace(parameters=[ctx_param, *signature.parameters.values()])
+    return command
 
 
 def with_options(cls: type, names: tuple[str, ...]):

@@ -14,7 +14,6 @@ estimates (see glmpost/memory_plan.py); the allocator's fragmentation is not mod
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,9 @@ import typer
 from glmpost.commands.common import print_summary
 from glmpost.commands.options import json_option
 from glmpost.errors import UsageError
-from glmpost.memory_plan import (
-    ModelShape,
-    Workload,
-    format_bytes,
-    format_table,
-    plan_memory,
-)
+from glmpost.memory_plan import ModelShape, format_bytes, format_table, plan_memory
+from glmpost.memory_recipe import model_config, workload_from_recipe
 
-TRAINING_STAGES = ("train-grpo", "opd-merge", "train-sao", "qat")
 PLAN_DEFAULTS: dict[str, Any] = {
     "model": "tiny-glm5",
     "prompt_tokens": 256,
@@ -41,91 +34,6 @@ PLAN_DEFAULTS: dict[str, Any] = {
     "attention": "math",
     "margin": 0.0,
 }
-
-
-def model_config(spec: str) -> tuple[str, dict[str, Any]]:
-    """``(description, config dict)`` from a preset name, a config.json file or a checkpoint."""
-    from glmpost.models.tiny import PRESETS
-
-    if spec in PRESETS:
-        from glmpost.models.tiny import tiny_glm5_config
-
-        return f"preset {spec}", tiny_glm5_config(**PRESETS[spec]).to_dict()
-    if spec == "glm5":  # transformers' GlmMoeDsaConfig defaults are GLM-5's published dimensions
-        from transformers import GlmMoeDsaConfig
-
-        return "preset glm5 (transformers GlmMoeDsaConfig defaults)", GlmMoeDsaConfig().to_dict()
-    path = Path(spec)
-    if path.is_dir():
-        from glmpost.checkpoints import CheckpointError, resolve_checkpoint
-
-        try:
-            path = resolve_checkpoint(path) / "config.json"
-        except CheckpointError as exc:
-            raise UsageError(f"--model {spec}: {exc}") from None
-    if not path.is_file():
-        raise UsageError(f"--model {spec}: not a preset (tiny-glm5, glm5), a config.json or a checkpoint")
-    try:
-        return str(path), json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--model {spec}: {path} is not valid JSON ({exc})") from None
-
-
-def workload_from_recipe(values: dict[str, dict[str, Any]], settings: dict[str, Any], commands: dict[str, Any]) -> Workload:
-    """The run the recipe describes; stage defaults (``commands``: section -> command) fill what
-    its sections leave out."""
-    from glmpost.commands.recipe import stage_values
-
-    def stage(name: str) -> dict[str, Any]:
-        if name in values:
-            return values[name]
-        return stage_values(commands[name], {}) if name in commands else {}
-
-    rollout = stage("rollout")
-    training_name = next((s for s in TRAINING_STAGES if s in values), "train-grpo")
-    train = stage(training_name)
-    response = int(rollout.get("max_new_tokens") or 64)
-    w = Workload(
-        micro_batch=int(train.get("micro_batch_size") or 8),
-        seq=settings["prompt_tokens"] + response,
-        response_tokens=response,
-        chunk_size=int(train.get("chunk_size") or 512),
-        dtype=settings["dtype"],
-        zero_stage=int(train.get("zero_stage") or 0),
-        ranks=settings["ranks"],
-        attention=settings["attention"],
-        rollout_batch=int(rollout.get("batch_size") or 32),
-        rollout_prompt=settings["prompt_tokens"],
-        rollout_dtype=settings["dtype"],
-        records_per_update=int(rollout.get("prompts_per_shard") or 1) * int(rollout.get("group_size") or 1),
-        reference=training_name == "train-grpo" and float(train.get("kl_coef") or 0.0) > 0,
-        teacher="score-teacher" in values or "opd-merge" in values,
-        critic="train-sao" in values,
-        training=any(s in values for s in TRAINING_STAGES),
-        rollout="rollout" in values,
-        margin=settings["margin"],
-    )
-    ds_path = train.get("deepspeed_config")
-    if ds_path and Path(ds_path).is_file():
-        try:
-            ds = json.loads(Path(ds_path).read_text())
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--deepspeed {ds_path}: invalid JSON ({exc})") from None
-        zero = ds.get("zero_optimization", {})
-        w.zero_stage = int(zero.get("stage", w.zero_stage))
-        w.reduce_bucket = int(zero.get("reduce_bucket_size", w.reduce_bucket))
-        w.allgather_bucket = int(zero.get("allgather_bucket_size", w.allgather_bucket))
-    teacher = values.get("score-teacher", {})
-    merge = values.get("opd-merge", {})
-    if teacher.get("payload") == "topk" or merge.get("loss") == "topk":
-        w.teacher_payload = "topk"
-        w.teacher_topk = int(teacher.get("topk") or merge.get("topk") or 0)
-    if "sync-weights" in values:
-        w.sync = True
-        w.sync_quantize = str(values["sync-weights"].get("quantize") or "none")
-    else:
-        w.sync = w.rollout and w.training  # an RL iteration hands the new weights to the rollout engine
-    return w
 
 
 def plan(
@@ -140,15 +48,14 @@ def plan(
     margin: float | None = typer.Option(None, "--margin", min=0.0, help="Runtime margin as a fraction of each role's sum (the brief's M_runtime_margin). Default: 0."),
     as_json: bool = json_option("the plan"),
 ) -> None:
-    from glmpost.commands.recipe import check_recipe, stage_commands, stage_values
+    from glmpost.commands.recipe_checks import check_recipe, stage_commands, stage_values
 
     report = check_recipe(recipe)
     if report.errors:
         raise UsageError(f"{report.errors[0]} (see `glmpost recipe check {recipe}`)")
     given = {"model": model, "prompt_tokens": prompt_tokens, "dtype": dtype, "ranks": ranks, "attention": attention, "margin": margin}
     recipe_plan = report.stages.get("plan", {})
-    world = getattr(report.pipeline, "world_size", None)
-    defaults = {**PLAN_DEFAULTS, "ranks": int(world()) if callable(world) else 1}
+    defaults = {**PLAN_DEFAULTS, "ranks": report.pipeline.world_size if report.pipeline is not None else 1}
     settings = {k: given[k] if given[k] is not None else recipe_plan.get(k) if recipe_plan.get(k) is not None else defaults[k]
                 for k in PLAN_DEFAULTS}
     if settings["attention"] not in ("math", "eager", "fused"):
@@ -164,7 +71,7 @@ def plan(
 
     commands = stage_commands(typer.main.get_command(glmpost_app))
     values = {name: stage_values(commands[name], given_values) for name, given_values in report.stages.items() if name != "plan"}
-    workload = workload_from_recipe(values, settings, commands)
+    workload = workload_from_recipe(values, settings, lambda name: stage_values(commands[name], {}) if name in commands else {})
     rows = plan_memory(shape, workload)
     counts = shape.parameter_count()
     summary = {

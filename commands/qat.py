@@ -24,7 +24,7 @@ from typing import Any
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, flags_in_errors, json_option, option, with_options
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
 from glmpost.rl.updates import qat_update
@@ -57,9 +57,8 @@ def qat(
     **shared: Any,
 ) -> None:
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    with flags_in_errors(ctx):
-        summary = qat_update(run, inputs, config_from(ctx, SFTConfig), scheme=scheme, group_size=group_size, targets=targets,
-                             include=include, exclude=exclude, eval_data=eval_data, stage_options=effective_options(ctx))
+    summary = qat_update(run, inputs, config_from(ctx, SFTConfig), scheme=scheme, group_size=group_size, targets=targets,
+                         include=include, exclude=exclude, eval_data=eval_data, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: {scheme} QAT of {s['quantized_layers']} layers, {s['records']} trajectories, {s['steps']} steps, "
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}"

@@ -27,50 +27,36 @@ from typing import List, Optional
 import typer
 
 from glmpost.closure.teachers import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
-from glmpost.commands.common import config_option, effective_options, option_flag, print_summary
-from glmpost.commands.options import json_option
+from glmpost.commands.common import config_option, effective_options, print_summary
+from glmpost.commands.options import config_from, json_option, option
 
 
 def score_teacher(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., metavar="SHARDS", help="Student rollout shards: files, directories or globs."),
     out: Path = typer.Option(..., "--out", help="Output directory; one scored shard per input shard, same file name."),
-    teacher: Optional[Path] = typer.Option(None, "--teacher", help="One teacher checkpoint (root or version) for every record."),
-    routes: Optional[str] = typer.Option(
-        None, "--routes", metavar="TABLE", parser=parse_routes,
-        help="Domain-to-teacher table, as the recipe's [score-teacher.routes] (DOMAIN=CKPT,... on the command line).",
-    ),
+    teacher: Optional[Path] = option(ScoreTeacherConfig, "teacher"),
+    routes: Optional[str] = option(ScoreTeacherConfig, "routes", metavar="TABLE", parser=parse_routes),
     route: List[str] = typer.Option(
         [], "--route", metavar="DOMAIN=CKPT", parser=parse_route,
         help="Route records of DOMAIN to the teacher checkpoint CKPT. Repeatable; wins over --routes.",
     ),
-    default_teacher: Optional[Path] = typer.Option(
-        None, "--default-teacher", help="Teacher for records whose domain has no route; without it such a record is an error."
-    ),
-    student: Optional[Path] = typer.Option(
-        None, "--student",
-        help="Student checkpoint whose vocabulary teachers must share (default: the checkpoint the rollout shards recorded, if it exists).",
-    ),
-    payload: str = typer.Option("sampled", "--payload", help="sampled (one log-prob per token) or topk (also the teacher's top-k ids and log-probs)."),
-    topk: int = typer.Option(8, "--topk", min=1, help="k of the top-k payload."),
-    engine: str = typer.Option("local", "--engine", help="local (in-process prefill) or sglang (--server)."),
-    server: Optional[str] = typer.Option(None, "--server", help="URL[,URL...] of SGLang-compatible servers serving the one teacher (--engine sglang)."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Records per teacher forward (local engine) or requests in flight (sglang)."),
-    chunk_size: int = typer.Option(512, "--chunk-size", min=1, help="Positions per chunk of the teacher's LM head (bounds [chunk, V] memory)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N] for the local engine."),
-    shard_index: int = typer.Option(0, "--shard-index", min=0, help="This task's index among --num-shards (Slurm arrays)."),
-    num_shards: int = typer.Option(1, "--num-shards", min=1, help="Split the input shards round-robin over this many tasks."),
-    zstd_level: int = typer.Option(3, "--zstd-level", min=1, max=22, help="zstd level of the output shards."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Score again shards whose output already exists."),
+    default_teacher: Optional[Path] = option(ScoreTeacherConfig, "default_teacher"),
+    student: Optional[Path] = option(ScoreTeacherConfig, "student"),
+    payload: str = option(ScoreTeacherConfig, "payload"),
+    topk: int = option(ScoreTeacherConfig, "topk"),
+    engine: str = option(ScoreTeacherConfig, "engine"),
+    server: Optional[str] = option(ScoreTeacherConfig, "server"),
+    batch_size: int = option(ScoreTeacherConfig, "batch_size"),
+    chunk_size: int = option(ScoreTeacherConfig, "chunk_size"),
+    device: str = option(ScoreTeacherConfig, "device"),
+    shard_index: int = option(ScoreTeacherConfig, "shard_index"),
+    num_shards: int = option(ScoreTeacherConfig, "num_shards"),
+    zstd_level: int = option(ScoreTeacherConfig, "zstd_level"),
+    overwrite: bool = option(ScoreTeacherConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
-    run = ScoreTeacherRun(ScoreTeacherConfig(
-        inputs=inputs, out=out, teacher=teacher, routes=routes or {}, route=list(route or []),
-        default_teacher=default_teacher, student=student, payload=payload, topk=topk, engine=engine, server=server,
-        batch_size=batch_size, chunk_size=chunk_size, device=device, shard_index=shard_index, num_shards=num_shards,
-        zstd_level=zstd_level, overwrite=overwrite, options=effective_options(ctx),
-        flag_name=lambda name: option_flag(ctx, name),
-    ))
+    run = ScoreTeacherRun(config_from(ctx, ScoreTeacherConfig, options=effective_options(ctx)))
     summary = run.run()
     print_summary(summary, as_json=as_json, human=run.human(summary))

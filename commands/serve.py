@@ -23,93 +23,35 @@ serve/weight_version, serve/uptime_s) every --metrics-interval seconds and once 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from glmpost.commands.common import config_option
-from glmpost.errors import UsageError
-from glmpost.npu import resolve_device
-from glmpost.stage import MetricsWriter, log
+from glmpost.commands.options import config_from, option
+from glmpost.serving.http_server import ServeConfig, serve_checkpoint
 
 STAGE = "serve"
 
 
 def serve(
+    ctx: typer.Context,
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint to serve: a root (its LATEST) or a version directory."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default; 0.0.0.0 exposes it)."),
-    port: int = typer.Option(30000, "--port", min=0, max=65535, help="TCP port; 0 picks a free one (printed when ready)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda[:N] or npu[:N]."),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Most sequences decoded together in one engine batch."),
-    batch_wait_ms: float = typer.Option(
-        50.0, "--batch-wait-ms", min=0.0,
-        help="Most time the engine waits for as many single requests as its last batch had before it starts a batch.",
-    ),
-    weight_version: Optional[str] = typer.Option(
-        None, "--weight-version", help="Initial weight_version reported; default: the checkpoint's policy version."
-    ),
-    deterministic_topk: bool = typer.Option(
-        True, "--deterministic-topk/--torch-topk",
-        help="DSA indexer top-k with ties to the lower position (as rollout and training); --torch-topk keeps torch.topk's tie order.",
-    ),
-    log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request to stderr."),
-    metrics: Optional[Path] = typer.Option(
-        None, "--metrics", dir_okay=False,
-        help="Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.",
-    ),
-    metrics_interval: float = typer.Option(10.0, "--metrics-interval", min=0.1, help="Seconds between --metrics lines."),
+    host: str = option(ServeConfig, "host"),
+    port: int = option(ServeConfig, "port"),
+    device: str = option(ServeConfig, "device"),
+    batch_size: int = option(ServeConfig, "batch_size"),
+    batch_wait_ms: float = option(ServeConfig, "batch_wait_ms"),
+    weight_version: Optional[str] = option(ServeConfig, "weight_version"),
+    deterministic_topk: bool = option(ServeConfig, "deterministic_topk"),
+    log_requests: bool = option(ServeConfig, "log_requests"),
+    metrics: Optional[Path] = option(ServeConfig, "metrics", dir_okay=False),
+    metrics_interval: float = option(ServeConfig, "metrics_interval"),
     config: Optional[Path] = config_option(),
 ) -> None:
-    from glmpost.serving.http_server import bound_address, make_http_server, serve_until_signalled
-    from glmpost.serving.server import EngineServer
-
-    metrics_writer = None
-    if metrics is not None:
-        try:
-            metrics_writer = MetricsWriter(metrics)
-        except OSError as exc:
-            raise UsageError(f"--metrics {metrics}: cannot open for appending ({exc.strerror or exc})") from None
-    torch_device = resolve_device(device)
-    engine = EngineServer(checkpoint, device=torch_device, batch_size=batch_size, deterministic_topk=deterministic_topk,
-                          weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
-    try:
-        server = make_http_server(engine, host, port, quiet=not log_requests)
-    except OSError as exc:
-        raise UsageError(f"--host {host} --port {port}: cannot listen ({exc.strerror or exc})") from None
-    bound_host, bound_port = bound_address(server)
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-
-    def ready() -> None:
-        log(f"serving {engine.loaded.version_dir} (weight_version {engine.weight_version}, tokenizer "
-            f"{engine.loaded.revision}) on {torch_device}, batch size {batch_size}")
-        sys.stdout.write(f"glmpost serve: listening on http://{shown}:{bound_port}\n")
+    def listening(url: str) -> None:
+        sys.stdout.write(f"glmpost serve: listening on {url}\n")
         sys.stdout.flush()
 
-    started = time.monotonic()
-    last = {"time": started, "generated_tokens": 0}
-
-    def write_metrics(final: bool) -> None:
-        now, stats = time.monotonic(), dict(engine.stats)
-        interval = max(now - last["time"], 1e-9)
-        try:
-            metrics_writer.write(
-                **{f"serve/{k}": (round(v, 6) if isinstance(v, float) else v) for k, v in stats.items()},
-                **{"serve/uptime_s": round(now - started, 3), "serve/weight_version": engine.weight_version,
-                   "serve/tokens_per_s": round((stats["generated_tokens"] - last["generated_tokens"]) / interval, 3),
-                   "serve/final": final},
-            )
-        except OSError as exc:  # a full disk must not take the server down
-            log(f"--metrics {metrics}: cannot write ({exc.strerror or exc}); serving on")
-        last.update(time=now, generated_tokens=stats["generated_tokens"])
-
-    try:
-        serve_until_signalled(engine, server, on_ready=ready, on_tick=write_metrics if metrics_writer else None,
-                              tick_s=metrics_interval)
-    finally:
-        if metrics_writer is not None:
-            metrics_writer.close()
-    stats = engine.stats
-    log(f"stopped after {stats['batches']} engine batches, {stats['sequences']} sequences, "
-        f"{stats['generated_tokens']} generated tokens")
+    serve_checkpoint(config_from(ctx, ServeConfig), on_listening=listening)

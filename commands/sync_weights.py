@@ -22,8 +22,7 @@ from typing import List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import json_option
-from glmpost.serving.convert import DTYPES, SCHEMES
+from glmpost.commands.options import config_from, json_option, option
 from glmpost.serving.weight_sync import SyncConfig, failed_servers_error, sync_report, sync_weights_run
 
 
@@ -31,25 +30,20 @@ def sync_weights(
     ctx: typer.Context,
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Training checkpoint: a glmpost root (LATEST) or version directory, a Hugging Face directory, or a DeepSpeed checkpoint directory (save dir with 'latest', or a tag dir)."),
     out: Path = typer.Option(..., "--out", help="Rollout checkpoint root: version directories vNNNNNN and LATEST (created)."),
-    base: Optional[Path] = typer.Option(None, "--base", help="For a DeepSpeed checkpoint: the checkpoint whose config.json and tokenizer files to use (default: the glmpost version directory holding it)."),
-    quantize: str = typer.Option("none", "--quantize", help=f"Rollout weight quantization: {', '.join(SCHEMES)}."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="w4a16 group size along the input dim (default 128)."),
-    dtype: str = typer.Option("auto", "--dtype", help=f"Dtype of the unquantized tensors: {', '.join(DTYPES)} (auto keeps the training dtype)."),
-    max_shard_size: float = typer.Option(4096.0, "--max-shard-size", help="Largest safetensors shard to write, in MiB."),
-    server: List[str] = typer.Option([], "--server", help="Server(s) to switch, URL[,URL...] (repeatable); none = publish only."),
-    retries: int = typer.Option(3, "--retries", help="Extra attempts per server after a failed update or confirmation."),
-    backoff: float = typer.Option(1.0, "--backoff", help="Seconds before a server's first retry; doubled before each further one."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for one server answer (a weight load must fit in it)."),
-    keep: int = typer.Option(0, "--keep", help="Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all."),
+    base: Optional[Path] = option(SyncConfig, "base"),
+    quantize: str = option(SyncConfig, "quantize"),
+    group_size: Optional[int] = option(SyncConfig, "group_size"),
+    dtype: str = option(SyncConfig, "dtype"),
+    max_shard_size: float = option(SyncConfig, "max_shard_size"),
+    server: List[str] = option(SyncConfig, "server"),
+    retries: int = option(SyncConfig, "retries"),
+    backoff: float = option(SyncConfig, "backoff"),
+    timeout: float = option(SyncConfig, "timeout"),
+    keep: int = option(SyncConfig, "keep"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
-    settings = SyncConfig(
-        checkpoint=checkpoint, out=out, base=base, quantize=quantize, group_size=group_size, dtype=dtype,
-        max_shard_size=max_shard_size, server=list(server), retries=retries, backoff=backoff, timeout=timeout,
-        keep=keep,
-    )
-    summary = sync_weights_run(settings, effective_options(ctx))
+    summary = sync_weights_run(config_from(ctx, SyncConfig), effective_options(ctx))
     print_summary(summary, as_json=as_json, human=sync_report(summary))
     error = failed_servers_error(summary)
     if error is not None:

@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, flags_in_errors, json_option, option, with_options
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import GRPOConfig
 from glmpost.rl.updates import grpo_update
@@ -57,9 +57,8 @@ def train_grpo(
     **shared: Any,
 ) -> None:
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    with flags_in_errors(ctx):
-        summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
-                              ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))
+    summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
+                          ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: policy v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} trajectories, "
         f"reward mean {s['reward_mean']:.4f}, {s['steps']} step(s) on {s['world_size']} rank(s), "

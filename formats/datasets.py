@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 from glmpost.formats.shard_reader import ShardReader
 from glmpost.formats.shards import SHARD_SUFFIX
@@ -65,11 +66,13 @@ def select_shards(paths: Sequence[Path], shard_index: int, num_shards: int) -> l
     """The shards of Slurm array task ``shard_index`` of ``num_shards``: round-robin over sorted paths.
 
     Every shard goes to exactly one task; a task may get none when there are fewer shards than tasks.
+    Bad indices are refused naming the config fields ``shard_index`` and ``num_shards``.
     """
     if num_shards < 1:
-        raise UsageError(f"--num-shards must be >= 1, got {num_shards}")
+        raise ConfigError("{num_shards} must be >= 1, got {value}", value=num_shards)
     if not 0 <= shard_index < num_shards:
-        raise UsageError(f"--shard-index must be in [0, {num_shards}) for --num-shards {num_shards}, got {shard_index}")
+        raise ConfigError("{shard_index} must be in [0, {count}) for {num_shards} {count}, got {value}", count=num_shards,
+                          value=shard_index)
     return sorted(paths, key=str)[shard_index::num_shards]
 
 

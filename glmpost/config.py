@@ -3,19 +3,54 @@ command-line option of a stage is derived from it (``glmpost.commands.options``)
 
 ``setting(default, help)`` is ``dataclasses.field`` with that metadata; ``flag`` spells the option
 when it is not ``--field-name`` (``--deepspeed``, ``--icepop/--no-icepop``); ``min`` / ``max``
-bound it on the command line. Library errors name the field (``lr = 0 is out of range``); the
-command translates the name to its flag.
+bound it on the command line. ``shared(name)`` is one of the settings several stages have
+(``device``, ``overwrite``, ``deterministic_topk``, ``zstd_level``, ``shard_index``, ``num_shards``),
+declared once here.
+
+Library errors name config fields, not flags: :class:`SettingError` (``lr = 0 is out of range``)
+and :class:`ConfigError` (``{engine_name} sglang needs {server} URL``); the command that parsed
+the options says them with the flags the user typed (``--engine sglang needs --server URL``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any
+import functools
+import string
+from typing import Any, Callable
+
+from glmpost.errors import UsageError
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, min: float | None = None,
             max: float | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "min": min, "max": max})
+    """A config field with its default (a list or dict default is copied per instance), help text,
+    flag and bounds."""
+    metadata = {"help": help, "flag": flag, "min": min, "max": max}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=functools.partial(copy.copy, default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+SHARED_SETTINGS: dict[str, dict[str, Any]] = {
+    "device": dict(default="auto", help="auto (npu, else cuda, else cpu), cpu, cuda[:N] or npu[:N]; a training stage "
+                   "under a launcher takes its rank's local device."),
+    "overwrite": dict(default=False, help="Redo and replace what an earlier run wrote to --out (a stage that splits "
+                      "its work into tasks: this task's shards; any other: the whole output directory)."),
+    "deterministic_topk": dict(default=True, flag="--deterministic-topk/--torch-topk", help="DSA indexer top-k with "
+                               "ties to the lower position (the same keys in rollout and training); --torch-topk "
+                               "keeps torch.topk's tie order."),
+    "zstd_level": dict(default=3, help="zstd compression level of the output shards.", min=1, max=22),
+    "shard_index": dict(default=0, help="This task's index among --num-shards (a Slurm array task id).", min=0),
+    "num_shards": dict(default=1, help="Tasks splitting this stage's work (a Slurm array's size); each writes "
+                       "only its share.", min=1),
+}
+
+
+def shared(name: str) -> Any:
+    """The setting ``name`` of :data:`SHARED_SETTINGS` (the same default and help in every stage)."""
+    return setting(**SHARED_SETTINGS[name])
 
 
 def setting_of(cls: type, name: str) -> tuple[Any, dict[str, Any]]:
@@ -30,9 +65,10 @@ def setting_of(cls: type, name: str) -> tuple[Any, dict[str, Any]]:
 
 
 def from_values(cls: type, values: dict[str, Any], **overrides: Any):
-    """``cls`` built from the entries of ``values`` named after its fields (the parsed options)."""
+    """``cls`` built from the entries of ``values`` named after its fields (the parsed options);
+    ``overrides`` win."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in names}, **overrides)
+    return cls(**{**{k: v for k, v in values.items() if k in names}, **overrides})
 
 
 class SettingError(ValueError):
@@ -42,6 +78,27 @@ class SettingError(ValueError):
     def __init__(self, field: str, value: Any, problem: str):
         super().__init__(f"{field} = {value!r} {problem}")
         self.field, self.value, self.problem = field, value, problem
+
+
+class ConfigError(UsageError):
+    """A refused setting or combination of settings whose message names config fields as
+    ``{field}`` placeholders; other values come as keywords (``ConfigError("{top_k} {value!r}: must
+    be >= 0", value=-1)``). Read as is, a field is spelled ``--field-name`` (its recipe key with
+    dashes); a command spells it with its own flag (:meth:`spelled`). Exit code 2 (the invocation
+    was wrong) unless ``exit_code`` says otherwise (1: the work failed, e.g. a server that
+    disagrees)."""
+
+    def __init__(self, message: str, *, exit_code: int = 2, **values: Any):
+        self.message, self.values, self.exit_code = message, values, exit_code
+        super().__init__(self.spelled(lambda name: "--" + name.replace("_", "-")))
+
+    @property
+    def fields(self) -> list[str]:
+        return [name for _, name, _, _ in string.Formatter().parse(self.message) if name and name not in self.values]
+
+    def spelled(self, spell: Callable[[str], str]) -> str:
+        """The message with every field spelled by ``spell(field)``."""
+        return self.message.format_map({**{name: spell(name) for name in self.fields}, **self.values})
 
 
 def domain_assignment(value: Any, *, flag: str, example: str) -> tuple[str, str]:

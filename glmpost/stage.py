@@ -8,10 +8,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from glmpost import __version__
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError
+from glmpost.errors import UsageError
 from glmpost.fsutil import write_text_atomic
 
 
@@ -25,11 +26,6 @@ def write_stage_json(out_dir: Path, stage: str, options: dict[str, Any], **extra
     write_json_atomic(Path(out_dir) / "stage.json", payload)
 
 
-def default_flag_name(name: str) -> str:
-    """An option's flag spelled from its Python name (``max_new_tokens`` -> ``--max-new-tokens``)."""
-    return "--" + name.replace("_", "-")
-
-
 def check_same_options(
     out_dir: Path,
     stage: str,
@@ -38,14 +34,12 @@ def check_same_options(
     ignore: tuple[str, ...],
     overwrite: bool,
     facts: dict[str, Any] | None = None,
-    flag_name: Callable[[str], str] | None = None,
 ) -> None:
     """Refuse to add shards to ``out_dir`` that an earlier run made with other options.
 
     Stages that several tasks write into one directory (``--shard-index``) resume by writing only
-    missing shards; that is only sound when every shard comes from the same options. ``flag_name``
-    spells an option's flag in the message (the command line's spelling; by default
-    :func:`default_flag_name`).
+    missing shards; that is only sound when every shard comes from the same options. The refusal
+    names the option's field (a command says its flag: :class:`~glmpost.config.ConfigError`).
     """
     path = Path(out_dir) / "stage.json"
     if overwrite or not path.is_file():
@@ -53,25 +47,21 @@ def check_same_options(
     try:
         before = json.loads(path.read_text())
     except json.JSONDecodeError:
-        raise GlmpostError(f"{path}: invalid JSON; pass --overwrite to start this output over") from None
+        raise ConfigError("{path}: invalid JSON; pass {overwrite} to start this output over", path=path, exit_code=1) from None
     if before.get("stage") != stage:
-        raise UsageError(f"--out {out_dir} holds output of `glmpost {before.get('stage')}`, not {stage}")
+        raise ConfigError("{out} {out_dir} holds output of `glmpost {earlier}`, not {stage}",
+                          out_dir=out_dir, earlier=before.get("stage"), stage=stage)
     for key, value in (facts or {}).items():  # e.g. the policy version a checkpoint root resolved to
         if key in before and before[key] != value:
-            raise UsageError(
-                f"--out {out_dir} was written with {key} {before[key]!r}, now {value!r}; "
-                "use another --out or pass --overwrite"
-            )
+            raise ConfigError("{out} {out_dir} was written with {key} {before!r}, now {now!r}; use another {out} or pass {overwrite}",
+                              out_dir=out_dir, key=key, before=before[key], now=value)
     earlier = before.get("options", {})
     for key, value in options.items():
         if key in ignore or key not in earlier:
             continue
         if earlier[key] != value:
-            flag = (flag_name or default_flag_name)(key)
-            raise UsageError(
-                f"--out {out_dir} was written with {flag} {earlier[key]!r}, now {value!r}; "
-                "use another --out or pass --overwrite"
-            )
+            raise ConfigError("{out} {out_dir} was written with {%s} {before!r}, now {now!r}; use another {out} or pass {overwrite}" % key,
+                              out_dir=out_dir, before=earlier[key], now=value)
 
 
 def shard_outputs(paths: list[Path], out: Path, *, what: str) -> dict[Path, Path]:
@@ -86,10 +76,11 @@ def shard_outputs(paths: list[Path], out: Path, *, what: str) -> dict[Path, Path
         by_name[path.name] = path
         target = out / path.name
         if target.resolve() == path.resolve():
-            raise UsageError(f"--out {out} holds the input {path}; {what} must not replace their inputs")
+            raise ConfigError("{out} {out_dir} holds the input {path}; {what} must not replace their inputs",
+                              out_dir=out, path=path, what=what)
         targets[path] = target
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
+        raise ConfigError("{out} {out_dir} exists and is not a directory", out_dir=out)
     return targets
 
 

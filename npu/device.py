@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 
 __all__ = [
@@ -68,7 +69,7 @@ def import_torch_npu() -> ModuleType:
         import torch_npu  # noqa: F401  (registers torch.npu and the "npu" device type)
     except (ImportError, OSError, RuntimeError) as err:
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-        raise UsageError(f"--device npu: {_npu_hint()} ({reason})") from err
+        raise ConfigError("{device} npu: {hint} ({reason})", hint=_npu_hint(), reason=reason) from err
     return torch_npu
 
 
@@ -108,18 +109,17 @@ def resolve_device(name: str = "auto") -> torch.device:
     """
     match = _DEVICE_PATTERN.match(name.strip().lower())
     if match is None:
-        raise UsageError(
-            f"--device must be one of {', '.join(DEVICE_CHOICES)} (or cuda:I / npu:I); got {name!r}"
-        )
+        raise ConfigError("{device} must be one of {choices} (or cuda:I / npu:I); got {name!r}",
+                          choices=", ".join(DEVICE_CHOICES), name=name)
     kind, index_text = match.group(1), match.group(2)
     index = None if index_text is None else int(index_text)
     if kind == "auto":
         if index is not None:
-            raise UsageError(f"--device auto takes no index; got {name!r}")
+            raise ConfigError("{device} auto takes no index; got {name!r}", name=name)
         return torch.device(_auto_kind())
     if kind == "cpu":
         if index not in (None, 0):
-            raise UsageError(f"--device cpu takes no index; got {name!r}")
+            raise ConfigError("{device} cpu takes no index; got {name!r}", name=name)
         return torch.device("cpu")
     if kind == "cuda" and not _cuda_available():
         why = (
@@ -127,20 +127,18 @@ def resolve_device(name: str = "auto") -> torch.device:
             if torch.version.cuda is None
             else "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
         )
-        raise UsageError(f"--device {name}: CUDA is not available: {why}; use --device cpu or auto")
+        raise ConfigError("{device} {name}: CUDA is not available: {why}; use {device} cpu or auto", name=name, why=why)
     if kind == "npu":
         if not _torch_npu_installed():
-            raise UsageError(f"--device {name}: {_npu_hint()}")
+            raise ConfigError("{device} {name}: {hint}", name=name, hint=_npu_hint())
         if not _npu_available():
-            raise UsageError(
-                f"--device {name}: torch_npu loaded but no NPU is visible "
-                "(check 'npu-smi info' and ASCEND_RT_VISIBLE_DEVICES)"
-            )
+            raise ConfigError("{device} {name}: torch_npu loaded but no NPU is visible "
+                              "(check 'npu-smi info' and ASCEND_RT_VISIBLE_DEVICES)", name=name)
     if index is None:
         return torch.device(kind)
     count = _device_count(kind)
     if index >= count:
-        raise UsageError(f"--device {name}: only {count} {kind} device(s) visible")
+        raise ConfigError("{device} {name}: only {count} {kind} device(s) visible", name=name, count=count, kind=kind)
     return torch.device(kind, index)
 
 

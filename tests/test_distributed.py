@@ -35,7 +35,8 @@ def test_bad_configs_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="invalid JSON"):
         deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "bad.json")
     (tmp_path / "z4.json").write_text(json.dumps({"zero_optimization": {"stage": 4}}))
-    with pytest.raises(UsageError, match=f"--deepspeed {tmp_path / 'z4.json'}: zero_optimization.stage 4: ZeRO stages are 0, 1, 2 and 3"):
+    # the library names the field (deepspeed_config); `train-grpo --deepspeed` says its flag (tests/test_config.py)
+    with pytest.raises(UsageError, match=f"--deepspeed-config {tmp_path / 'z4.json'}: zero_optimization.stage 4: ZeRO stages are 0, 1, 2 and 3"):
         deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z4.json")
     (tmp_path / "zs.json").write_text(json.dumps({"zero_optimization": {"stage": "3"}}))
     with pytest.raises(UsageError, match="stage '3'"):

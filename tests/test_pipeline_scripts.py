@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from glmpost.errors import UsageError
-from glmpost.pipeline import load_pipeline, plan
+from glmpost.pipeline import STAGE_ORDER, load_pipeline, plan
+from glmpost.pipeline.steps import PIPELINE_STAGES, pipeline_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "bin" / "pipeline"
@@ -199,3 +200,40 @@ def test_glm5_recipe_leaves_site_paths_to_the_environment(tmp_path, tiny_checkpo
     assert steps.rl_sample_with[100] == str(tmp_path / "run" / "rollout-weights" / "v000100")
     assert steps.final == str(tmp_path / "run" / "opd-policy" / "v000102")
     assert steps.opd_routes["math"] == steps.rl_trained[100] and steps.opd_default_teacher == steps.sft
+
+
+# --- the pipeline as a list of steps --------------------------------------------------------------
+
+def test_the_plan_is_a_list_of_steps_each_reading_what_an_earlier_one_wrote(tmp_path):
+    config = load_pipeline(RECIPE, {"run-dir": str(tmp_path)})
+    steps = pipeline_steps(config, plan(config))
+    assert [s.name for s in steps] == ["init-model", "qat", "sync-start", "rollout-1", "judge-1", "train-1", "sync-1",
+                                       "rollout-2", "judge-2", "train-2", "sync-2", "opd-rollout", "score-teacher",
+                                       "opd-merge", "quantize", "diff-logprobs"]
+    by_name = {s.name: s for s in steps}
+    assert by_name["train-2"].argv == ["train-grpo", str(tmp_path / "rl" / "iter-002" / "judged"), "--config", str(RECIPE),
+                                       "--checkpoint", str(tmp_path / "policy" / "v000002"), "--out", str(tmp_path / "policy")]
+    assert {s.name for s in steps if s.ranks} == {"qat", "train-1", "train-2", "opd-merge"}
+    assert {s.name: s.tasks for s in steps if s.tasks} == {"rollout-1": 2, "rollout-2": 2, "opd-rollout": 2}
+    assert by_name["train-1"].published == str(tmp_path / "policy" / "v000002")
+    assert by_name["train-1"].resume_root == str(tmp_path / "policy")
+    assert by_name["rollout-1"].argv[-2:] == ["--seed", "1"] and by_name["opd-rollout"].argv[-2:] == ["--seed", "1000"]
+    # every input is a data file of the recipe or lies in what an earlier step wrote
+    written: list[Path] = []
+    for step in steps:
+        for path in map(Path, step.inputs):
+            assert path.is_file() or any(path == out or out in path.parents for out in written), (step.name, path)
+        written += map(Path, step.outputs)
+    assert steps[0].argv[0] == "init-model" and all(s.argv[0] == s.stage for s in steps)
+
+
+def test_every_pipeline_stage_has_a_step_function_in_stage_order():
+    assert tuple(PIPELINE_STAGES) == STAGE_ORDER == ("init-model", "qat", "rl", "opd", "quantize", "diff-logprobs")
+
+
+def test_steps_evaluate_in_bash_with_their_argv(tmp_path):
+    script = (f'eval "$({sys.executable} -m glmpost.pipeline {RECIPE} --shell --run-dir {tmp_path} --set iterations=1)"; '
+              'echo "$PIPELINE_STEP_COUNT|${PIPELINE_STEP_NAME[5]}|${PIPELINE_STEP_LABEL[5]}|${PIPELINE_STEP_RANKS[5]}|'
+              '${PIPELINE_STEP_TASKS[3]}|${#PIPELINE_STEP_ARGV_5[@]}|${PIPELINE_STEP_ARGV_5[0]}"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.strip().split("|")
+    assert out == ["12", "train-1", "train-grpo: RL iteration 1 (2 rank(s))", "1", "2", "8", "train-grpo"]

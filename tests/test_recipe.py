@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from glmpost.commands.recipe import check_recipe
+from glmpost.commands.recipe_checks import check_recipe
 from glmpost.rl.batch_rules import batch_arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]

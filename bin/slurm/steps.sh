@@ -132,85 +132,37 @@ already_published() {
 runs_stage() { [[ " ${PIPELINE_STAGES[*]} " == *" $1 "* ]]; }
 
 # --- the steps ----------------------------------------------------------------------------------
-step_init_model() {  # the tiny GLM-5 (only when the recipe's stages start with init-model)
-  already_published "$PIPELINE_BASE" init-model && return 0
-  glmpost init-model --config "$PIPELINE_RECIPE" --out "$PIPELINE_BASE"
+# The plan lists every step (glmpost/pipeline/steps.py): PIPELINE_STEP_NAME[i], _STAGE[i], _LABEL[i],
+# _RANKS[i] (1: train-nodes x train-ranks processes), _TASKS[i] (>0: tasks splitting the work),
+# _PUBLISHED[i] (done when it holds glmpost.json), _RESUME_ROOT[i] and the argv PIPELINE_STEP_ARGV_i.
+
+# step_index STAGE KEY: the index of the step of STAGE with KEY (the argument of its sbatch template).
+step_index() {
+  local i
+  for ((i = 0; i < PIPELINE_STEP_COUNT; i++)); do
+    if [[ "${PIPELINE_STEP_STAGE[$i]}" == "$1" && "${PIPELINE_STEP_KEY[$i]}" == "$2" ]]; then echo "$i"; return 0; fi
+  done
+  say "glmpost pipeline: the plan has no $1 step${2:+ for '$2'} (stages: ${PIPELINE_STAGES[*]})"
+  return 2
 }
 
-step_qat() {  # INT4 QAT SFT: base -> $PIPELINE_SFT
-  already_published "$PIPELINE_SFT" qat && return 0
-  launch_ranks "$PIPELINE_TRAIN_RANKS" "$PIPELINE_TRAIN_NODES" qat "${PIPELINE_SFT_DATA[@]}" \
-    --config "$PIPELINE_RECIPE" --checkpoint "$PIPELINE_BASE" --out "$PIPELINE_SFT_ROOT"
-}
-
-step_sync_start() {  # publish the RL start checkpoint as the first rollout checkpoint
-  glmpost sync-weights --config "$PIPELINE_RECIPE" --checkpoint "$PIPELINE_RL_START" --out "$PIPELINE_ROLLOUT_WEIGHTS_ROOT"
-}
-
-step_rollout() {  # step_rollout ITERATION TASK TASKS: this task's share of the RL prompts
-  local i=$1 task=$2 tasks=$3
-  glmpost rollout "${PIPELINE_PROMPTS[@]}" --config "$PIPELINE_RECIPE" --checkpoint "${PIPELINE_RL_SAMPLE_WITH[$i]}" \
-    --out "${PIPELINE_RL_DIR[$i]}/rollout" --seed $((PIPELINE_SEED + i)) --shard-index "$task" --num-shards "$tasks"
-}
-
-step_judge() {  # step_judge ITERATION
-  local i=$1
-  glmpost judge "${PIPELINE_RL_DIR[$i]}/rollout" --config "$PIPELINE_RECIPE" --checkpoint "${PIPELINE_RL_SAMPLE_WITH[$i]}" \
-    --out "${PIPELINE_RL_DIR[$i]}/judged"
-}
-
-step_train() {  # step_train ITERATION: one GRPO + IcePop update, v(N) -> v(N+1)
-  local i=$1
-  already_published "${PIPELINE_RL_TRAINED[$i]}" train-grpo && return 0
-  # shellcheck disable=SC2046
-  launch_ranks "$PIPELINE_TRAIN_RANKS" "$PIPELINE_TRAIN_NODES" train-grpo "${PIPELINE_RL_DIR[$i]}/judged" \
-    --config "$PIPELINE_RECIPE" --checkpoint "${PIPELINE_RL_TRAIN_FROM[$i]}" --out "$PIPELINE_POLICY_ROOT" \
-    $(resume_flags "$PIPELINE_POLICY_ROOT" "${PIPELINE_RL_TRAINED[$i]}")
-}
-
-step_sync() {  # step_sync ITERATION: the new policy becomes the rollout checkpoint
-  local i=$1
-  glmpost sync-weights --config "$PIPELINE_RECIPE" --checkpoint "${PIPELINE_RL_TRAINED[$i]}" --out "$PIPELINE_ROLLOUT_WEIGHTS_ROOT"
-}
-
-step_opd_rollout() {  # step_opd_rollout TASK TASKS: the student samples once per OPD prompt
-  local task=$1 tasks=$2
-  glmpost rollout "${PIPELINE_OPD_PROMPTS[@]}" --config "$PIPELINE_RECIPE" --checkpoint "$PIPELINE_OPD_STUDENT" \
-    --out "$PIPELINE_OPD_DIR/rollout" --group-size "$PIPELINE_OPD_GROUP_SIZE" --seed $((PIPELINE_SEED + 1000)) \
-    --shard-index "$task" --num-shards "$tasks"
-}
-
-step_opd_judge() {  # only with opd-judge = true (opd-merge's --task-advantage-weight needs rewards)
-  glmpost judge "$PIPELINE_OPD_DIR/rollout" --config "$PIPELINE_RECIPE" --checkpoint "$PIPELINE_OPD_STUDENT" \
-    --out "$PIPELINE_OPD_DIR/judged"
-}
-
-step_score_teacher() {  # every record gets its domain's teacher log-probs (cross-stage teachers)
-  local input="$PIPELINE_OPD_DIR/rollout" args=() route
-  ((PIPELINE_OPD_JUDGE)) && input="$PIPELINE_OPD_DIR/judged"
-  for route in "${PIPELINE_OPD_ROUTES[@]}"; do args+=(--route "$route"); done
-  [[ -n "$PIPELINE_OPD_DEFAULT_TEACHER" ]] && args+=(--default-teacher "$PIPELINE_OPD_DEFAULT_TEACHER")
-  glmpost score-teacher "$input" --config "$PIPELINE_RECIPE" --out "$PIPELINE_OPD_DIR/scored" \
-    --student "$PIPELINE_OPD_STUDENT" "${args[@]}"
-}
-
-step_opd_merge() {  # the student learns the teachers' per-token advantages: v(N) -> v(N+1)
-  already_published "$PIPELINE_OPD_TRAINED" opd-merge && return 0
-  # shellcheck disable=SC2046
-  launch_ranks "$PIPELINE_TRAIN_RANKS" "$PIPELINE_TRAIN_NODES" opd-merge "$PIPELINE_OPD_DIR/scored" \
-    --config "$PIPELINE_RECIPE" --checkpoint "$PIPELINE_OPD_STUDENT" --out "$PIPELINE_OPD_ROOT" \
-    $(resume_flags "$PIPELINE_OPD_ROOT" "$PIPELINE_OPD_TRAINED")
-}
-
-step_quantize() {  # the final policy in the deployment format ([quantize] scheme)
-  already_published "$PIPELINE_DEPLOY" quantize && return 0
-  glmpost quantize "$PIPELINE_FINAL" --config "$PIPELINE_RECIPE" --out "$PIPELINE_DEPLOY"
-}
-
-step_gate() {  # diff-logprobs on the last rollouts: exit 1 when [diff-logprobs] fail-above is exceeded
-  # --overwrite: a gate is measured on every run, never skipped because an old report exists.
-  glmpost diff-logprobs "$PIPELINE_GATE_ROLLOUT" --config "$PIPELINE_RECIPE" --checkpoint "$PIPELINE_GATE_CHECKPOINT" \
-    --out "$PIPELINE_GATE_OUT" --overwrite
+# run_pipeline_step INDEX [TASK TASKS]: run step INDEX (as task TASK of TASKS when it splits its work).
+run_pipeline_step() {
+  local i=$1 task=${2:-0} tasks=${3:-1} extra=()
+  local -n argv="PIPELINE_STEP_ARGV_$i"
+  local published="${PIPELINE_STEP_PUBLISHED[$i]}" root="${PIPELINE_STEP_RESUME_ROOT[$i]}"
+  if [[ -n "$published" ]]; then already_published "$published" "${PIPELINE_STEP_STAGE[$i]}" && return 0; fi
+  ((PIPELINE_STEP_TASKS[i] > 0)) && extra+=(--shard-index "$task" --num-shards "$tasks")
+  if [[ -n "$root" ]]; then
+    local flag
+    flag="$(resume_flags "$root" "$published")"
+    [[ -n "$flag" ]] && extra+=("$flag")
+  fi
+  if ((PIPELINE_STEP_RANKS[i])); then
+    launch_ranks "$PIPELINE_TRAIN_RANKS" "$PIPELINE_TRAIN_NODES" "${argv[@]}" "${extra[@]}"
+  else
+    glmpost "${argv[@]}" "${extra[@]}"
+  fi
 }
 
 # --- inside a Slurm job -------------------------------------------------------------------------
@@ -243,4 +195,14 @@ slurm_run_step() {
     return "$rc"
   fi
   say "-- $name: done in $((SECONDS - t0)) s"
+}
+
+# slurm_step INDEX: run step INDEX as this job (a split step: as this array task of the array).
+slurm_step() {
+  local i=$1 label="${PIPELINE_STEP_LABEL[$1]}" task=0 tasks=1
+  if ((PIPELINE_STEP_TASKS[i] > 0)); then
+    task="${SLURM_ARRAY_TASK_ID:-0}" tasks="${SLURM_ARRAY_TASK_COUNT:-1}"
+    label+=", task $task of $tasks"
+  fi
+  slurm_run_step "$label" run_pipeline_step "$i" "$task" "$tasks"
 }

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from glmpost.checkpoints import CheckpointError, load_tokenizer, resolve_checkpoint
 from glmpost.closure.mismatch import (
     DTYPES,
+    GATE_METRICS,
     PathScores,
     compare_indexers,
     compare_paths,
@@ -35,7 +36,8 @@ from glmpost.closure.mismatch import (
     rollout_path,
     server_path,
 )
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError, setting, shared
+from glmpost.errors import GlmpostError
 from glmpost.formats import iter_checked_records
 from glmpost.npu import resolve_device
 from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
@@ -46,29 +48,31 @@ REPRODUCIBLE_ENGINES = ("glmpost-local",)  # engines whose per-sequence uniforms
 
 @dataclass
 class DiffConfig:
-    """The settings of one comparison (the options of ``glmpost diff-logprobs``, under the same names)."""
+    """The settings of one comparison: the options of ``glmpost diff-logprobs``; refusals name these fields."""
 
     inputs: list[str] = field(default_factory=list)  # trajectory shards (files, directories or globs)
     checkpoint: Optional[Path] = None  # path A: a checkpoint root (its LATEST) or a version
     out: Optional[Path] = None  # the report directory, as messages name it (the caller stages it)
-    against: Optional[Path] = None  # path B: another checkpoint
-    against_server: Optional[str] = None  # path B: a glmpost serve / SGLang server URL
-    dtype: str = "auto"
-    against_dtype: Optional[str] = None
-    device: str = "auto"
-    against_device: Optional[str] = None
-    deterministic_topk: bool = True
-    against_topk: Optional[str] = None  # deterministic or torch
-    batch_size: int = 8
-    against_batch_size: Optional[int] = None
-    indexer: bool = False
-    beta: float = 2.0
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    fail_above: list[str] = field(default_factory=list)  # METRIC=VALUE gates
-    worst: int = 10
-    context_tokens: int = 12
-    plots: bool = True
+    against: Optional[Path] = setting(None, "Path B: another checkpoint (root or version; quantized ones are dequantized).")
+    against_server: Optional[str] = setting(None, "Path B: a glmpost serve / SGLang server URL.")
+    dtype: str = setting("auto", "Path A dtype: auto (the checkpoint's), fp32, bf16 or fp16.")
+    against_dtype: Optional[str] = setting(None, "Path B dtype (default: path A's).")
+    device: str = setting("auto", "Path A device: auto, cpu, cuda[:N] or npu[:N].")
+    against_device: Optional[str] = setting(None, "Path B device (default: path A's).")
+    deterministic_topk: bool = setting(True, "Path A DSA indexer top-k rule (see `glmpost rollout --help`).",
+                                       flag="--deterministic-topk/--torch-topk")
+    against_topk: Optional[str] = setting(None, "Path B DSA indexer top-k rule: deterministic or torch (default: path A's).")
+    batch_size: int = setting(8, "Path A trajectories per forward pass.", min=1)
+    against_batch_size: Optional[int] = setting(None, "Path B trajectories per forward pass (default: path A's).", min=1)
+    indexer: bool = setting(False, "Also compare the DSA indexer's selected top-k key sets (two local paths).")
+    beta: float = setting(2.0, "IcePop beta: a token is kept when 1/beta <= p_A / p_B <= beta.")
+    eps_low: float = setting(0.2, "DIS lower epsilon: kept when 1 - eps_low < ratio.")
+    eps_high: float = setting(0.28, "DIS upper epsilon: kept when ratio < 1 + eps_high.")
+    fail_above: list[str] = setting([], f"METRIC=VALUE ({', '.join(GATE_METRICS)}): exit 1 when exceeded; repeatable.")
+    worst: int = setting(10, "How many of the worst tokens to list.", min=0)
+    context_tokens: int = setting(12, "Tokens of context decoded before each worst token.", min=0)
+    plots: bool = setting(True, "Write the PNG plots beside report.json.", flag="--plots/--no-plots")
+    overwrite: bool = shared("overwrite")
 
     @property
     def local_b(self) -> bool:
@@ -86,20 +90,23 @@ class DiffConfig:
         try:
             gates = parse_gates(self.fail_above)
         except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        for flag, value in (("--dtype", self.dtype), ("--against-dtype", self.against_dtype)):
+            raise ConfigError("{fail_above} {problem}", problem=exc) from None
+        for name in ("dtype", "against_dtype"):
+            value = getattr(self, name)
             if value is not None and value not in DTYPES:
-                raise UsageError(f"{flag} {value!r}: expected one of {', '.join(DTYPES)}")
+                raise ConfigError("{%s} {value!r}: expected one of {known}" % name, value=value, known=", ".join(DTYPES))
         if self.against_topk not in (None, "deterministic", "torch"):
-            raise UsageError(f"--against-topk {self.against_topk!r}: expected deterministic or torch")
+            raise ConfigError("{against_topk} {value!r}: expected deterministic or torch", value=self.against_topk)
         if self.against is not None and self.against_server is not None:
-            raise UsageError("--against and --against-server both name path B; pass one")
+            raise ConfigError("{against} and {against_server} both name path B; pass one")
         if self.against_server is not None and self.local_b:
-            raise UsageError("--against-server compares with the server as it runs; drop --against-dtype/--against-device/--against-topk/--against-batch-size")
+            raise ConfigError("{against_server} compares with the server as it runs; drop "
+                              "{against_dtype}/{against_device}/{against_topk}/{against_batch_size}")
         if self.indexer and not self.local_b:
-            raise UsageError("--indexer compares two local paths: add --against, --against-dtype, --against-device, --against-topk or --against-batch-size")
+            raise ConfigError("{indexer} compares two local paths: add {against}, {against_dtype}, {against_device}, "
+                              "{against_topk} or {against_batch_size}")
         if "indexer_differing_sets" in gates and not self.indexer:
-            raise UsageError("--fail-above indexer_differing_sets: not measured in this comparison (add --indexer)")
+            raise ConfigError("{fail_above} indexer_differing_sets: not measured in this comparison (add {indexer})")
         return gates
 
 
@@ -136,24 +143,25 @@ class LocalSide:
                 "topk": "deterministic" if self.deterministic_topk else "torch", "batch_size": self.batch_size}
 
 
-def resolve_flag_checkpoint(flag: str, path: Path) -> Path:
-    """The version directory ``path`` names; an error names ``flag``."""
+def resolve_field_checkpoint(name: str, path: Path) -> Path:
+    """The version directory ``path`` names; an error names the config field ``name``."""
     try:
         return resolve_checkpoint(path)
     except CheckpointError as exc:
-        raise GlmpostError(f"{flag}: {exc}") from None
+        raise ConfigError("{%s}: {reason}" % name, reason=exc, exit_code=1) from None
 
 
 def open_checkpoints(config: DiffConfig) -> tuple[Path, Path, Any, str]:
     """``(version_dir, against_dir, tokenizer, revision)``: path A's checkpoint and path B's (A's
     without ``against``), which must share A's tokenizer revision."""
-    version_dir = resolve_flag_checkpoint("--checkpoint", config.checkpoint)
+    version_dir = resolve_field_checkpoint("checkpoint", config.checkpoint)
     tokenizer, revision = load_tokenizer(version_dir)
-    against_dir = resolve_flag_checkpoint("--against", config.against) if config.against is not None else version_dir
+    against_dir = resolve_field_checkpoint("against", config.against) if config.against is not None else version_dir
     if config.against is not None:
         _, against_revision = load_tokenizer(against_dir)
         if against_revision != revision:
-            raise GlmpostError(f"--against {against_dir}: tokenizer revision {against_revision} differs from --checkpoint's {revision}")
+            raise ConfigError("{against} {path}: tokenizer revision {theirs} differs from {checkpoint}'s {revision}",
+                              path=against_dir, theirs=against_revision, revision=revision, exit_code=1)
     return version_dir, against_dir, tokenizer, revision
 
 
@@ -196,14 +204,15 @@ def server_path_b(url: str, records, *, temperature: float, revision: str, vocab
     try:
         info = client.model_info()
     except ServerError as exc:
-        raise GlmpostError(f"--against-server {client.url}: {exc}") from None
+        raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
     theirs = info.get("tokenizer_revision") if isinstance(info, dict) else None
     if theirs is not None and theirs != revision:
-        raise GlmpostError(f"--against-server {client.url}: tokenizer revision {theirs} differs from --checkpoint's {revision}")
+        raise ConfigError("{against_server} {url}: tokenizer revision {theirs} differs from {checkpoint}'s {revision}",
+                          url=client.url, theirs=theirs, revision=revision, exit_code=1)
     try:
         path = server_path(client, records, temperature=temperature, vocab_size=vocab_size, label="B", progress=progress)
     except (ValueError, ServerError) as exc:
-        raise GlmpostError(f"--against-server {client.url}: {exc}") from None
+        raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
     return path, {"kind": "server", "url": client.url, "weight_version": info.get("weight_version"),
                   "model_path": info.get("model_path")}
 
@@ -222,7 +231,7 @@ def apply_gates(report: dict[str, Any], gates: dict[str, float]) -> list[str]:
     failed = [f"{name} {overall[name]:.6g} > {limit:g}" for name, limit in gates.items() if name in overall and overall[name] > limit]
     unmeasured = [name for name in gates if name not in overall and overall.get("tokens")]
     if unmeasured:
-        raise UsageError(f"--fail-above {unmeasured[0]}: not measured in this comparison (path B cannot resample)")
+        raise ConfigError("{fail_above} {name}: not measured in this comparison (path B cannot resample)", name=unmeasured[0])
     report["gates"] = {"fail_above": gates, "failed": failed}
     return failed
 

@@ -164,16 +164,17 @@ def indexer_summary(a: torch.Tensor, b: torch.Tensor, ties_a: torch.Tensor, ties
 
 
 def parse_gates(items: Iterable[str]) -> dict[str, float]:
-    """``METRIC=VALUE`` pairs of ``--fail-above`` (metrics of the overall summary, see GATE_METRICS)."""
+    """``METRIC=VALUE`` pairs of ``--fail-above`` (metrics of the overall summary, see GATE_METRICS); a
+    ValueError names the item, not the setting (the caller does: ``{fail_above} <problem>``)."""
     gates = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or name not in GATE_METRICS:
-            raise ValueError(f"--fail-above {item!r}: expected METRIC=VALUE with METRIC one of {', '.join(GATE_METRICS)}")
+            raise ValueError(f"{item!r}: expected METRIC=VALUE with METRIC one of {', '.join(GATE_METRICS)}")
         try:
             gates[name] = float(value)
         except ValueError:
-            raise ValueError(f"--fail-above {item!r}: {value!r} is not a number") from None
+            raise ValueError(f"{item!r}: {value!r} is not a number") from None
     return gates
 
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
 from glmpost.closure.scoring import TeacherPayload, payload_from_rows, score_records
-from glmpost.config import domain_assignment
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError, domain_assignment, setting, shared
+from glmpost.errors import GlmpostError
 from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
 from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
 
@@ -43,36 +43,39 @@ def parse_routes(value: Any) -> dict[str, str]:
     if isinstance(value, str):
         value = dict(parse_route(part) for part in value.split(",") if part.strip())
     if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
-        raise UsageError(f"--routes / [score-teacher.routes]: expected DOMAIN = \"CHECKPOINT\" entries, got {value!r}")
+        raise ConfigError("{routes} / [score-teacher.routes]: expected DOMAIN = \"CHECKPOINT\" entries, got {value!r}",
+                          value=value)
     return {str(k): str(v) for k, v in value.items()}
 
 
 @dataclass
 class ScoreTeacherConfig:
-    """What one ``score-teacher`` run does. ``options`` are the effective options written to
-    ``stage.json`` and the shard headers (the run spells their ``route`` as ``DOMAIN=CKPT``
-    strings); ``flag_name`` spells an option's flag in messages."""
+    """What one ``score-teacher`` run does (the options of ``glmpost score-teacher``, under the same
+    names). ``options`` are the effective options written to ``stage.json`` and the shard headers
+    (the run spells their ``route`` as ``DOMAIN=CKPT`` strings)."""
 
-    inputs: list[str]
-    out: Path
-    teacher: Path | None = None
-    routes: dict[str, str] = field(default_factory=dict)
-    route: list[tuple[str, str]] = field(default_factory=list)
-    default_teacher: Path | None = None
-    student: Path | None = None
-    payload: str = "sampled"
-    topk: int = 8
-    engine: str = "local"
-    server: str | None = None
-    batch_size: int = 8
-    chunk_size: int = 512
-    device: str = "auto"
-    shard_index: int = 0
-    num_shards: int = 1
-    zstd_level: int = 3
-    overwrite: bool = False
+    inputs: list[str]  # student rollout shards: files, directories or globs
+    out: Path  # one scored shard per input shard, same file name
+    teacher: Path | None = setting(None, "One teacher checkpoint (root or version) for every record.")
+    routes: dict[str, str] | None = setting(None, "Domain-to-teacher table, as the recipe's [score-teacher.routes] "
+                                            "(DOMAIN=CKPT,... on the command line).")
+    route: list[tuple[str, str]] = field(default_factory=list)  # --route DOMAIN=CKPT items; they win over routes
+    default_teacher: Path | None = setting(
+        None, "Teacher for records whose domain has no route; without it such a record is an error.")
+    student: Path | None = setting(None, "Student checkpoint whose vocabulary teachers must share (default: the "
+                                   "checkpoint the rollout shards recorded, if it exists).")
+    payload: str = setting("sampled", "sampled (one log-prob per token) or topk (also the teacher's top-k ids and log-probs).")
+    topk: int = setting(8, "k of the top-k payload.", min=1)
+    engine: str = setting("local", "local (in-process prefill) or sglang (--server).")
+    server: str | None = setting(None, "URL[,URL...] of SGLang-compatible servers serving the one teacher (--engine sglang).")
+    batch_size: int = setting(8, "Records per teacher forward (local engine) or requests in flight (sglang).", min=1)
+    chunk_size: int = setting(512, "Positions per chunk of the teacher's LM head (bounds [chunk, V] memory).", min=1)
+    device: str = shared("device")
+    shard_index: int = shared("shard_index")
+    num_shards: int = shared("num_shards")
+    zstd_level: int = shared("zstd_level")
+    overwrite: bool = shared("overwrite")
     options: dict[str, Any] = field(default_factory=dict)
-    flag_name: Callable[[str], str] | None = None
 
 
 @dataclass
@@ -111,25 +114,25 @@ class Routing:
         if self.default is not None:
             return self.default
         known = ", ".join(sorted(self.routes)) or "none"
-        raise UsageError(f"{where}: domain {domain!r} has no teacher route (routes: {known}); "
-                         "add it to [score-teacher.routes] or pass --default-teacher")
+        raise ConfigError("{where}: domain {domain!r} has no teacher route (routes: {known}); "
+                          "add it to [score-teacher.routes] or pass {default_teacher}", where=where, domain=domain, known=known)
 
 
 def check_config(config: ScoreTeacherConfig) -> Routing:
     """Refuse contradictory options (payload, engine, teachers, server); returns the routing."""
     if config.payload not in PAYLOADS:
-        raise UsageError(f"--payload {config.payload!r}: expected one of {', '.join(PAYLOADS)}")
+        raise ConfigError("{payload} {value!r}: expected one of {known}", value=config.payload, known=", ".join(PAYLOADS))
     if config.engine not in ENGINES:
-        raise UsageError(f"--engine {config.engine!r}: expected one of {', '.join(ENGINES)}")
+        raise ConfigError("{engine} {value!r}: expected one of {known}", value=config.engine, known=", ".join(ENGINES))
     table = {**(config.routes or {}), **dict(config.route)}
     teacher, default = config.teacher, config.default_teacher
     if teacher is not None and (table or default is not None):
-        raise UsageError("--teacher scores every record with one teacher; do not combine it with routes or --default-teacher")
+        raise ConfigError("{teacher} scores every record with one teacher; do not combine it with routes or {default_teacher}")
     if teacher is None and not table and default is None:
-        raise UsageError("no teacher: pass --teacher, a [score-teacher.routes] table / --route, or --default-teacher")
+        raise ConfigError("no teacher: pass {teacher}, a [score-teacher.routes] table / {route}, or {default_teacher}")
     routing = Routing(table, str(teacher) if teacher is not None else (str(default) if default else None))
     if config.engine == "sglang" and not config.server:
-        raise UsageError("--engine sglang needs --server URL")
+        raise ConfigError("{engine} sglang needs {server} URL")
     return routing
 
 
@@ -151,7 +154,7 @@ class ScoreTeacherRun:
         c = self.config
         paths = select_shards(resolve_shard_paths(c.inputs), c.shard_index, c.num_shards)
         targets = shard_outputs(paths, c.out, what="scored shards")
-        check_same_options(c.out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=c.overwrite, flag_name=c.flag_name)
+        check_same_options(c.out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=c.overwrite)
         pending = [p for p in paths if c.overwrite or not complete_shard(targets[p], STAGE, redo="scoring again")]
         skipped = len(paths) - len(pending)
         self.check(pending)
@@ -168,7 +171,7 @@ class ScoreTeacherRun:
         for path in pending:
             self.plan[path] = _check_input(path, self.routing, self.teachers, opened)
         if self.config.engine == "sglang" and len(_unique(self.teachers)) > 1:
-            raise UsageError("--engine sglang scores with one teacher per run (its --server); run score-teacher once per teacher")
+            raise ConfigError("{engine} sglang scores with one teacher per run (its {server}); run score-teacher once per teacher")
         _check_vocabularies(_unique(self.teachers), self.config.student, pending)
         for path in pending:
             _check_token_range(path, self.plan[path], self.teachers)
@@ -357,7 +360,8 @@ def _check_vocabularies(teachers: list[Teacher], student: Path | None, pending: 
             reference = int(AutoConfig.from_pretrained(str(resolve_checkpoint(student))).vocab_size)
             name = f"student {student}"
         except (CheckpointError, OSError, ValueError) as exc:
-            raise UsageError(f"--student {student}: cannot read its config ({str(exc).splitlines()[0]})") from None
+            raise ConfigError("{student} {path}: cannot read its config ({reason})", path=student,
+                              reason=str(exc).splitlines()[0]) from None
     for t in teachers:
         if reference is None:
             reference, name = t.vocab_size, f"teacher {t.path}"
@@ -385,11 +389,13 @@ def _sglang_pool(server: str, teacher: Teacher, concurrency: int):
         theirs = info.get("tokenizer_revision")
         if theirs is not None and theirs != teacher.revision:
             pool.close()
-            raise GlmpostError(f"--server {client.url} serves tokenizer revision {theirs} but teacher {teacher.path} has {teacher.revision}")
+            raise ConfigError("{server} {url} serves tokenizer revision {theirs} but teacher {path} has {revision}",
+                              url=client.url, theirs=theirs, path=teacher.path, revision=teacher.revision, exit_code=1)
         vocab = info.get("vocab_size")
         if vocab is not None and int(vocab) != teacher.vocab_size:
             pool.close()
-            raise GlmpostError(f"--server {client.url} serves a vocabulary of {vocab} tokens but teacher {teacher.path} has {teacher.vocab_size}")
+            raise ConfigError("{server} {url} serves a vocabulary of {vocab} tokens but teacher {path} has {size}",
+                              url=client.url, vocab=vocab, path=teacher.path, size=teacher.vocab_size, exit_code=1)
     return pool
 
 

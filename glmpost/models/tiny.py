@@ -10,9 +10,15 @@ task with GRPO on one CPU in under a minute.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
+
+from glmpost.config import ConfigError, setting, shared
 
 TINY_GLM5: dict[str, Any] = {
     "vocab_size": 512,
@@ -44,6 +50,43 @@ TINY_GLM5: dict[str, Any] = {
 }
 
 PRESETS: dict[str, dict[str, Any]] = {"tiny-glm5": TINY_GLM5}
+DTYPES = ("float32", "bfloat16")
+STAGE = "init-model"
+
+
+@dataclass
+class InitModelConfig:
+    """The settings of ``glmpost init-model`` (its options, under the same names); refusals name these fields."""
+
+    out: Optional[Path] = None  # the checkpoint directory (the caller stages it)
+    preset: str = setting("tiny-glm5", f"Model preset: {', '.join(PRESETS)}.")
+    seed: int = setting(0, "Seed of the weight initialisation; the same seed gives identical files.")
+    index_topk: Optional[int] = setting(
+        None, "DSA indexer top-k (keys each query may attend to); default from the preset (8).")
+    overrides: list[str] = setting(
+        [], "Override any GlmMoeDsaConfig field, KEY=VALUE with a JSON value (repeatable).", flag="--set")
+    dtype: str = setting("float32", "Dtype the weights are saved in: float32 or bfloat16.")
+    overwrite: bool = shared("overwrite")
+
+    def model_settings(self) -> dict[str, Any]:
+        """The checkpoint's ``GlmMoeDsaConfig`` fields (:func:`model_settings`), the dtype checked first."""
+        if self.dtype not in DTYPES:
+            raise ConfigError("{dtype} {value!r}: expected float32 or bfloat16", value=self.dtype)
+        return model_settings(self.preset, parse_overrides(self.overrides), index_topk=self.index_topk)
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``overrides`` (``--set key=value``) pairs; values are JSON (numbers, lists, true/false), else strings."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("{overrides} {item!r}: expected KEY=VALUE, e.g. {overrides} hidden_size=128", item=item)
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    return overrides
 
 
 def tiny_glm5_config(**overrides: Any):
@@ -68,19 +111,17 @@ def build_model(config, *, seed: int):
 
 def model_settings(preset: str, overrides: dict[str, Any], *, index_topk: int | None = None) -> dict[str, Any]:
     """A preset's ``GlmMoeDsaConfig`` fields with ``overrides`` (and ``index_topk``) applied; an
-    unknown preset or field is a usage error naming it."""
+    unknown preset or field is refused naming the config field (``preset``, ``overrides``)."""
     from transformers import GlmMoeDsaConfig
 
-    from glmpost.errors import UsageError
-
     if preset not in PRESETS:
-        raise UsageError(f"--preset {preset!r}: unknown preset (known: {', '.join(PRESETS)})")
+        raise ConfigError("{preset} {value!r}: unknown preset (known: {known})", value=preset, known=", ".join(PRESETS))
     settings = {**PRESETS[preset], **overrides}
     if index_topk is not None:
         settings["index_topk"] = index_topk
     unknown = sorted(set(settings) - set(GlmMoeDsaConfig.__dataclass_fields__) - {"rope_parameters"})
     if unknown:
-        raise UsageError(f"--set: unknown GlmMoeDsaConfig field(s): {', '.join(unknown)}")
+        raise ConfigError("{overrides}: unknown GlmMoeDsaConfig field(s): {names}", names=", ".join(unknown))
     return settings
 
 
@@ -120,3 +161,23 @@ def write_tiny_checkpoint(directory, settings: dict[str, Any], *, preset: str, s
     return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model_config.vocab_size,
             "index_topk": model_config.index_topk, "tokenizer_size": len(tokenizer), "tokenizer_revision": revision,
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+def init_model_run(config: InitModelConfig, settings: dict[str, Any], staging: Path, options: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Write the checkpoint of ``settings`` (:meth:`InitModelConfig.model_settings`), ``metrics.jsonl``
+    and ``stage.json`` (recording ``options``) into ``staging``; ``(summary, human line)``."""
+    from glmpost.stage import MetricsWriter, write_stage_json
+
+    facts = write_tiny_checkpoint(staging, settings, preset=config.preset, seed=config.seed, dtype=config.dtype)
+    with MetricsWriter(staging / "metrics.jsonl") as metrics:
+        metrics.write(**{"init/parameters": facts["parameters"], "init/vocab_size": facts["vocab_size"],
+                         "init/tokenizer_size": facts["tokenizer_size"], "init/seconds": facts["seconds"]})
+    write_stage_json(staging, STAGE, options)
+    summary = {"out": str(config.out), "preset": config.preset, "parameters": facts["parameters"],
+               "vocab_size": facts["vocab_size"], "index_topk": facts["index_topk"], "policy_version": 0,
+               "tokenizer_revision": facts["tokenizer_revision"]}
+    human = (
+        f"{config.out}: {config.preset} GlmMoeDsaForCausalLM, {facts['parameters']:,} parameters, vocab {facts['vocab_size']}, "
+        f"DSA index_topk {facts['index_topk']}, policy version 0, tokenizer {facts['tokenizer_revision']}"
+    )
+    return summary, human

@@ -26,8 +26,11 @@ refuses an unset one, naming it. Versions
 are fixed when the pipeline is planned (the base checkpoint's policy version + 1 per update), so a
 rerun names the same version directories and every stage skips the work it already published.
 
-``python -m glmpost.pipeline RECIPE --shell`` prints the plan as shell assignments for
-``eval`` (the scripts use it); ``--json`` prints it as JSON. Errors are one line (exit 2).
+The pipeline is a list of steps (:mod:`glmpost.pipeline.steps`: each one glmpost command with its
+argv, inputs, outputs and ranks; one entry per stage in ``PIPELINE_STAGES``); the scripts run that
+list and know no stage. ``python -m glmpost.pipeline RECIPE --shell`` prints the plan and its
+steps as shell assignments for ``eval`` (the scripts use it); ``--json`` prints them as JSON.
+Errors are one line (exit 2).
 """
 
 from glmpost.pipeline.plan import PipelinePlan, plan, shell_assignments
@@ -39,6 +42,7 @@ from glmpost.pipeline.recipe import (
     load_pipeline,
     require_resolved,
 )
+from glmpost.pipeline.steps import PIPELINE_STAGES, Step, pipeline_steps, step_assignments
 
-__all__ = ["LAUNCHERS", "STAGE_ORDER", "PipelineConfig", "PipelinePlan", "SlurmConfig", "load_pipeline", "plan",
-           "require_resolved", "shell_assignments"]
+__all__ = ["LAUNCHERS", "PIPELINE_STAGES", "STAGE_ORDER", "PipelineConfig", "PipelinePlan", "SlurmConfig", "Step",
+           "load_pipeline", "pipeline_steps", "plan", "require_resolved", "shell_assignments", "step_assignments"]

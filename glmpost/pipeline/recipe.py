@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from glmpost.config import setting
 from glmpost.errors import UsageError
+from glmpost.pipeline.steps import STAGE_ORDER
 from glmpost.toml import load_recipe
 
-STAGE_ORDER = ("init-model", "qat", "rl", "opd", "quantize", "diff-logprobs")
 LAUNCHERS = ("cpu", "cuda", "npu")
 TEACHER_REFS = ("base", "sft", "rl")  # checkpoints of earlier stages a cross-stage OPD teacher can be
 SLURM_KEYS = {
@@ -55,27 +57,28 @@ class SlurmConfig:
 
 @dataclass
 class PipelineConfig:
-    """A validated ``[pipeline]`` section, with every path absolute."""
+    """A validated ``[pipeline]`` section, with every path absolute. A field with help text is a key
+    of the section (``run_dir`` is ``run-dir``): its type and bounds are what the key accepts."""
 
     recipe: Path
-    stages: list[str]
-    run_dir: Path
-    base_checkpoint: Path | None = None
-    sft_data: list[Path] = field(default_factory=list)
-    prompts: list[Path] = field(default_factory=list)
-    opd_prompts: list[Path] = field(default_factory=list)
-    iterations: int = 1
-    rollout_tasks: int = 1
-    train_ranks: int = 1
-    train_nodes: int = 1
-    launcher: str = "cpu"
-    sync_weights: bool = False
-    opd_group_size: int = 1
-    opd_judge: bool = False
-    opd_default_teacher: str | None = "rl"
-    teachers: dict[str, str] = field(default_factory=dict)
-    seed: int = 0
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    stages: list[str] = setting([], f"The stages to run, in this order; any subset of {', '.join(STAGE_ORDER)} that can run.")
+    run_dir: Path = setting(None, "The folder every step writes its output under.")
+    base_checkpoint: Path | None = setting(None, "The model to post-train (or put init-model first in stages).")
+    sft_data: list[Path] = setting([], "qat's input data files.")
+    prompts: list[Path] = setting([], "Reasoning RL prompt files.")
+    opd_prompts: list[Path] = setting([], "Prompt files the OPD student samples on (default: prompts).")
+    iterations: int = setting(1, "RL policy updates.", min=1)
+    rollout_tasks: int = setting(1, "Tasks splitting each rollout (Slurm array size, --num-shards).", min=1)
+    train_ranks: int = setting(1, "Training ranks per node (DeepSpeed data parallel).", min=1)
+    train_nodes: int = setting(1, "Nodes of each training step.", min=1)
+    launcher: str = setting("cpu", f"The environment and device of every job: {', '.join(LAUNCHERS)}.")
+    sync_weights: bool = setting(False, "Publish every new policy as the rollout checkpoint the next iteration samples.")
+    opd_group_size: int = setting(1, "Samples per OPD prompt (the brief: 1).", min=1)
+    opd_judge: bool = setting(False, "Judge the OPD rollouts (opd-merge's task advantage needs rewards).")
+    opd_default_teacher: str | None = setting("rl", f"Teacher of domains without a route: {', '.join(TEACHER_REFS)} or a checkpoint path.")
+    teachers: dict[str, str] = field(default_factory=dict)  # [pipeline.teachers]: domain -> teacher
+    seed: int = setting(0, "Base seed of the rollouts (iteration i samples with seed + i, OPD with seed + 1000).")
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # [pipeline.slurm]
     unresolved: dict[str, str] = field(default_factory=dict)  # key -> path naming an unset ${VARIABLE}
 
     def runs(self, stage: str) -> bool:
@@ -86,25 +89,15 @@ class PipelineConfig:
         return self.train_ranks * self.train_nodes
 
 
-# key in the TOML -> (dataclass field, kind)
-_KEYS: dict[str, tuple[str, str]] = {
-    "stages": ("stages", "str-list"),
-    "run-dir": ("run_dir", "path"),
-    "base-checkpoint": ("base_checkpoint", "path"),
-    "sft-data": ("sft_data", "path-list"),
-    "prompts": ("prompts", "path-list"),
-    "opd-prompts": ("opd_prompts", "path-list"),
-    "iterations": ("iterations", "int"),
-    "rollout-tasks": ("rollout_tasks", "int"),
-    "train-ranks": ("train_ranks", "int"),
-    "train-nodes": ("train_nodes", "int"),
-    "launcher": ("launcher", "str"),
-    "sync-weights": ("sync_weights", "bool"),
-    "opd-group-size": ("opd_group_size", "int"),
-    "opd-judge": ("opd_judge", "bool"),
-    "opd-default-teacher": ("opd_default_teacher", "str"),
-    "seed": ("seed", "int"),
-}
+def _section_keys() -> dict[str, tuple[str, str]]:
+    """Key in the TOML -> (field, kind), from :class:`PipelineConfig`'s settings."""
+    kinds = {int: "int", bool: "bool", str: "str", Path: "path", list[str]: "str-list", list[Path]: "path-list",
+             Path | None: "path", str | None: "str"}
+    hints = typing.get_type_hints(PipelineConfig)
+    return {f.name.replace("_", "-"): (f.name, kinds[hints[f.name]]) for f in fields(PipelineConfig) if "help" in f.metadata}
+
+
+_KEYS = _section_keys()
 _TABLES = ("slurm", "teachers")
 
 
@@ -115,15 +108,11 @@ def _type_ok(kind: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind in ("str", "path"):
         return isinstance(value, str)
-    if kind in ("str-list", "path-list"):
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    return False
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)  # str-list, path-list
 
 
 _KIND_WORDS = {"int": "an integer", "bool": "true or false", "str": "a string", "path": "a path string",
                "str-list": "a list of strings", "path-list": "a list of path strings"}
-
-
 def load_pipeline(path: Path | str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read and validate RECIPE's ``[pipeline]`` (``overrides`` replace its keys, as ``--set`` does).
 
@@ -227,9 +216,10 @@ def _validate(config: PipelineConfig, where: str) -> None:
                              f"(each stage consumes the one before; order: {', '.join(STAGE_ORDER)})")
     if "diff-logprobs" in stages and not ({"rl", "opd"} & set(stages)):
         raise UsageError(f"{where} stages: 'diff-logprobs' needs rollouts to check: add 'rl' or 'opd' before it")
-    for name in ("iterations", "rollout_tasks", "train_ranks", "train_nodes", "opd_group_size"):
-        if getattr(config, name) < 1:
-            raise UsageError(f"{where} {name.replace('_', '-')}: must be at least 1, not {getattr(config, name)}")
+    for f in fields(config):
+        low = f.metadata.get("min")
+        if low is not None and getattr(config, f.name) < low:
+            raise UsageError(f"{where} {f.name.replace('_', '-')}: must be at least {low}, not {getattr(config, f.name)}")
     if config.launcher not in LAUNCHERS:
         raise UsageError(f"{where} launcher: '{config.launcher}' is not one of {', '.join(LAUNCHERS)}")
 

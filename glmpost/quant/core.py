@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 from glmpost.quant.spec import FP8_MAX, QuantSpec
 
@@ -48,14 +49,14 @@ _FP8_SATURATE = 464.0
 
 
 def check_shape(shape: tuple[int, ...] | torch.Size, spec: QuantSpec, name: str = "weight") -> None:
-    """Raise a one-line :class:`UsageError` when ``spec`` cannot quantize a tensor of ``shape``."""
+    """Raise a one-line :class:`UsageError` when ``spec`` cannot quantize a tensor of ``shape`` (a group
+    size that does not divide it: a :class:`~glmpost.config.ConfigError` naming ``group_size``)."""
     if len(shape) < 2:
         raise UsageError(f"{name}: cannot quantize a {len(shape)}-D tensor (need [..., out, in])")
     if spec.granularity == "group" and shape[-1] % spec.group_size:
-        raise UsageError(
-            f"{name}: --group-size {spec.group_size} does not divide its input dim {shape[-1]} "
-            f"(shape {list(shape)}); use a group size that divides it or --exclude this layer"
-        )
+        raise ConfigError("{name}: {group_size} {value} does not divide its input dim {dim} (shape {shape}); "
+                          "use a group size that divides it or {exclude} this layer",
+                          name=name, value=spec.group_size, dim=shape[-1], shape=list(shape))
     if spec.code_kind == "int" and spec.bits == 4 and shape[-1] % 8:
         raise UsageError(f"{name}: int4 packing needs an input dim that is a multiple of 8, got {shape[-1]} (shape {list(shape)})")
 

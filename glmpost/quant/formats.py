@@ -62,13 +62,15 @@ def default_format(scheme: str) -> str:
 
 
 def check_format(scheme: str, fmt: str) -> None:
-    from glmpost.errors import UsageError
+    """Refuse a format that is unknown or cannot hold ``scheme``, naming the config field ``fmt``."""
+    from glmpost.config import ConfigError
 
     if fmt not in FORMATS:
-        raise UsageError(f"--format {fmt!r}: unknown format (known: {', '.join(FORMATS)})")
+        raise ConfigError("{fmt} {value!r}: unknown format (known: {known})", value=fmt, known=", ".join(FORMATS))
     ok = {"compressed-tensors": ("w4a16", "w8a16", "w8a8-dynamic"), "fp8": ("fp8-block",), "msmodelslim": ("w8a8-dynamic",)}[fmt]
     if scheme not in ok:
-        raise UsageError(f"--format {fmt} cannot hold scheme {scheme} (it holds {', '.join(ok)})")
+        raise ConfigError("{fmt} {value} cannot hold scheme {scheme_name} (it holds {holds})", value=fmt, scheme_name=scheme,
+                          holds=", ".join(ok))
 
 
 def _ct_format(spec: QuantSpec) -> str:

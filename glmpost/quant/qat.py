@@ -18,10 +18,10 @@ from collections.abc import Iterable
 import torch
 from torch.nn.utils import parametrize
 
-from glmpost.errors import UsageError
+from glmpost.config import ConfigError
 from glmpost.quant.core import check_shape, fake_quant
 from glmpost.quant.spec import QuantSpec
-from glmpost.quant.targets import DEFAULT_SKIP
+from glmpost.quant.targets import DEFAULT_SKIP, TARGET_MODES, check_patterns_match
 
 QAT_SCHEMES = ("none", "w4a16", "w8a16", "w8a8-dynamic")
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -41,9 +41,10 @@ class FakeQuantWeight(torch.nn.Module):
 def qat_targets(
     model: torch.nn.Module, *, targets: str = "all", include: Iterable[str] = (), exclude: Iterable[str] = ()
 ) -> list[tuple[str, torch.nn.Module, str]]:
-    """``(name, module, parameter)`` of every weight QAT fake-quantizes (names as in ``named_modules``)."""
-    if targets not in ("all", "moe-only"):
-        raise UsageError(f"--targets {targets!r}: expected all or moe-only")
+    """``(name, module, parameter)`` of every weight QAT fake-quantizes (names as in ``named_modules``);
+    a refusal names the config fields ``targets``, ``include`` and ``exclude``."""
+    if targets not in TARGET_MODES:
+        raise ConfigError("{targets} {value!r}: expected all or moe-only", value=targets)
     include = [re.compile(p) for p in include]
     exclude = [re.compile(p) for p in exclude]
     skip = [re.compile(p) for p in DEFAULT_SKIP]
@@ -56,25 +57,22 @@ def qat_targets(
             value = getattr(module, param, None) if name.endswith(".experts") else None
             if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
                 candidates.append((f"{name}.{param}", module, param, True))
-    names = [c[0] for c in candidates]
-    for flag, patterns in (("--include", include), ("--exclude", exclude)):
-        for pattern in patterns:
-            if not any(pattern.search(n) for n in names):
-                raise UsageError(f"{flag} {pattern.pattern!r} matches no quantizable layer of this model")
+    check_patterns_match([c[0] for c in candidates], {"include": include, "exclude": exclude}, what="this model")
     for name, module, param, is_expert in candidates:
         chosen = (is_expert or targets == "all") and not any(p.search(name) for p in skip)
         chosen = (chosen or any(p.search(name) for p in include)) and not any(p.search(name) for p in exclude)
         if chosen:
             found.append((name, module, param))
     if not found:
-        raise UsageError(f"--targets {targets}: no layer of this model is selected for quantization")
+        raise ConfigError("{targets} {value}: no layer of this model is selected for quantization", value=targets)
     return found
 
 
 def apply_fake_quant(model: torch.nn.Module, spec: QuantSpec, **selection) -> list[str]:
     """Parametrize the targeted weights with fake quant; returns their names."""
     if spec.scheme not in QAT_SCHEMES:
-        raise UsageError(f"--scheme {spec.scheme}: QAT supports {', '.join(QAT_SCHEMES)} (fp8-block is a rollout checkpoint format for `glmpost quantize`)")
+        raise ConfigError("{scheme} {value}: QAT supports {known} (fp8-block is a rollout checkpoint format for `glmpost quantize`)",
+                          value=spec.scheme, known=", ".join(QAT_SCHEMES))
     if spec.scheme == "none":
         return []
     chosen = qat_targets(model, **selection)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from glmpost.errors import UsageError
+from glmpost.config import ConfigError, setting
 
 SCHEMES = ("w4a16", "w8a16", "w8a8-dynamic", "fp8-block", "none")
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -90,20 +90,30 @@ class QuantSpec:
 CHANNEL = -1  # ``--group-size -1``: one scale per output channel (GPTQ's convention)
 
 
+@dataclass
+class GroupSizeSetting:
+    """The w4a16 group size, the same setting in every stage that quantizes a checkpoint (``quantize``,
+    ``sync-weights``): their configs inherit it."""
+
+    group_size: int | None = setting(
+        None, "w4a16 group size along the input dim (32 or 128; default 128; -1 = one scale per output channel).")
+
+
 def make_spec(scheme: str, *, group_size: int | None = None, scale_dtype: torch.dtype | None = None) -> QuantSpec:
     """The spec of a named scheme. ``group_size`` applies to ``w4a16`` only: a positive multiple of 8
     (32 or 128 in practice; default 128), or ``-1`` for one scale per output channel (compressed-tensors
-    ``strategy: channel``; coarser, so more sensitive to outlier weights)."""
+    ``strategy: channel``; coarser, so more sensitive to outlier weights). A refusal names the config
+    fields ``scheme`` and ``group_size`` (:class:`~glmpost.config.ConfigError`)."""
     if scheme not in SCHEMES:
-        raise UsageError(f"--scheme {scheme!r}: unknown scheme (known: {', '.join(SCHEMES)})")
+        raise ConfigError("{scheme} {value!r}: unknown scheme (known: {known})", value=scheme, known=", ".join(SCHEMES))
     if group_size is not None and scheme != "w4a16":
-        raise UsageError(f"--group-size applies to w4a16 only, not {scheme}")
+        raise ConfigError("{group_size} applies to w4a16 only, not {value}", value=scheme)
     if scheme == "w4a16":
         g = 128 if group_size is None else group_size
         if g == CHANNEL:
             return QuantSpec(scheme, 4, "channel", qmin=-8, qmax=7, scale_dtype=scale_dtype)
         if g <= 0 or g % 8:
-            raise UsageError(f"--group-size {g}: must be a positive multiple of 8 (e.g. 32 or 128) or -1 (per channel)")
+            raise ConfigError("{group_size} {value}: must be a positive multiple of 8 (e.g. 32 or 128) or -1 (per channel)", value=g)
         return QuantSpec(scheme, 4, "group", group_size=g, qmin=-8, qmax=7, scale_dtype=scale_dtype)
     if scheme in ("w8a16", "w8a8-dynamic"):
         return QuantSpec(

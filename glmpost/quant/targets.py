@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from glmpost.errors import UsageError
+from glmpost.config import ConfigError
 
 TARGET_MODES = ("all", "moe-only")
 DEFAULT_SKIP = (r"embed_tokens", r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.indexer\.")
@@ -70,14 +70,24 @@ def candidates_from_model(model, disk_shapes: dict[str, tuple[int, ...]]) -> lis
     return out
 
 
-def _compile(patterns: Iterable[str], flag: str) -> list[re.Pattern]:
+def _compile(patterns: Iterable[str], field: str) -> list[re.Pattern]:
+    """The regexes of config field ``field`` (``include`` / ``exclude``), compiled."""
     compiled = []
     for p in patterns:
         try:
             compiled.append(re.compile(p))
         except re.error as exc:
-            raise UsageError(f"{flag} {p!r}: not a valid regular expression ({exc})") from None
+            raise ConfigError("{%s} {pattern!r}: not a valid regular expression ({reason})" % field, pattern=p, reason=exc) from None
     return compiled
+
+
+def check_patterns_match(names: list[str], patterns: dict[str, list[re.Pattern]], *, what: str) -> None:
+    """Refuse a regex (``{field: compiled}``, ``include`` / ``exclude``) that matches none of ``names``,
+    the quantizable layers of ``what`` (``this checkpoint``, ``this model``)."""
+    for field, compiled in patterns.items():
+        for p in compiled:
+            if not any(p.search(n) for n in names):
+                raise ConfigError("{%s} {pattern!r} matches no quantizable layer of {what}" % field, pattern=p.pattern, what=what)
 
 
 def select_targets(
@@ -87,15 +97,12 @@ def select_targets(
     include: Iterable[str] = (),
     exclude: Iterable[str] = (),
 ) -> list[str]:
-    """Module names to quantize (sorted), by the rules in this module's docstring."""
+    """Module names to quantize (sorted), by the rules in this module's docstring; a refusal names the
+    config fields ``targets``, ``include`` and ``exclude``."""
     if targets not in TARGET_MODES:
-        raise UsageError(f"--targets {targets!r}: expected one of {', '.join(TARGET_MODES)}")
-    inc, exc = _compile(include, "--include"), _compile(exclude, "--exclude")
-    names = [c.module for c in candidates]
-    for flag, patterns in (("--include", inc), ("--exclude", exc)):
-        for p in patterns:
-            if not any(p.search(n) for n in names):
-                raise UsageError(f"{flag} {p.pattern!r} matches no quantizable layer of this checkpoint")
+        raise ConfigError("{targets} {value!r}: expected one of {known}", value=targets, known=", ".join(TARGET_MODES))
+    inc, exc = _compile(include, "include"), _compile(exclude, "exclude")
+    check_patterns_match([c.module for c in candidates], {"include": inc, "exclude": exc}, what="this checkpoint")
     skip = [re.compile(p) for p in DEFAULT_SKIP]
     chosen = set()
     for c in candidates:

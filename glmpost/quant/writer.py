@@ -191,7 +191,8 @@ def _open_weights(path: Path):
 def plan_checkpoint(src: Path, spec, *, targets: str, include=(), exclude=()) -> tuple[list[Path], LayerPlan]:
     """The weight files of float checkpoint ``src`` and the layers ``spec`` quantizes in them."""
     from glmpost.checkpoints import model_skeleton
-    from glmpost.errors import GlmpostError, UsageError
+    from glmpost.config import ConfigError
+    from glmpost.errors import GlmpostError
 
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -205,7 +206,7 @@ def plan_checkpoint(src: Path, spec, *, targets: str, include=(), exclude=()) ->
     if spec.scheme != "none":
         plan = layer_plan(model_skeleton(src), shapes, spec, targets=targets, include=include, exclude=exclude)
         if not plan.chosen:
-            raise UsageError("no layer selected for quantization (check --targets/--include/--exclude)")
+            raise ConfigError("no layer selected for quantization (check {targets}/{include}/{exclude})")
     return files, plan
 
 

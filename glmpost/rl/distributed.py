@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
-from glmpost.config import SettingError, setting
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError, SettingError, setting
+from glmpost.errors import GlmpostError
 from glmpost.npu import distributed_backend, resolve_device, set_deterministic
 
 
@@ -177,14 +178,31 @@ class DeepSpeedBackend:
         return client is not None
 
     def save_resume_state(self, path: Path, step: int, history: list[dict]) -> None:
-        self.engine.save_checkpoint(str(path.parent / "resume-deepspeed"), tag="resume", client_state={"step": step, "history": history})
+        """Every rank writes its partition under a new tag; only then does ``path`` (written
+        atomically by rank 0) name that tag, and the previous tag is removed. A kill during a save
+        leaves ``path`` naming the last complete one (rewriting one tag in place would leave ranks'
+        partitions from different steps)."""
+        directory, tag = path.parent / "resume-deepspeed", f"step-{step:08d}"
+        previous = self._resume_tag(path) if path.exists() else None
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "history": history})
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
         if self.rank == 0:
-            path.write_text(json.dumps({"deepspeed": True, "step": step}))
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"deepspeed": True, "step": step, "tag": tag}))
+            os.replace(tmp, path)
+            if previous not in (None, tag):
+                shutil.rmtree(directory / previous, ignore_errors=True)
+
+    @staticmethod
+    def _resume_tag(path: Path) -> str:
+        return json.loads(path.read_text()).get("tag", "resume")
 
     def load_resume_state(self, path: Path) -> tuple[int, list[dict]]:
-        _, client = self.engine.load_checkpoint(str(path.parent / "resume-deepspeed"), tag="resume")
+        directory = path.parent / "resume-deepspeed"
+        _, client = self.engine.load_checkpoint(str(directory), tag=self._resume_tag(path))
         if client is None:
-            raise GlmpostError(f"{path.parent / 'resume-deepspeed'}: no DeepSpeed resume checkpoint")
+            raise GlmpostError(f"{directory}: no DeepSpeed resume checkpoint")
         return int(client["step"]), list(client["history"])
 
 
@@ -195,16 +213,16 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None) 
         try:
             ds = json.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise UsageError(f"--deepspeed {path}: no such file") from None
+            raise ConfigError("{deepspeed_config} {path}: no such file", path=path) from None
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--deepspeed {path}: invalid JSON ({exc})") from None
+            raise ConfigError("{deepspeed_config} {path}: invalid JSON ({reason})", path=path, reason=exc) from None
     if zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = zero_stage
     ds.setdefault("zero_optimization", {"stage": 1})
     stage = ds["zero_optimization"].get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
-        source = f"--deepspeed {path}: zero_optimization.stage" if path is not None and zero_stage is None else "--zero-stage"
-        raise UsageError(f"{source} {stage!r}: ZeRO stages are 0, 1, 2 and 3")
+        source = "{deepspeed_config} {path}: zero_optimization.stage" if path is not None and zero_stage is None else "{zero_stage}"
+        raise ConfigError(source + " {stage!r}: ZeRO stages are 0, 1, 2 and 3", path=path, stage=stage)
     ds.setdefault("train_micro_batch_size_per_gpu", 1)  # glmpost feeds its own micro-batches
     ds.setdefault("gradient_accumulation_steps", 1)
     ds["managed_gradient_accumulation"] = False
@@ -262,7 +280,7 @@ class TrainingSession:
             try:
                 import deepspeed
             except ImportError:
-                raise UsageError("DeepSpeed is not installed: pip install deepspeed (needed for --zero-stage, --deepspeed or several ranks)") from None
+                raise ConfigError("DeepSpeed is not installed: pip install deepspeed (needed for {zero_stage}, {deepspeed_config} or several ranks)") from None
             if world == 1:  # a single DeepSpeed process without a launcher: a one-rank group on loopback
                 os.environ.setdefault("RANK", "0")
                 os.environ.setdefault("LOCAL_RANK", "0")

@@ -28,8 +28,7 @@ from typing import Any, Callable, Protocol
 from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointManifest, NextVersion, load_model
-from glmpost.config import setting
-from glmpost.errors import UsageError
+from glmpost.config import ConfigError, setting, shared
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
 from glmpost.stage import log, write_stage_json
 
@@ -38,15 +37,13 @@ from glmpost.stage import log, write_stage_json
 class RunOptions:
     """How a training run executes, whatever it optimises (the same for every training stage)."""
 
-    device: str = setting("auto", "auto, cpu, cuda[:N] or npu[:N] (under a launcher: this rank's local device).")
+    device: str = shared("device")
     deterministic: bool = setting(False, "Deterministic algorithms (torch, cuBLAS, HCCL switches).")
     zero_stage: int | None = setting(
         None, "Train with DeepSpeed ZeRO at this stage (default under a multi-process launcher: 1).", min=0, max=3)
     deepspeed_config: Path | None = setting(
         None, "DeepSpeed JSON config (its optimizer, ZeRO and clipping settings are used).", flag="--deepspeed")
-    deterministic_topk: bool = setting(
-        True, "DSA indexer top-k with ties to the lower position (the same keys in rollout and training); "
-        "--torch-topk keeps torch.topk's tie order.", flag="--deterministic-topk/--torch-topk")
+    deterministic_topk: bool = shared("deterministic_topk")
     save_every: int = setting(0, "Save resumable training state every N optimizer steps (0 = only at the end).", min=0)
     resume: bool = setting(False, "Continue an interrupted run from its saved state without repeating a step.")
     overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
@@ -118,7 +115,8 @@ class TrainingRun:
     def check_staging(self) -> None:
         staging = self.plan.staging
         if staging.exists() and not (self.options.resume or self.options.overwrite):
-            raise UsageError(f"an interrupted run left {staging}; pass --resume to continue it or --overwrite to start over")
+            raise ConfigError("an interrupted run left {staging}; pass {resume} to continue it or {overwrite} to start over",
+                              staging=staging)
 
     def start_session(self) -> TrainingSession:
         o = self.options

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from glmpost import __version__
 from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError
 from glmpost.rollout.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
 from glmpost.stage import log
@@ -140,7 +140,7 @@ class SGLangBackend:
         try:
             self.sglang_params = sglang_sampling_params(params, eos_ids)
         except ValueError as exc:
-            raise UsageError(f"--engine sglang --stop-token-ids: {exc}") from None
+            raise ConfigError("{engine_name} sglang {stop_token_ids}: {reason}", reason=exc) from None
         self.params = params
 
     def engine_name(self) -> str:
@@ -196,7 +196,7 @@ def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) 
     try:
         pool = SGLangPool(config.server, concurrency=config.concurrency, timeout=config.timeout, retries=config.retries)
     except ValueError as exc:
-        raise UsageError(f"--server {config.server!r}: {exc}") from None
+        raise ConfigError("{server} {value!r}: {reason}", value=config.server, reason=exc) from None
     for client in pool.clients:
         check_server(client, config, revision=revision, version_dir=version_dir)
     return pool
@@ -211,13 +211,14 @@ def check_server(client: Any, config: RolloutConfig, *, revision: str, version_d
     try:
         info = quick.model_info()
     except ServerError as exc:
-        raise GlmpostError(f"--server {client.url}: unreachable ({exc})") from None
+        raise ConfigError("{server} {url}: unreachable ({reason})", url=client.url, reason=exc, exit_code=1) from None
     served = info.get("tokenizer_revision") if isinstance(info, dict) else None
     if served is None:
         log(f"--server {client.url} does not report a tokenizer revision (not `glmpost serve`); "
             f"make sure it serves the tokenizer of {version_dir}")
     elif served != revision:
-        raise GlmpostError(f"--server {client.url} serves tokenizer revision {served}; --checkpoint {version_dir} has {revision}")
+        raise ConfigError("{server} {url} serves tokenizer revision {served}; {checkpoint} {version_dir} has {revision}",
+                          url=client.url, served=served, version_dir=version_dir, revision=revision, exit_code=1)
     if isinstance(info, dict) and isinstance(info.get("batch_size"), int) and info["batch_size"] < config.batch_size:
         log(f"--server {client.url} batches {info['batch_size']} sequences, fewer than --batch-size {config.batch_size}: "
             "log-probs may differ from --engine local in the last bits")

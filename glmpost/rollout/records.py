@@ -15,8 +15,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from glmpost.rollout.engine import Completion, SamplingParams
+from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
-from glmpost.formats import SHARD_SUFFIX, ShardReader, resolve_shard_paths
+from glmpost.formats import SHARD_SUFFIX, iter_checked_records, resolve_shard_paths
 from glmpost.rollout.prompts import encode_prompt, read_prompts
 
 
@@ -48,12 +49,8 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str)
                 _add(prompts, seen, RolloutPrompt(prompt.id, encode_prompt(tokenizer, prompt.messages), prompt.domain, prompt.task, where))
             continue
         for shard in resolve_shard_paths([item]):
-            for index, record in enumerate(ShardReader(shard)):
+            for index, (record, _) in enumerate(iter_checked_records([shard], revision=revision, stage="rollout")):
                 where = f"{shard}: record {index}"
-                if record["tokenizer_revision"] != revision:
-                    raise GlmpostError(
-                        f"{where}: tokenizer revision {record['tokenizer_revision']} differs from the checkpoint's {revision}"
-                    )
                 if record["prompt_id"] in seen:
                     continue
                 _add(prompts, seen, RolloutPrompt(record["prompt_id"], record["prompt_token_ids"].tolist(),
@@ -72,10 +69,9 @@ def check_context(prompts: Iterable[RolloutPrompt], *, max_new_tokens: int, cont
     """Refuse prompts that leave no room for ``max_new_tokens`` in the model's context."""
     for prompt in prompts:
         if len(prompt.token_ids) + max_new_tokens > context:
-            raise GlmpostError(
-                f"{prompt.source}: prompt is {len(prompt.token_ids)} tokens; with --max-new-tokens {max_new_tokens} "
-                f"it exceeds the model's context of {context} tokens"
-            )
+            raise ConfigError("{source}: prompt is {length} tokens; with {max_new_tokens} {value} it exceeds the model's "
+                              "context of {context} tokens", source=prompt.source, length=len(prompt.token_ids),
+                              value=max_new_tokens, context=context, exit_code=1)
         if not prompt.token_ids:
             raise GlmpostError(f"{prompt.source}: prompt has no tokens")
 

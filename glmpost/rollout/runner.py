@@ -21,11 +21,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
 from glmpost.npu import resolve_device
@@ -56,27 +57,28 @@ class RolloutConfig:
     inputs: list[str] = field(default_factory=list)  # prompt JSONL files, or shards to resample
     checkpoint: Optional[Path] = None  # a checkpoint root (its LATEST) or a version directory
     out: Optional[Path] = None  # the output directory for the rollout shards
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_token_ids: str = "default"  # comma-separated ids, "default" (the model's eos ids) or "none"
-    seed: int = 0
-    batch_size: int = 32
-    prompts_per_shard: int = 64
-    limit: Optional[int] = None
-    shard_index: int = 0
-    num_shards: int = 1
-    device: str = "auto"
-    deterministic_topk: bool = True
-    engine_name: str = "local"  # local or sglang
-    server: Optional[str] = None  # with sglang: comma-separated server URLs
-    concurrency: int = 8
-    timeout: float = 600.0
-    retries: int = 3
-    zstd_level: int = 3
-    overwrite: bool = False
+    group_size: int = setting(8, "Samples per prompt (GRPO's G); siblings share a group_id.", min=1)
+    temperature: float = setting(1.0, "Sampling temperature; 0 is greedy (log-probs 0).", min=0.0)
+    top_p: float = setting(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
+    top_k: int = setting(0, "Sample among the k most likely tokens; 0 disables.", min=0)
+    max_new_tokens: int = setting(64, "Most tokens sampled per response.", min=1)
+    stop_token_ids: str = setting("default", "Comma-separated ids that end a response (kept in it); 'default' = the "
+                                  "model's eos ids, 'none' = never stop early.")
+    seed: int = setting(0, "Sampling seed; each sequence's generator derives from it and the sequence id.")
+    batch_size: int = setting(32, "Sequences decoded together (does not change the samples' seeds).", min=1)
+    prompts_per_shard: int = setting(64, "Prompts per output shard (x group size records).", min=1)
+    limit: Optional[int] = setting(None, "Use only the first N prompts.", min=1)
+    shard_index: int = shared("shard_index")
+    num_shards: int = shared("num_shards")
+    device: str = shared("device")
+    deterministic_topk: bool = shared("deterministic_topk")
+    engine_name: str = setting("local", "local (in-process torch) or sglang (HTTP: --server).", flag="--engine")
+    server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
+    concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
+    timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
+    retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
+    zstd_level: int = shared("zstd_level")
+    overwrite: bool = shared("overwrite")
 
     def sampling_params(self) -> SamplingParams:
         """The sampling settings, checked (their stop ids are set once the model's eos ids are known)."""
@@ -91,9 +93,9 @@ class RolloutConfig:
     def check_engine(self) -> None:
         """Refuse an unknown engine, or ``sglang`` without servers."""
         if self.engine_name not in ENGINES:
-            raise UsageError(f"--engine must be local or sglang, got {self.engine_name!r}")
+            raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)
         if self.engine_name == "sglang" and not self.server:
-            raise UsageError("--engine sglang needs --server URL[,URL...]")
+            raise ConfigError("{engine_name} sglang needs {server} URL[,URL...]")
 
     def as_options(self) -> dict[str, Any]:
         """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output)."""
@@ -111,7 +113,7 @@ class RolloutConfig:
 
 
 def parse_stop_ids(value: str, default: list[int]) -> list[int]:
-    """``--stop-token-ids``: ``default`` (the model's eos ids), ``none`` / empty, or comma-separated ids."""
+    """``stop_token_ids``: ``default`` (the model's eos ids), ``none`` / empty, or comma-separated ids."""
     if value == "default":
         return list(default)
     if value in ("", "none"):
@@ -119,7 +121,8 @@ def parse_stop_ids(value: str, default: list[int]) -> list[int]:
     try:
         return [int(v) for v in value.split(",")]
     except ValueError:
-        raise UsageError(f"--stop-token-ids {value!r}: expected comma-separated integers, 'default' or 'none'") from None
+        raise ConfigError("{stop_token_ids} {value!r}: expected comma-separated integers, 'default' or 'none'",
+                          value=value) from None
 
 
 @dataclass
@@ -194,15 +197,12 @@ class RolloutRunner:
     """Runs one rollout: ``RolloutRunner(config, options=...).run()`` returns the summary.
 
     ``options`` are the options recorded in ``stage.json`` and the shard headers (by default
-    :meth:`RolloutConfig.as_options`); ``flag_name`` spells an option's flag in the message that
-    refuses an output written with other options.
+    :meth:`RolloutConfig.as_options`).
     """
 
-    def __init__(self, config: RolloutConfig, *, options: dict[str, Any] | None = None,
-                 flag_name: Callable[[str], str] | None = None):
+    def __init__(self, config: RolloutConfig, *, options: dict[str, Any] | None = None):
         self.config = config
         self.options = config.as_options() if options is None else options
-        self.flag_name = flag_name
 
     def run(self) -> dict[str, Any]:
         """Check, load, claim the output, write this task's missing shards; the run's summary."""
@@ -239,7 +239,7 @@ class RolloutRunner:
         out.mkdir(parents=True, exist_ok=True)
         facts = {"policy_version": checkpoint.policy_version, "checkpoint": str(checkpoint.version_dir)}
         check_same_options(out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=self.config.overwrite,
-                           facts=facts, flag_name=self.flag_name)
+                           facts=facts)
         write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
                          policy_version=checkpoint.policy_version)
 
@@ -308,7 +308,6 @@ class RolloutRunner:
         }
 
 
-def run_rollout(config: RolloutConfig, *, options: dict[str, Any] | None = None,
-                flag_name: Callable[[str], str] | None = None) -> dict[str, Any]:
-    """``RolloutRunner(config, options=options, flag_name=flag_name).run()``."""
-    return RolloutRunner(config, options=options, flag_name=flag_name).run()
+def run_rollout(config: RolloutConfig, *, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``RolloutRunner(config, options=options).run()``."""
+    return RolloutRunner(config, options=options).run()

@@ -33,6 +33,7 @@ from glmpost.checkpoints import (
     read_manifest,
     resolve_checkpoint,
 )
+from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.fsutil import fsync_path
 
@@ -106,26 +107,28 @@ def _file_facts(files: list[Path], *, mtime: bool) -> list[bytes]:
 
 
 def resolve_source(checkpoint: Path | str, base: Path | str | None = None) -> TrainSource:
-    """The training checkpoint ``checkpoint`` names (see the module docstring, step 1)."""
+    """The training checkpoint ``checkpoint`` names (see the module docstring, step 1); a refusal names
+    the sync's config fields ``checkpoint`` and ``base``."""
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
-        raise UsageError(f"--checkpoint {checkpoint} does not exist")
+        raise ConfigError("{checkpoint} {path} does not exist", path=checkpoint)
     if checkpoint.is_dir() and is_deepspeed_checkpoint(checkpoint):
         save_dir, tag = _deepspeed_tag(checkpoint)
         if base is None:  # glmpost's DeepSpeed backend saves into vNNNNNN/trainer_state/deepspeed
             base = next((p for p in save_dir.parents if (p / "config.json").is_file()), None)
             if base is None:
-                raise UsageError(f"--checkpoint {checkpoint} is a DeepSpeed checkpoint: pass --base CKPT for its config.json and tokenizer")
+                raise ConfigError("{checkpoint} {path} is a DeepSpeed checkpoint: pass {base} CKPT for its config.json and tokenizer",
+                                  path=checkpoint)
         base_dir = resolve_checkpoint(base)
         if not (base_dir / "config.json").is_file():
-            raise UsageError(f"--base {base}: no config.json")
+            raise ConfigError("{base} {path}: no config.json", path=base)
         manifest = read_manifest(base_dir) if (base_dir / MANIFEST).is_file() else None
         files = [f for f in (save_dir / tag).iterdir() if f.is_file()]
         revision = _digest([b"deepspeed", tag.encode(), *_file_facts(files, mtime=True)])
         return TrainSource(save_dir / tag, "deepspeed", base_dir, manifest.policy_version if manifest else 0,
                            manifest.step if manifest else 0, manifest.stage if manifest else None, revision, tag)
     if base is not None:
-        raise UsageError(f"--base is only for a DeepSpeed checkpoint; {checkpoint} is not one")
+        raise ConfigError("{base} is only for a DeepSpeed checkpoint; {path} is not one", path=checkpoint)
     directory = resolve_checkpoint(checkpoint)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -261,7 +264,8 @@ def convert(
 
     Every input tensor is checked against the architecture before anything is written: a missing
     tensor or a wrong shape is a :class:`GlmpostError` naming it. Tensors the architecture does not
-    know (e.g. extra MTP layers) are passed through and listed in ``unexpected``.
+    know (e.g. extra MTP layers) are passed through and listed in ``unexpected``. An unknown
+    ``scheme`` or ``dtype`` is refused naming the sync's config fields ``quantize`` and ``dtype``.
     """
     import torch
 
@@ -271,9 +275,9 @@ def convert(
 
     started = time.perf_counter()
     if scheme not in SCHEMES:
-        raise UsageError(f"--quantize {scheme!r}: expected one of {', '.join(SCHEMES)}")
+        raise ConfigError("{quantize} {value!r}: expected one of {known}", value=scheme, known=", ".join(SCHEMES))
     if dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        raise ConfigError("{dtype} {value!r}: expected one of {known}", value=dtype, known=", ".join(DTYPES))
     spec = make_spec(scheme, group_size=group_size if scheme == "w4a16" else None)
     model_config = json.loads((source.base / "config.json").read_text())
     if "quantization_config" in model_config:

@@ -4,7 +4,8 @@
 shapes) to an engine call and answers JSON; a refused request is ``{"error": {"message", "code"}}``
 with its 4xx status, an unexpected failure a 500, and no request takes the server down.
 :func:`make_http_server` builds the threading server, :func:`serve_until_signalled` runs it until
-SIGTERM or SIGINT, and :func:`bound_address` says where it listens.
+SIGTERM or SIGINT, and :func:`bound_address` says where it listens. :func:`serve_checkpoint` is one
+``glmpost serve`` run (:class:`ServeConfig`): the engine, the listening server and the metrics lines.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
+from glmpost.config import ConfigError, setting, shared
+from glmpost.npu import resolve_device
 from glmpost.serving.parsing import RequestError
 from glmpost.serving.server import EngineServer
+from glmpost.stage import MetricsWriter, log
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -129,8 +136,99 @@ def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:
     return (host if isinstance(host, str) else host.decode()), int(port)
 
 
+@dataclass
+class ServeConfig:
+    """The settings of ``glmpost serve`` (its options, under the same names); refusals name these fields."""
+
+    checkpoint: Optional[Path] = None  # a root (its LATEST) or a version directory
+    host: str = setting("127.0.0.1", "Address to listen on (loopback by default; 0.0.0.0 exposes it).")
+    port: int = setting(30000, "TCP port; 0 picks a free one (printed when ready).", min=0, max=65535)
+    device: str = shared("device")
+    batch_size: int = setting(32, "Most sequences decoded together in one engine batch.", min=1)
+    batch_wait_ms: float = setting(
+        50.0, "Most time the engine waits for as many single requests as its last batch had before it starts a batch.", min=0.0)
+    weight_version: Optional[str] = setting(None, "Initial weight_version reported; default: the checkpoint's policy version.")
+    deterministic_topk: bool = shared("deterministic_topk")
+    log_requests: bool = setting(False, "Log every HTTP request to stderr.")
+    metrics: Optional[Path] = setting(
+        None, "Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.")
+    metrics_interval: float = setting(10.0, "Seconds between --metrics lines.", min=0.1)
+
+
+class _MetricsLines:
+    """The ``serve/*`` counters appended to ``metrics`` on every tick from :meth:`start` on: the
+    engine's stats, uptime, weight version and generated tokens per second over the interval."""
+
+    def __init__(self, path: Path):
+        try:
+            self.writer = MetricsWriter(path)
+        except OSError as exc:
+            raise ConfigError("{metrics} {path}: cannot open for appending ({reason})", path=path,
+                              reason=exc.strerror or exc) from None
+        self.path = path
+
+    def start(self, engine: EngineServer) -> None:
+        self.engine = engine
+        self.started = self.last_time = time.monotonic()
+        self.last_tokens = 0
+
+    def write(self, final: bool) -> None:
+        now, stats = time.monotonic(), dict(self.engine.stats)
+        interval = max(now - self.last_time, 1e-9)
+        try:
+            self.writer.write(
+                **{f"serve/{k}": (round(v, 6) if isinstance(v, float) else v) for k, v in stats.items()},
+                **{"serve/uptime_s": round(now - self.started, 3), "serve/weight_version": self.engine.weight_version,
+                   "serve/tokens_per_s": round((stats["generated_tokens"] - self.last_tokens) / interval, 3),
+                   "serve/final": final},
+            )
+        except OSError as exc:  # a full disk must not take the server down
+            log(f"--metrics {self.path}: cannot write ({exc.strerror or exc}); serving on")
+        self.last_time, self.last_tokens = now, stats["generated_tokens"]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]) -> dict[str, Any]:
+    """Serve ``config.checkpoint`` until SIGTERM or SIGINT (:func:`serve_until_signalled`), calling
+    ``on_listening(url)`` once the server is ready; returns the engine's counters at stop."""
+    metrics = _MetricsLines(config.metrics) if config.metrics is not None else None
+    try:
+        device = resolve_device(config.device)
+        engine = EngineServer(config.checkpoint, device=device, batch_size=config.batch_size,
+                              deterministic_topk=config.deterministic_topk, weight_version=config.weight_version,
+                              batch_wait_s=config.batch_wait_ms / 1000.0)
+        try:
+            server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests)
+        except OSError as exc:
+            raise ConfigError("{host} {address} {port} {number}: cannot listen ({reason})", address=config.host,
+                              number=config.port, reason=exc.strerror or exc) from None
+        host, port = bound_address(server)
+        shown = f"[{host}]" if ":" in host else host
+
+        def ready() -> None:
+            log(f"serving {engine.loaded.version_dir} (weight_version {engine.weight_version}, tokenizer "
+                f"{engine.loaded.revision}) on {device}, batch size {config.batch_size}")
+            on_listening(f"http://{shown}:{port}")
+
+        if metrics is not None:
+            metrics.start(engine)
+        serve_until_signalled(engine, server, on_ready=ready, on_tick=metrics.write if metrics else None,
+                              tick_s=config.metrics_interval)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    stats = engine.stats
+    log(f"stopped after {stats['batches']} engine batches, {stats['sequences']} sequences, "
+        f"{stats['generated_tokens']} generated tokens")
+    return dict(stats)
+
+
 __all__ = [
+    "ServeConfig",
     "bound_address",
     "make_http_server",
+    "serve_checkpoint",
     "serve_until_signalled",
 ]

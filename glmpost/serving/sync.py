@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve_checkpoint, version_dir_name
-from glmpost.errors import GlmpostError
+from glmpost.config import ConfigError
 from glmpost.fsutil import fsync_dir
 
 STAGING_PREFIX = ".staging-"
@@ -50,14 +50,16 @@ PAUSE_ENV = "GLMPOST_SYNC_PAUSE_BEFORE_PUBLISH"
 
 @contextmanager
 def root_lock(root: Path) -> Iterator[None]:
-    """Exclusive lock of a rollout root for one sync (released by the kernel if the process dies)."""
+    """Exclusive lock of a rollout root for one sync (released by the kernel if the process dies); a
+    root another sync holds is refused naming the config field ``out``."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise GlmpostError(f"--out {root}: another sync-weights is writing into it ({LOCK_FILE} is locked)") from None
+            raise ConfigError("{out} {root}: another sync-weights is writing into it ({lock} is locked)",
+                              root=root, lock=LOCK_FILE, exit_code=1) from None
         yield
     finally:
         os.close(fd)

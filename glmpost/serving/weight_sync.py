@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,7 +28,9 @@ from glmpost.checkpoints import (
     tokenizer_revision,
     write_manifest,
 )
-from glmpost.errors import GlmpostError, UsageError
+from glmpost.config import ConfigError, setting
+from glmpost.errors import GlmpostError
+from glmpost.quant.spec import GroupSizeSetting
 from glmpost.serving.convert import DTYPES, SCHEMES, ConvertResult, TrainSource, convert, resolve_source
 from glmpost.serving.sync import (
     clean_stale_staging,
@@ -45,37 +47,39 @@ STAGE = "sync-weights"
 
 
 @dataclass
-class SyncConfig:
-    """The settings of one sync (the options of ``glmpost sync-weights``, under the same names)."""
+class SyncConfig(GroupSizeSetting):
+    """The settings of one sync: the options of ``glmpost sync-weights`` (``group_size`` is the one
+    ``glmpost quantize`` has too); refusals name these fields."""
 
     checkpoint: Optional[Path] = None  # a glmpost root or version, a Hugging Face or DeepSpeed directory
     out: Optional[Path] = None  # the rollout root: version directories vNNNNNN and LATEST
-    base: Optional[Path] = None  # config.json and tokenizer of a DeepSpeed checkpoint
-    quantize: str = "none"  # one of SCHEMES
-    group_size: Optional[int] = None  # w4a16 only (default 128)
-    dtype: str = "auto"  # one of DTYPES
-    max_shard_size: float = 4096.0  # MiB
-    server: list[str] = field(default_factory=list)  # URL[,URL...] entries; none = publish only
-    retries: int = 3
-    backoff: float = 1.0
-    timeout: float = 600.0
-    keep: int = 0  # newest versions to keep; 0 keeps all
+    base: Optional[Path] = setting(
+        None, "For a DeepSpeed checkpoint: the checkpoint whose config.json and tokenizer files to use "
+        "(default: the glmpost version directory holding it).")
+    quantize: str = setting("none", f"Rollout weight quantization: {', '.join(SCHEMES)}.")
+    dtype: str = setting("auto", f"Dtype of the unquantized tensors: {', '.join(DTYPES)} (auto keeps the training dtype).")
+    max_shard_size: float = setting(4096.0, "Largest safetensors shard to write, in MiB.")
+    server: list[str] = setting([], "Server(s) to switch, URL[,URL...] (repeatable); none = publish only.")
+    retries: int = setting(3, "Extra attempts per server after a failed update or confirmation.")
+    backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.")
+    timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).")
+    keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
 
     def check(self) -> None:
-        """Refuse settings that cannot work, naming the flag (before anything is read or written)."""
+        """Refuse settings that cannot work (before anything is read or written)."""
         if self.quantize not in SCHEMES:
-            raise UsageError(f"--quantize {self.quantize!r}: expected one of {', '.join(SCHEMES)}")
+            raise ConfigError("{quantize} {value!r}: expected one of {known}", value=self.quantize, known=", ".join(SCHEMES))
         if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+            raise ConfigError("{dtype} {value!r}: expected one of {known}", value=self.dtype, known=", ".join(DTYPES))
         if self.group_size is not None and self.quantize != "w4a16":
-            raise UsageError(f"--group-size applies to --quantize w4a16 only, not {self.quantize}")
-        for flag, value in (("--keep", self.keep), ("--retries", self.retries)):
-            if value < 0:
-                raise UsageError(f"{flag} {value}: must be >= 0")
+            raise ConfigError("{group_size} applies to {quantize} w4a16 only, not {value}", value=self.quantize)
+        for name in ("keep", "retries"):
+            if getattr(self, name) < 0:
+                raise ConfigError("{%s} {value}: must be >= 0" % name, value=getattr(self, name))
         if self.max_shard_size <= 0:
-            raise UsageError(f"--max-shard-size {self.max_shard_size}: must be > 0")
+            raise ConfigError("{max_shard_size} {value}: must be > 0", value=self.max_shard_size)
         if self.out.exists() and not self.out.is_dir():
-            raise UsageError(f"--out {self.out} exists and is not a directory")
+            raise ConfigError("{out} {root} exists and is not a directory", root=self.out)
 
     def quantization(self) -> dict[str, Any]:
         """The quantization a version is synced with (kept in its manifest; a rerun must match it)."""
@@ -93,17 +97,21 @@ def server_urls(values: list[str]) -> list[str]:
     urls = parse_server_urls(items)
     for url in urls:
         if not url.startswith(("http://", "https://")):
-            raise UsageError(f"--server {url!r}: expected http://HOST:PORT")
+            raise ConfigError("{server} {url!r}: expected http://HOST:PORT", url=url)
     return urls
 
 
 def describe_quantization(quantization: dict | None) -> str:
-    """A quantization spelled as the flags that give it (``--quantize w4a16 --group-size 128 ...``)."""
+    """A quantization as the settings that give it, for a :class:`~glmpost.config.ConfigError` message
+    (``{quantize} w4a16 {group_size} 128 {dtype} auto``: a command spells the fields as its flags)."""
+    def literal(value: Any) -> str:
+        return str(value).replace("{", "{{").replace("}", "}}")
+
     q = quantization or {}
-    text = f"--quantize {q.get('scheme')}"
+    text = "{quantize} " + literal(q.get("scheme"))
     if q.get("group_size"):
-        text += f" --group-size {q['group_size']}"
-    return text + f" --dtype {q.get('dtype')}"
+        text += " {group_size} " + literal(q["group_size"])
+    return text + " {dtype} " + literal(q.get("dtype"))
 
 
 def _resolve(config: SyncConfig) -> TrainSource:
@@ -111,7 +119,7 @@ def _resolve(config: SyncConfig) -> TrainSource:
     source = resolve_source(config.checkpoint, config.base)
     out = config.out
     if out.resolve() in (source.path.resolve(), *source.path.resolve().parents):
-        raise UsageError(f"--out {out} holds the training checkpoint {source.path}; use a separate rollout root")
+        raise ConfigError("{out} {root} holds the training checkpoint {path}; use a separate rollout root", root=out, path=source.path)
     return source
 
 
@@ -120,12 +128,12 @@ def _check_published(config: SyncConfig, source: TrainSource, target: Path) -> N
     before = read_manifest(target)
     done_source = before.extra.get("source", {})
     if before.stage != STAGE or done_source.get("revision") != source.revision:
-        raise UsageError(f"--out {config.out}: {target.name} was published from another checkpoint "
-                         f"({done_source.get('path', before.parent)}); policy versions are never overwritten")
+        raise ConfigError("{out} {root}: {name} was published from another checkpoint ({path}); policy versions are "
+                          "never overwritten", root=config.out, name=target.name, path=done_source.get("path", before.parent))
     if before.extra.get("quantization") != config.quantization():
-        raise UsageError(f"--out {config.out}: {target.name} was synced with "
-                         f"{describe_quantization(before.extra.get('quantization'))}, "
-                         f"now {describe_quantization(config.quantization())}; use another --out")
+        raise ConfigError("{out} {root}: {name} was synced with " + describe_quantization(before.extra.get("quantization"))
+                          + ", now " + describe_quantization(config.quantization()) + "; use another {out}",
+                          root=config.out, name=target.name)
 
 
 def _check_new(config: SyncConfig, source: TrainSource, target: Path, latest: int | None) -> None:
@@ -134,8 +142,8 @@ def _check_new(config: SyncConfig, source: TrainSource, target: Path, latest: in
         raise GlmpostError(f"{target} exists but has no {MANIFEST}; remove it (not written by sync-weights)")
     version = source.policy_version
     if latest is not None and version < latest:
-        raise UsageError(f"--checkpoint {source.path} is policy version {version}, older than {config.out}'s LATEST "
-                         f"v{latest:06d}; rollout versions only move forward")
+        raise ConfigError("{checkpoint} {path} is policy version {version}, older than {root}'s LATEST v{latest:06d}; "
+                          "rollout versions only move forward", path=source.path, version=version, root=config.out, latest=latest)
 
 
 def _convert_into(config: SyncConfig, source: TrainSource, staging: Path, options: dict[str, Any]) -> ConvertResult:

@@ -1,0 +1,97 @@
+"""Settings defined once (glmpost.config) and library errors that name config fields, said by a
+command with its own flags (commands.options)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from glmpost.commands.options import config_from, option, spelled_with_flags
+from glmpost.config import SHARED_SETTINGS, ConfigError, SettingError, setting, setting_of, shared
+from glmpost.errors import GlmpostError, UsageError
+
+
+@dataclasses.dataclass
+class Toy:
+    engine_name: str = setting("local", "local or remote.", flag="--engine")
+    server: str | None = setting(None, "Server URL.")
+    hosts: list = setting([], "Hosts.")
+    device: str = shared("device")
+
+
+def toy_run(config: Toy) -> str:
+    if config.engine_name == "remote" and not config.server:
+        raise ConfigError("{engine_name} remote needs {server} URL")
+    if config.engine_name not in ("local", "remote"):
+        raise ConfigError("{engine_name} {value!r}: expected local or remote", value=config.engine_name)
+    if config.server == "down":
+        raise ConfigError("{server} {url}: unreachable", url=config.server, exit_code=1)
+    if config.server == "zero":
+        raise SettingError("server", config.server, "is out of range")
+    return "ok"
+
+
+def toy_command(ctx: typer.Context, engine_name: str = option(Toy, "engine_name"), server: str = option(Toy, "server"),
+                device: str = option(Toy, "device")) -> None:
+    typer.echo(toy_run(config_from(ctx, Toy)))
+
+
+def run_toy(*args: str):
+    app = typer.Typer()
+    app.command()(spelled_with_flags(toy_command))
+    return CliRunner().invoke(app, list(args))
+
+
+def test_a_setting_holds_default_help_and_flag_and_copies_a_list_default():
+    default, meta = setting_of(Toy, "engine_name")
+    assert (default, meta["help"], meta["flag"]) == ("local", "local or remote.", "--engine")
+    first, second = Toy(), Toy()
+    first.hosts.append("a")
+    assert second.hosts == []
+    default, meta = setting_of(Toy, "device")
+    assert default == "auto" and meta["help"] == SHARED_SETTINGS["device"]["help"]
+
+
+def test_a_config_error_names_fields_and_reads_as_recipe_keys_without_a_command():
+    error = ConfigError("{engine_name} remote needs {server} URL")
+    assert str(error) == "--engine-name remote needs --server URL" and error.exit_code == 2
+    assert error.fields == ["engine_name", "server"]
+    assert error.spelled(lambda name: name.upper()) == "ENGINE_NAME remote needs SERVER URL"
+    braces = ConfigError("{out} {path}: bad", path="/tmp/{x}")  # values are never read as fields
+    assert str(braces) == "--out /tmp/{x}: bad" and braces.fields == ["out"]
+    assert isinstance(ConfigError("x", exit_code=1), UsageError) and ConfigError("x", exit_code=1).exit_code == 1
+
+
+@pytest.mark.parametrize("args, exit_code, message", [
+    (["--engine", "remote"], 2, "--engine remote needs --server URL"),
+    (["--engine", "other"], 2, "--engine 'other': expected local or remote"),
+    (["--server", "down"], 1, "--server down: unreachable"),
+    (["--server", "zero"], 2, "--server 'zero' is out of range"),
+])
+def test_a_command_says_library_errors_with_its_flags(args, exit_code, message):
+    result = run_toy(*args)
+    assert isinstance(result.exception, GlmpostError), result.output
+    assert str(result.exception) == message and result.exception.exit_code == exit_code
+    assert isinstance(result.exception, UsageError) == (exit_code == 2)
+    assert run_toy("--engine", "remote", "--server", "http://x").output.strip() == "ok"
+
+
+def test_real_stages_spell_their_own_flags(glmpost_cli, tiny_checkpoint, tmp_path):
+    z4 = tmp_path / "z4.json"
+    z4.write_text(json.dumps({"zero_optimization": {"stage": 4}}))
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[train-grpo]\ndeepspeed = "{z4}"\n')
+    checked = glmpost_cli("recipe", "check", recipe)
+    assert checked.exit_code == 2
+    assert f"[train-grpo] --deepspeed {z4}: zero_optimization.stage 4: ZeRO stages are 0, 1, 2 and 3" in checked.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "count: 3"}) + "\n")
+    sglang = glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r", "--engine", "sglang")
+    assert sglang.exit_code == 2 and sglang.stderr == "glmpost: error: --engine sglang needs --server URL[,URL...]\n"
+    assert not (tmp_path / "r").exists()
+    device = glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r", "--device", "tpu")
+    assert device.exit_code == 2 and device.stderr.startswith("glmpost: error: --device must be one of ")
