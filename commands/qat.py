@@ -25,6 +25,7 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
 from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
+from glmpost.quant.qat import QATQuantization
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
 from glmpost.rl.updates import qat_update
@@ -38,11 +39,11 @@ def qat(
     inputs: list[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL files, or trajectory shards."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model to fine-tune: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version and its LATEST pointer."),
-    scheme: str = typer.Option("w4a16", "--scheme", help="Fake quantization: w4a16 (int4 groups), w8a16, w8a8-dynamic (weights), or none (plain SFT)."),
-    group_size: int | None = typer.Option(None, "--group-size", help="w4a16 group size along the input dim (32 or 128; default 128; -1 = one scale per output channel); must divide every targeted layer."),
-    targets: str = typer.Option("all", "--targets", help="all (linear layers and experts) or moe-only (experts only)."),
-    include: list[str] = typer.Option([], "--include", help="Regex of extra layers to quantize (e.g. lm_head); repeatable."),
-    exclude: list[str] = typer.Option([], "--exclude", help="Regex of layers to leave in float; repeatable."),
+    scheme: str = option(QATQuantization, "scheme"),
+    group_size: int | None = option(QATQuantization, "group_size"),
+    targets: str = option(QATQuantization, "targets"),
+    include: list[str] = option(QATQuantization, "include"),
+    exclude: list[str] = option(QATQuantization, "exclude"),
     eval_data: list[str] = typer.Option([], "--eval", help="Held-out data (same forms as the inputs): loss before and after, with fake quant on."),
     lr: float = option(SFTConfig, 'lr'),
     weight_decay: float = option(SFTConfig, 'weight_decay'),
@@ -57,8 +58,8 @@ def qat(
     **shared: Any,
 ) -> None:
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    summary = qat_update(run, inputs, config_from(ctx, SFTConfig), scheme=scheme, group_size=group_size, targets=targets,
-                         include=include, exclude=exclude, eval_data=eval_data, stage_options=effective_options(ctx))
+    summary = qat_update(run, inputs, config_from(ctx, SFTConfig), quantization=config_from(ctx, QATQuantization),
+                         eval_data=eval_data, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: {scheme} QAT of {s['quantized_layers']} layers, {s['records']} trajectories, {s['steps']} steps, "
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}"

@@ -22,15 +22,16 @@ from glmpost.checkpoints import resolve_checkpoint
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.quant.spec import GroupSizeSetting
+from glmpost.quant.targets import LayerSelection
 from glmpost.stage import MetricsWriter, log, write_stage_json
 
 STAGE = "quantize"
 
 
 @dataclass
-class QuantizeConfig(GroupSizeSetting):
+class QuantizeConfig(GroupSizeSetting, LayerSelection):
     """The settings of one offline quantization: the options of ``glmpost quantize`` (``group_size`` is
-    the one ``sync-weights`` has too); refusals name these fields."""
+    the one ``sync-weights`` and ``qat`` have too, the layer selection ``qat``'s); refusals name these fields."""
 
     checkpoint: Optional[Path] = None  # a version directory or a root (its LATEST)
     out: Optional[Path] = None  # the output directory, as messages name it (the caller stages it)
@@ -38,9 +39,6 @@ class QuantizeConfig(GroupSizeSetting):
     fmt: Optional[str] = setting(
         None, "compressed-tensors (int schemes), fp8 (fp8-block) or msmodelslim (w8a8-dynamic for vLLM-Ascend); "
         "default by scheme.", flag="--format")
-    targets: str = setting("all", "all (every Linear and routed expert) or moe-only (routed experts).")
-    include: list[str] = setting([], "Regex of module names to quantize too (overrides the default skips; repeatable).")
-    exclude: list[str] = setting([], "Regex of module names to keep in float (repeatable).")
     report: bool = setting(False, "Print a per-layer table of SQNR and max abs error (stderr with --json).")
     overwrite: bool = shared("overwrite")
 

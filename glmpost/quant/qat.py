@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.nn.utils import parametrize
 
-from glmpost.config import ConfigError
+from glmpost.config import ConfigError, setting
 from glmpost.quant.core import check_shape, fake_quant
-from glmpost.quant.spec import QuantSpec
-from glmpost.quant.targets import DEFAULT_SKIP, TARGET_MODES, check_patterns_match
+from glmpost.quant.spec import GroupSizeSetting, QuantSpec
+from glmpost.quant.targets import DEFAULT_SKIP, TARGET_MODES, LayerSelection, check_patterns_match
 
 QAT_SCHEMES = ("none", "w4a16", "w8a16", "w8a8-dynamic")
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class QATQuantization(GroupSizeSetting, LayerSelection):
+    """What ``qat`` fake-quantizes: the scheme, and the group size and layers as ``quantize`` takes
+    them (so the deployed checkpoint is quantized exactly as trained)."""
+
+    scheme: str = setting("w4a16", "Fake quantization: w4a16 (int4 groups), w8a16, w8a8-dynamic (weights), or none (plain SFT).")
 
 
 class FakeQuantWeight(torch.nn.Module):

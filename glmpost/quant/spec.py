@@ -92,11 +92,12 @@ CHANNEL = -1  # ``--group-size -1``: one scale per output channel (GPTQ's conven
 
 @dataclass
 class GroupSizeSetting:
-    """The w4a16 group size, the same setting in every stage that quantizes a checkpoint (``quantize``,
-    ``sync-weights``): their configs inherit it."""
+    """The w4a16 group size, the same setting in every stage that quantizes (``quantize``,
+    ``sync-weights``, ``qat``): their configs inherit it."""
 
     group_size: int | None = setting(
-        None, "w4a16 group size along the input dim (32 or 128; default 128; -1 = one scale per output channel).")
+        None, "w4a16 group size along the input dim (32 or 128; default 128; -1 = one scale per output channel); "
+        "it must divide every quantized layer's input dim.")
 
 
 def make_spec(scheme: str, *, group_size: int | None = None, scale_dtype: torch.dtype | None = None) -> QuantSpec:

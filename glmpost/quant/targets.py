@@ -24,11 +24,22 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from glmpost.config import ConfigError
+from glmpost.config import ConfigError, setting
 
 TARGET_MODES = ("all", "moe-only")
 DEFAULT_SKIP = (r"embed_tokens", r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.indexer\.")
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+
+
+@dataclass
+class LayerSelection:
+    """Which layers a stage quantizes: the same settings in ``quantize`` and ``qat`` (their configs
+    inherit them)."""
+
+    targets: str = setting("all", "all (every Linear and routed expert) or moe-only (routed experts).")
+    include: list[str] = setting([], "Regex of module names to quantize too (overrides the default skips, e.g. "
+                                 "lm_head; repeatable).")
+    exclude: list[str] = setting([], "Regex of module names to keep in float (repeatable).")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import load_tokenizer
 from glmpost.config import ConfigError, setting, shared
-from glmpost.errors import UsageError
 from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
 from glmpost.rewards.mixture import (
     MODEL_SOURCES,
@@ -157,8 +156,8 @@ def check_input(path: Path, revision: str, checkpoint: Path, table: VerifierTabl
                 require_fields(record, ("domain",), where=f"judge: {path}")
             try:
                 table.lookup(record.get("domain"))
-            except UsageError as exc:
-                raise UsageError(f"{path}: record {record['id']!r}: {exc}") from None
+            except ConfigError as exc:
+                raise ConfigError("{where}: " + exc.message, where=f"{path}: record {record['id']!r}", **exc.values) from None
         count += 1
     return count
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
+from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 
 
@@ -152,21 +153,18 @@ class VerifierTable:
         self._default_fn = resolve_verifier(default, where="--default-verifier") if default else None
 
     def lookup(self, domain: str | None) -> tuple[str, Verifier]:
-        """``(spec, verifier)`` for ``domain``; raises :class:`UsageError` naming it and the known ones."""
+        """``(spec, verifier)`` for ``domain``; a :class:`~glmpost.config.ConfigError` names it and the known ones."""
         if domain and domain in self._fns:
             return self.specs[domain], self._fns[domain]
         if self._default_fn is not None:
             return self.default, self._default_fn  # type: ignore[return-value]
         known = ", ".join(sorted(self._fns))
         if not domain:
-            raise UsageError(
-                f"no domain to route to a verifier (known: {known}); set 'domain' in the prompt data "
-                "or give --default-verifier"
-            )
-        raise UsageError(
-            f"domain {domain!r} has no verifier (known: {known}); map it with "
-            "--verifier DOMAIN=package.module:function, [judge.domains], or give --default-verifier"
-        )
+            raise ConfigError("no domain to route to a verifier (known: {known}); set 'domain' in the prompt data "
+                              "or give {default_verifier}", known=known)
+        raise ConfigError("domain {domain!r} has no verifier (known: {known}); map it with {verifiers} "
+                          "DOMAIN=package.module:function, [judge.domains], or give {default_verifier}",
+                          domain=domain, known=known)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -17,7 +17,7 @@ from glmpost.checkpoints import load_tokenizer
 from glmpost.errors import GlmpostError
 from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
 from glmpost.quant.core import fake_quant
-from glmpost.quant.qat import apply_fake_quant, remove_fake_quant
+from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
 from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
@@ -184,12 +184,11 @@ def quantization_error(model: torch.nn.Module, spec) -> list[dict]:
     return rows
 
 
-def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, scheme: str, group_size: int | None,
-               targets: str, include: Sequence[str], exclude: Sequence[str], eval_data: Sequence[str],
-               stage_options: dict[str, Any]) -> dict[str, Any] | None:
-    """SFT with every targeted weight fake-quantized by ``scheme`` (``none``: plain SFT)."""
-    stage = "qat"
-    spec = make_spec(scheme, group_size=group_size)
+def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, quantization: QATQuantization,
+               eval_data: Sequence[str], stage_options: dict[str, Any]) -> dict[str, Any] | None:
+    """SFT with every targeted weight fake-quantized by ``quantization.scheme`` (``none``: plain SFT)."""
+    stage, scheme, q = "qat", quantization.scheme, quantization
+    spec = make_spec(scheme, group_size=q.group_size)
     if run.done:
         return _skipped(run)
     run.check_staging()
@@ -202,7 +201,7 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, sc
     seen: dict[str, Any] = {}
 
     def adapt(model) -> None:
-        seen["names"] = apply_fake_quant(model, spec, targets=targets, include=list(include), exclude=list(exclude))
+        seen["names"] = apply_fake_quant(model, spec, targets=q.targets, include=list(q.include), exclude=list(q.exclude))
         job.manifest_extra["qat_targets"] = seen["names"]
 
     def build(model, backend, session):
