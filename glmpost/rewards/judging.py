@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import load_tokenizer
 from glmpost.config import ConfigError, setting, shared
-from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
+from glmpost.formats import ShardReader, ShardWriter, iter_checked_records, require_fields, resolve_shard_paths, select_shards
 from glmpost.rewards.mixture import (
     MODEL_SOURCES,
     ComponentSpec,
@@ -96,7 +96,7 @@ class JudgeRun:
             else:
                 pending.append(path)
         routing = table if uses_domain_routing(self.specs) else None
-        counts = {path: check_input(path, revision, c.checkpoint, routing) for path in pending}
+        counts = {path: check_input(path, revision, routing) for path in pending}
 
         totals = RewardStats(self.specs)
         if pending:
@@ -138,28 +138,21 @@ class JudgeRun:
         return stats
 
 
-def check_input(path: Path, revision: str, checkpoint: Path, table: VerifierTable | None) -> int:
-    """Read one input shard through before anything is written: tokenizer revision (the shard's
-    header against the checkpoint's), the rollout fields, and with ``table`` a verifier for every
-    record's domain. Returns its record count."""
-    reader = ShardReader(path)
-    theirs = reader.header["tokenizer_revision"]
-    if theirs != revision:
-        raise ConfigError("{path}: tokenizer revision {theirs} differs from {checkpoint} {checkpoint_dir}'s {revision}; "
-                          "decode with the checkpoint the rollout used", path=path, theirs=theirs,
-                          checkpoint_dir=checkpoint, revision=revision, exit_code=1)
-    count = 0
-    for record in reader:
-        require_fields(record, ROLLOUT_FIELDS, where=f"judge: {path}")
-        if table is not None:
-            if table.default is None:
-                require_fields(record, ("domain",), where=f"judge: {path}")
-            try:
-                table.lookup(record.get("domain"))
-            except ConfigError as exc:
-                raise ConfigError("{where}: " + exc.message, where=f"{path}: record {record['id']!r}", **exc.values) from None
-        count += 1
-    return count
+def check_input(path: Path, revision: str, table: VerifierTable | None) -> int:
+    """Read one input shard through before anything is written (the checked reader every stage
+    uses: the rollout fields, the checkpoint's tokenizer revision) and, with ``table``, a verifier
+    for every record's domain. Returns its record count."""
+    def routable(record: dict[str, Any], where: str) -> None:
+        if table is None:
+            return
+        if table.default is None:
+            require_fields(record, ("domain",), where=where)
+        try:
+            table.lookup(record.get("domain"))
+        except ConfigError as exc:
+            raise ConfigError("{where}: " + exc.message, where=f"{path}: record {record['id']!r}", **exc.values) from None
+
+    return sum(1 for _ in iter_checked_records([path], revision=revision, stage=STAGE, require=ROLLOUT_FIELDS, check=routable))
 
 
 def batches(records: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
