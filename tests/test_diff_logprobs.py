@@ -219,3 +219,24 @@ def test_against_a_real_glmpost_serve_process(glmpost_cli, tiny_checkpoint, shar
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_top_k_minus_one_means_off_as_zero_does(glmpost_cli, tiny_checkpoint, shards, tmp_path):
+    """formats/SPEC.md: top_k 0 and -1 both mean no top-k filter (SGLang and synthetic data write -1)."""
+    from glmpost.formats import ShardReader, ShardWriter
+
+    minus_one = tmp_path / "minus-one"
+    minus_one.mkdir()
+    for path in sorted(shards.glob("*.msgpack.zst")):
+        reader = ShardReader(path)
+        records = [{**r, "sampling": {**r["sampling"], "top_k": -1}} for r in reader]
+        assert records and all(r["sampling"]["top_k"] == -1 for r in records)
+        with ShardWriter(minus_one / path.name, stage="rollout", options={}, tokenizer_revision=records[0]["tokenizer_revision"]) as w:
+            for r in records:
+                w.write(r)
+    zero = _report(glmpost_cli, shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "zero")
+    off = _report(glmpost_cli, minus_one, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "off")
+    assert off["resampled"] and off["overall"]["sample_agreement"] == 1.0
+    assert off["overall"] == zero["overall"]
+    assert SamplingParams.from_record({"top_k": -1}).top_k == 0 and SamplingParams.from_record({"top_k": 20}).top_k == 20
+    assert SamplingParams.from_record({}).top_p == 1.0 and SamplingParams.from_record({"top_p": None}).top_p == 1.0

@@ -189,10 +189,7 @@ def action_positions(record: dict[str, Any]) -> np.ndarray:
 
 def record_sampling(record: dict[str, Any]) -> SamplingParams:
     """The record's sampling settings (defaults where a field is absent, e.g. imported data)."""
-    s = record.get("sampling") or {}
-    return SamplingParams(temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
-                          top_k=int(s.get("top_k", 0) or 0), max_new_tokens=max(1, int(s.get("max_new_tokens", 1) or 1)),
-                          seed=int(s.get("seed", 0) or 0))
+    return SamplingParams.from_record(record.get("sampling"))
 
 
 def record_uniforms(record: dict[str, Any]) -> torch.Tensor:

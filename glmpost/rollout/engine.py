@@ -50,6 +50,18 @@ class SamplingParams:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_record(cls, sampling: dict | None) -> "SamplingParams":
+        """A record's ``sampling`` map read back (formats/SPEC.md): an absent field takes its default;
+        ``top_k`` 0 or any negative value (SGLang and imported data write -1) is off, as ``top_p`` 1.0
+        (or absent) is."""
+        s = sampling or {}
+        top_k = int(s.get("top_k") or 0)
+        top_p = s.get("top_p")
+        return cls(temperature=float(s.get("temperature", 1.0)), top_p=1.0 if top_p is None else float(top_p),
+                   top_k=max(top_k, 0), max_new_tokens=max(1, int(s.get("max_new_tokens", 1) or 1)),
+                   seed=int(s.get("seed", 0) or 0))
+
 
 @dataclass
 class Completion:
