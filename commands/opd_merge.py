@@ -52,6 +52,7 @@ def opd_merge(
     eps_high: float = option(OPDConfig, 'eps_high'),
     icepop: bool = option(OPDConfig, 'icepop'),
     icepop_beta: float = option(OPDConfig, 'icepop_beta'),
+    max_version_lag: int = option(OPDConfig, 'max_version_lag'),
     advantage_eps: float = option(OPDConfig, 'advantage_eps'),
     entropy_coef: float = option(OPDConfig, 'entropy_coef'),
     chunk_size: int = option(OPDConfig, 'chunk_size'),

@@ -45,6 +45,7 @@ def train_grpo(
     eps_high: float = option(GRPOConfig, 'eps_high'),
     icepop: bool = option(GRPOConfig, 'icepop'),
     icepop_beta: float = option(GRPOConfig, 'icepop_beta'),
+    max_version_lag: int = option(GRPOConfig, 'max_version_lag'),
     advantage_eps: float = option(GRPOConfig, 'advantage_eps'),
     kl_coef: float = option(GRPOConfig, 'kl_coef'),
     ref_checkpoint: Optional[Path] = typer.Option(None, "--ref-checkpoint", help="Reference policy for the KL term (default: --checkpoint)."),

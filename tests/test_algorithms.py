@@ -97,3 +97,42 @@ def test_masked_sum_over_global_denominator():
     halves = masked_sum_over(values[:1], mask[:1], 3.0) + masked_sum_over(values[1:], mask[1:], 3.0)
     assert halves.item() == pytest.approx(masked_sum_over(values, mask, 3.0).item())
     assert masked_sum_over(values, mask, 0.0).item() == 0.0
+
+
+def test_version_lag_is_checkpoint_minus_the_oldest_action_version():
+    import numpy as np
+
+    from glmpost.config import ConfigError
+    from glmpost.rl.batches import check_version_lags, version_lag
+
+    def rec(rid, versions, action, observation=None):
+        n = len(versions)
+        return {"id": rid, "policy_versions": np.array(versions, dtype=np.int32), "action_mask": np.array(action, dtype=bool),
+                "observation_mask": np.array(observation or [0] * n, dtype=bool)}
+
+    # observation tokens (and non-action ones, -1 by convention) do not count
+    assert version_lag(rec("a", [-1, 5, 4, 3], [0, 1, 1, 0], [0, 0, 0, 1]), 5) == 1
+    assert version_lag(rec("b", [5, 5], [1, 1]), 5) == 0
+    assert version_lag({"id": "c", "action_mask": np.ones(2, bool), "observation_mask": np.zeros(2, bool)}, 5) is None
+    assert version_lag(rec("d", [7], [1]), 5) == -2
+    records = [rec("b", [5, 5], [1, 1]), rec("a", [-1, 5, 4], [0, 1, 1]), rec("e", [4], [1])]
+    assert check_version_lags(records, 5, max_lag=1, stage="train-grpo") == {"0": 1, "1": 2}
+    with pytest.raises(ConfigError) as stale:
+        check_version_lags(records, 5, max_lag=0, stage="train-grpo")
+    assert str(stale.value) == ("train-grpo: record 'a' was sampled by policy version 4, 1 behind --checkpoint's 5; IcePop "
+                                "assumes the same weights: resample it, or pass --max-version-lag 1 (lagged records are then "
+                                "masked with DIS)")
+    with pytest.raises(ConfigError, match="record 'd' was sampled by policy version 7, newer than --checkpoint's 5"):
+        check_version_lags([rec("d", [7], [1])], 5, max_lag=3, stage="opd-merge")
+
+
+def test_a_version_lag_switches_the_trust_mask_to_dis():
+    from glmpost.rl.masks import TRUST_MASKS
+    from glmpost.rl.trainer import GRPOConfig
+
+    assert GRPOConfig().trust_masks() == ("icepop",) and GRPOConfig(max_version_lag=2).trust_masks() == ("dis",)
+    train = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.45, 0.62, 0.3]]))  # ratios 1, 1.11, 0.806, 1.67
+    mask, _ = TRUST_MASKS["dis"](train, rollout, GRPOConfig(max_version_lag=1))
+    assert mask.tolist() == [[True, True, True, False]]
+    assert torch.equal(mask, dis_mask(train, rollout, eps_low=0.2, eps_high=0.28))

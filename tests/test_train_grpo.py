@@ -86,8 +86,8 @@ def test_publishes_the_next_version_and_counts_exclusions(glmpost_cli, tiny_chec
 
     again = glmpost_cli(*args)
     assert again.exit_code == 0 and json.loads(again.stdout)["skipped"] is True
-    # From the root, the next update trains v1 into v2.
-    second = glmpost_cli("train-grpo", judged, "--checkpoint", root, "--out", root, "--lr", "1e-3", "--json")
+    # From the root, the next update trains v1 into v2 (on the v0 records again: a lag it must accept).
+    second = glmpost_cli("train-grpo", judged, "--checkpoint", root, "--out", root, "--lr", "1e-3", "--max-version-lag", "1", "--json")
     assert second.exit_code == 0, second.stderr
     assert json.loads(second.stdout)["policy_version"] == 2 and CheckpointRoot(root).latest() == 2
     assert read_manifest(root / "v000002").parent == str(version)
@@ -206,3 +206,23 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_records_of_an_older_policy_are_refused_unless_a_lag_is_accepted(glmpost_cli, tiny_checkpoint, tmp_path):
+    """IcePop compares two engines on the same weights: records sampled by v0 cannot be trained from v1
+    unless --max-version-lag accepts the lag (and the trust mask becomes DIS)."""
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)  # sampled by policy version 0
+    first = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
+    assert first.exit_code == 0, first.stderr
+    v1 = tmp_path / "policy" / "v000001"
+    stale = glmpost_cli("train-grpo", judged, "--checkpoint", v1, "--out", tmp_path / "policy")
+    assert stale.exit_code == 2 and stale.stderr.count("\n") == 1
+    assert "was sampled by policy version 0, 1 behind --checkpoint's 1" in stale.stderr and "--max-version-lag 1" in stale.stderr
+    assert not (tmp_path / "policy" / "v000002").exists()
+    lagged = glmpost_cli("train-grpo", judged, "--checkpoint", v1, "--out", tmp_path / "policy", "--max-version-lag", "1", "--json")
+    assert lagged.exit_code == 0, lagged.stderr
+    stage = json.loads((tmp_path / "policy" / "v000002" / "stage.json").read_text())
+    assert stage["version_lags"] == {"1": 16}
+    assert json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())["version_lags"] == {"0": 16}
+    step = json.loads((tmp_path / "policy" / "v000002" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["train/version_lag/1"] == 16

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from glmpost.config import ConfigError
 from glmpost.rl.advantages import group_advantages
 
 TRAINABLE_STATUSES = ("completed", "truncated")
@@ -65,6 +66,40 @@ def usable_records(records: Sequence[dict[str, Any]], *, need_reward: bool) -> t
         else:
             usable.append(record)
     return usable, excluded
+
+
+def version_lag(record: dict[str, Any], version: int) -> int | None:
+    """How many policy versions before ``version`` the record's oldest action token was sampled
+    (``version - min(policy_versions[actions])``; negative: sampled by a newer policy); None for a
+    record without ``policy_versions`` or without an action token (imported data)."""
+    versions = record.get("policy_versions")
+    if versions is None:
+        return None
+    actions = np.asarray(record["action_mask"], dtype=bool) & ~np.asarray(record["observation_mask"], dtype=bool)
+    if not actions.any():
+        return None
+    return int(version - np.asarray(versions)[actions].min())
+
+
+def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_lag: int, stage: str) -> dict[str, int]:
+    """Refuse a record sampled by a policy newer than ``version`` (the checkpoint old log-probs are
+    recomputed on) or more than ``max_lag`` versions older (IcePop's ratio assumes the same weights,
+    brief "IcePop 为什么有两层 ratio"); returns how many records have each lag (``"unknown"``:
+    records without versions)."""
+    counts: dict[str, int] = {}
+    for record in records:
+        lag = version_lag(record, version)
+        if lag is not None and lag < 0:
+            raise ConfigError("{stage}: record {id!r} was sampled by policy version {sampled}, newer than {checkpoint}'s "
+                              "{version}", stage=stage, id=record["id"], sampled=version - lag, version=version)
+        if lag is not None and lag > max_lag:
+            raise ConfigError("{stage}: record {id!r} was sampled by policy version {sampled}, {lag} behind {checkpoint}'s "
+                              "{version}; IcePop assumes the same weights: resample it, or pass {max_version_lag} {lag} "
+                              "(lagged records are then masked with DIS)", stage=stage, id=record["id"],
+                              sampled=version - lag, lag=lag, version=version)
+        key = "unknown" if lag is None else str(lag)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> TrainExample:

@@ -52,3 +52,11 @@ def icepop(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, confi
     """IcePop on the same weights (:func:`icepop_mask` with ``beta`` = ``config.icepop_beta``)."""
     # brief: rho = pi_train_old / pi_infer; keep iff 1/beta <= rho <= beta (a mask, not a clamp)
     return icepop_mask(train_log_probs, rollout_log_probs, beta=config.icepop_beta), {}
+
+
+@register_trust_mask("dis")
+def dis(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DIS on the weights before the update (:func:`dis_mask` with ``config.eps_low`` /
+    ``eps_high``): for records sampled by an older policy (``max_version_lag``), a token is kept only
+    where pi_train_old / pi_rollout stays inside the clip range."""
+    return dis_mask(train_log_probs, rollout_log_probs, eps_low=config.eps_low, eps_high=config.eps_high), {}

@@ -50,6 +50,10 @@ class GRPOConfig(OptimizerConfig):
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",
                            flag="--icepop/--no-icepop")
     icepop_beta: float = setting(2.0, "IcePop beta (GLM-5: 2).")  # brief: beta = 2
+    max_version_lag: int = setting(
+        0, "Accept records sampled up to this many policy versions before --checkpoint; the trust mask is then DIS "
+        "(1 - eps-low < pi_train_old / pi_rollout < 1 + eps-high) instead of IcePop. 0: every record comes from "
+        "--checkpoint's version.", min=0)
     advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).")
     kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
@@ -71,6 +75,8 @@ class GRPOConfig(OptimizerConfig):
         return "grpo"
 
     def trust_masks(self) -> tuple[str, ...]:
+        if self.max_version_lag > 0:  # brief: DIS is the tool for lagged (off-policy) samples
+            return ("dis",)
         return ("icepop",) if self.icepop else ()
 
     def loss_terms(self) -> tuple[str, ...]:

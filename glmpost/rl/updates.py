@@ -21,7 +21,7 @@ from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_qua
 from glmpost.quant.spec import make_spec
 from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.batches import prepare_batch, prepare_opd_batch
+from glmpost.rl.batches import check_version_lags, prepare_batch, prepare_opd_batch
 from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
 from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.stage import log
@@ -54,6 +54,11 @@ def _published(result: RunResult, records: int, trained: int, excluded: dict) ->
     }
 
 
+def _lag_metrics(lags: dict[str, int]) -> dict[str, int]:
+    """Records per policy-version lag (``train/version_lag/0``, ..., ``/unknown``)."""
+    return {f"train/version_lag/{lag}": n for lag, n in sorted(lags.items())}
+
+
 def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
                 ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any] | None:
     """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own)."""
@@ -63,6 +68,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
+    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.max_version_lag, stage=stage)
     sampled_temperature = _one_temperature(records, stage)
     config.temperature = temperature if temperature is not None else sampled_temperature
     _validated(config)
@@ -85,10 +91,10 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "train/reward_mean": float(batch.rewards.mean()), "train/reward_std": float(batch.rewards.std()),
             "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
             "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
-            "train/policy_version": run.plan.version,
+            "train/policy_version": run.plan.version, **_lag_metrics(lags),
         },
         manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
-        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups},
+        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags},
     )
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
@@ -113,6 +119,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
 
     need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
     records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
+    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.max_version_lag, stage=stage)
     config.temperature = _one_temperature(records, stage)
     if config.temperature != 1.0:
         log(f"warning: the rollouts were sampled at temperature {config.temperature}; the teacher scored at 1, so the "
@@ -131,7 +138,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     step_metrics = {
         "train/records": len(batch.examples), "train/excluded_status": batch.excluded["status"],
         "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": run.plan.version,
-        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()},
+        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags),
     }
     if batch.rewards.size:
         step_metrics["train/reward_mean"] = float(batch.rewards.mean())
@@ -140,7 +147,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
         lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
         step_metrics=step_metrics,
         manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains},
-        stage_extra={"excluded": batch.excluded, "teachers": domains},
+        stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags},
     )
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
