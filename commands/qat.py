@@ -6,8 +6,10 @@ the response (action) tokens only, over the whole batch on every rank. The forwa
 weight is dequant(quantize(w)) of the one quantizer that `glmpost quantize` also uses, so the
 deployed weights equal the QAT forward bit for bit; the optimizer updates float master weights
 through the straight-through estimator. Targets: linear layers and MoE experts (`--targets all`) or
-experts only (`moe-only`); embeddings, lm_head, the MoE router and the DSA indexer are skipped unless
---include names them.
+experts only (`moe-only`, the safe recipe for SGLang); embeddings, lm_head, the MoE router, the DSA
+indexer and kv_b_proj are skipped unless --include names them (--exclude wins), exactly as `glmpost
+quantize` selects them; kv_b_proj because SGLang's DeepseekV2/V3 loader (which serves GLM-5) reads
+kv_b_proj.weight after loading to split it into w_kc / w_vc, which a packed int4 layer lacks.
 
 The new version (parent's policy version + 1) is written under --out (a checkpoint root, float master
 weights, the scheme recorded in glmpost.json) and LATEST moves to it. Runs under `torchrun` /

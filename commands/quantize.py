@@ -8,8 +8,11 @@ weight_offset, quant_model_description.json), fp8-block (float8_e4m3fn,
 128x128 blocks, SGLang/DeepSeek `weight_scale_inv`), none (a plain copy; given a quantized
 checkpoint, the float checkpoint it stands for: every quantized layer dequantized). The codes and scales come
 from the same function QAT's fake quant uses, so dequantizing the output reproduces the QAT forward
-weights bit for bit. Embeddings, lm_head, the MoE router and the DSA indexer stay in float unless
---include names them. Writes DIR/metrics.jsonl (per-layer SQNR and max abs error) and glmpost.json
+weights bit for bit. Embeddings, lm_head, the MoE router, the DSA indexer and kv_b_proj stay in float
+unless --include names them (--exclude wins over --include); kv_b_proj because SGLang's DeepseekV2/V3
+loader (which serves GLM-5) reads kv_b_proj.weight after loading to split it into w_kc / w_vc, which
+a packed int4 layer lacks. For SGLang, --targets moe-only (int4 routed experts, the rest in float) is
+the safe recipe. Writes DIR/metrics.jsonl (per-layer SQNR and max abs error) and glmpost.json
 (policy version kept, stage quantize).
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from glmpost.checkpoints import load_model, read_manifest
@@ -40,7 +41,7 @@ def test_deployed_int4_weights_equal_the_qat_forward_bit_for_bit(glmpost_cli, ti
                           "--scheme", "w4a16", "--group-size", "16", *QAT, "--eval", DATA / "sft-heldout.jsonl", "--json")
     assert trained.exit_code == 0, trained.stderr
     summary = json.loads(trained.stdout)
-    assert summary["policy_version"] == 1 and summary["quantized_layers"] == 18 and summary["steps"] == 10
+    assert summary["policy_version"] == 1 and summary["quantized_layers"] == 16 and summary["steps"] == 10  # kv_b_proj: float
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     version = tmp_path / "root" / "v000001"
     assert read_manifest(version).extra["quantization"]["group_size"] == 16
@@ -80,3 +81,36 @@ def test_scheme_none_is_plain_sft_and_bad_options_are_refused(glmpost_cli, tiny_
     assert not (tmp_path / "bad").exists()
     prompts_only = glmpost_cli("qat", DATA / "count-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "bad")
     assert prompts_only.exit_code == 1 and "no response to learn" in prompts_only.stderr
+
+
+def _on_disk_names(qat_names: list[str], experts: int) -> list[str]:
+    """QAT's target names (fused ``experts.gate_up_proj`` / ``experts.down_proj`` parameters) as the
+    checkpoint's per-expert module names, sorted."""
+    names = []
+    for name in qat_names:
+        parent = name.rpartition(".")[0]
+        if name.endswith(".experts.gate_up_proj"):
+            names += [f"{parent}.{e}.{p}" for e in range(experts) for p in ("gate_proj", "up_proj")]
+        elif name.endswith(".experts.down_proj"):
+            names += [f"{parent}.{e}.down_proj" for e in range(experts)]
+        else:
+            names.append(name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("selection", [[], ["--targets", "moe-only", "--include", "kv_b_proj"]], ids=["default", "moe-only+kv_b"])
+def test_qat_selects_exactly_the_layers_quantize_deploys(glmpost_cli, tiny_checkpoint, tmp_path, selection):
+    """The same selection options pick the same layers in ``qat`` (recorded in the version's manifest)
+    and ``quantize`` (its per-layer metrics); by default neither touches kv_b_proj (SGLang's loader)."""
+    spec = ["--scheme", "w4a16", "--group-size", "16", *selection]
+    trained = glmpost_cli("qat", DATA / "sft-train.jsonl", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root",
+                          *spec, "--epochs", "1", "--batch-size", "80", "--micro-batch-size", "40")
+    assert trained.exit_code == 0, trained.stderr
+    deployed = tmp_path / "deployed"
+    result = glmpost_cli("quantize", tiny_checkpoint, "--out", deployed, *spec)
+    assert result.exit_code == 0, result.stderr
+    quantized = [json.loads(line)["layer"] for line in (deployed / "metrics.jsonl").read_text().splitlines()]
+    experts = json.loads((tiny_checkpoint / "config.json").read_text())["n_routed_experts"]
+    trained_names = read_manifest(tmp_path / "root" / "v000001").extra["qat_targets"]
+    assert _on_disk_names(trained_names, experts) == sorted(quantized)
+    assert any("kv_b_proj" in m for m in quantized) == ("kv_b_proj" in selection)

@@ -11,7 +11,8 @@ import torch
 from glmpost.quant import fake_quant, make_spec, unpack_int4
 from glmpost.quant.formats import load_quantized_state, read_tensors
 
-SKIPPED = ("embed_tokens", "lm_head", ".mlp.gate.", ".indexer.")
+SKIPPED = ("embed_tokens", "lm_head", ".mlp.gate.", ".indexer.", ".kv_b_proj.")
+KV_B = ["model.layers.0.self_attn.kv_b_proj", "model.layers.1.self_attn.kv_b_proj"]
 
 
 def _quantize(glmpost_cli, src, out, *args):
@@ -58,6 +59,7 @@ def test_w4a16_pack_quantized_checkpoint(glmpost_cli, tiny_checkpoint, tmp_path)
     weights = qc["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["strategy"], weights["group_size"], weights["symmetric"]) == (4, "group", 16, True)
     assert "lm_head" in qc["ignore"] and "model.layers.0.self_attn.indexer.wk" in qc["ignore"]
+    assert set(KV_B) <= set(qc["ignore"])
 
     saved = read_tensors(out)
     m = "model.layers.0.mlp.down_proj"  # [64, 128]
@@ -236,7 +238,7 @@ def test_msmodelslim_w8a8_dynamic_checkpoint(glmpost_cli, tiny_checkpoint, tmp_p
     result = _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "w8a8-dynamic", "--format", "msmodelslim", "--json")
     assert json.loads(result.stdout)["format"] == "msmodelslim"
     layers = _assert_bit_exact(tiny_checkpoint, out, make_spec("w8a8-dynamic"))
-    assert len(layers) == 28 and not [m for m in layers if any(k in m + "." for k in SKIPPED)]
+    assert len(layers) == 26 and not [m for m in layers if any(k in m + "." for k in SKIPPED)]
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     saved = read_tensors(out)
     description = json.loads((out / MODELSLIM_DESCRIPTION).read_text())
@@ -288,3 +290,57 @@ def test_failed_conversion_leaves_no_partial_output(glmpost_cli, tiny_checkpoint
     (src / "model.safetensors").write_bytes((tiny_checkpoint / "model.safetensors").read_bytes()[:4096])  # truncated
     truncated = glmpost_cli("quantize", src, "--out", out, "--scheme", "w8a16")
     assert truncated.exit_code == 1 and "cannot read safetensors" in truncated.stderr and not out.exists()
+
+
+def _packed(saved, module) -> bool:
+    """``module`` is stored pack-quantized (int32 words and a scale, no float ``weight``)."""
+    return saved[f"{module}.weight_packed"].dtype == torch.int32 and f"{module}.weight" not in saved
+
+
+def test_default_keeps_kv_b_proj_float_for_the_sglang_loader(glmpost_cli, tiny_checkpoint, tmp_path):
+    """SGLang's DeepseekV2 post_load_weights reads kv_b_proj.weight: by default it stays the float master
+    weight (and in ``ignore``) while every other target is packed; --include kv_b_proj packs it too."""
+    default, included = tmp_path / "default", tmp_path / "included"
+    _quantize(glmpost_cli, tiny_checkpoint, default, "--scheme", "w4a16", "--group-size", "16")
+    _quantize(glmpost_cli, tiny_checkpoint, included, "--scheme", "w4a16", "--group-size", "16", "--include", "kv_b_proj")
+    original, saved = read_tensors(tiny_checkpoint), read_tensors(default)
+    layers = _layers(default)
+    assert len(layers) == 26 and not set(KV_B) & set(layers)
+    assert all(_packed(saved, m) for m in layers)
+    for m in KV_B:
+        assert f"{m}.weight_packed" not in saved and saved[f"{m}.weight"].dtype == torch.float32
+        assert torch.equal(saved[f"{m}.weight"], original[f"{m}.weight"])
+    assert set(KV_B) <= set(json.loads((default / "config.json").read_text())["quantization_config"]["ignore"])
+
+    spec = make_spec("w4a16", group_size=16)
+    assert _layers(included) == sorted(layers + KV_B)
+    assert _assert_bit_exact(tiny_checkpoint, included, spec)
+    saved = read_tensors(included)
+    assert all(_packed(saved, m) for m in KV_B)
+    assert not set(KV_B) & set(json.loads((included / "config.json").read_text())["quantization_config"]["ignore"])
+
+
+@pytest.mark.parametrize(
+    "args, kv_b, count",
+    [  # --include overrides --targets and the default skips; --exclude overrides --include
+        (["--targets", "moe-only", "--include", "kv_b_proj"], KV_B, 4 * 3 + 2),
+        (["--include", "kv_b_proj", "--exclude", r"layers\.0\.self_attn\.kv_b_proj"], KV_B[1:], 26 + 1),
+    ],
+)
+def test_include_and_exclude_combine_with_the_kv_b_proj_skip(glmpost_cli, tiny_checkpoint, tmp_path, args, kv_b, count):
+    out = tmp_path / "q"
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--scheme", "w4a16", "--group-size", "16", *args)
+    layers, saved = _layers(out), read_tensors(out)
+    assert len(layers) == count and [m for m in layers if "kv_b_proj" in m] == kv_b
+    if "moe-only" in args:
+        assert all(".mlp.experts." in m for m in layers if m not in kv_b)
+    assert all(_packed(saved, m) for m in layers)
+    assert all(saved[f"{m}.weight"].dtype == torch.float32 for m in KV_B if m not in kv_b)
+
+
+def test_recipe_include_quantizes_kv_b_proj(glmpost_cli, tiny_checkpoint, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[quantize]\nscheme = "w4a16"\ngroup-size = 16\ninclude = ["kv_b_proj"]\n')
+    out = tmp_path / "cfg"
+    _quantize(glmpost_cli, tiny_checkpoint, out, "--config", recipe)
+    assert set(KV_B) <= set(_layers(out)) and all(_packed(read_tensors(out), m) for m in KV_B)

@@ -7,7 +7,8 @@ quantizer, so the deployed weights equal the QAT forward bit for bit (DESIGN.md 
 ``nn.Linear`` weights and the fused MoE expert tensors (``experts.gate_up_proj [E, 2I, H]`` and
 ``experts.down_proj [E, H, I]``; their rows are the on-disk per-expert ``gate/up/down_proj`` rows,
 and integer group / channel scales never cross rows), minus the default skips of
-:mod:`glmpost.quant.targets` (embeddings, ``lm_head``, the MoE router, the DSA indexer).
+:mod:`glmpost.quant.targets` (embeddings, ``lm_head``, the MoE router, the DSA indexer, and
+``kv_b_proj``, which SGLang's DeepseekV2 loader needs unpacked), by the same rules as ``quantize``.
 """
 
 from __future__ import annotations

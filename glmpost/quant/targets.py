@@ -11,11 +11,19 @@ Selection, in order:
 
 1. ``targets="all"``: every ``nn.Linear`` and routed expert; ``"moe-only"``: routed experts only;
 2. minus the default skips: embeddings, ``lm_head``, the MoE router ``mlp.gate`` and the DSA
-   indexer ``indexer.`` (they decide routing/sparsity, where a small error flips a choice);
-3. plus candidates matching any ``--include`` regex (this overrides 1 and 2);
-4. minus candidates matching any ``--exclude`` regex.
+   indexer ``indexer.`` (they decide routing/sparsity, where a small error flips a choice), and
+   the MLA up-projection ``self_attn.kv_b_proj`` (:data:`LOADER_SKIP`): SGLang's DeepseekV2/V3
+   loader, which serves GLM-5, reads ``kv_b_proj.weight`` in ``post_load_weights`` to split it into
+   ``w_kc`` / ``w_vc``; it copes with fp8 and plain int8 there, but a pack-quantized layer has no
+   ``weight``, so SGLang cannot load it. The skip holds for every scheme: one rule, for ``quantize``,
+   ``qat`` and ``sync-weights`` alike;
+3. plus candidates matching any ``--include`` regex (this overrides 1 and 2: ``--include kv_b_proj``
+   quantizes it anyway, ``--targets moe-only --include lm_head`` adds ``lm_head`` to the experts);
+4. minus candidates matching any ``--exclude`` regex (this overrides 3).
 
 Regexes are ``re.search``-ed against module names; one that matches no candidate is an error.
+``qat`` applies the same rules to the model in memory (:func:`glmpost.quant.qat.qat_targets`), so
+QAT trains exactly the layers ``quantize`` deploys.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from dataclasses import dataclass
 from glmpost.config import ConfigError, setting
 
 TARGET_MODES = ("all", "moe-only")
-DEFAULT_SKIP = (r"embed_tokens", r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.indexer\.")
+ROUTING_SKIP = (r"embed_tokens", r"(^|\.)lm_head$", r"\.mlp\.gate$", r"\.indexer\.")
+LOADER_SKIP = (r"(^|\.)kv_b_proj$",)  # SGLang's DeepseekV2 post_load_weights reads kv_b_proj.weight
+DEFAULT_SKIP = ROUTING_SKIP + LOADER_SKIP
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
 
 
@@ -36,10 +46,12 @@ class LayerSelection:
     """Which layers a stage quantizes: the same settings in ``quantize`` and ``qat`` (their configs
     inherit them)."""
 
-    targets: str = setting("all", "all (every Linear and routed expert) or moe-only (routed experts).")
-    include: list[str] = setting([], "Regex of module names to quantize too (overrides the default skips, e.g. "
-                                 "lm_head; repeatable).")
-    exclude: list[str] = setting([], "Regex of module names to keep in float (repeatable).")
+    targets: str = setting("all", "all (every Linear and routed expert but the default skips) or moe-only "
+                           "(routed experts only, everything else in float: the safe recipe for SGLang).")
+    include: list[str] = setting([], "Regex of module names to quantize too, whatever --targets and the default "
+                                 "skips say (e.g. kv_b_proj, lm_head; repeatable).")
+    exclude: list[str] = setting([], "Regex of module names to keep in float, even if --include names them "
+                                 "(repeatable).")
 
 
 @dataclass(frozen=True)
