@@ -12,6 +12,12 @@ best-of or the paired ratio meets it.
     .venv/bin/python benchmarks/bench_logprobs.py --out runs/bench_logprobs.json
     .venv/bin/python benchmarks/bench_logprobs.py --chunk-sizes 256,512,1024 --entropy --backward
 
+With ``--top-k`` / ``--top-p`` both sides compute the truncated, renormalised distribution a
+``sampled`` record's log-probs are of (the naive side with ``distribution_log_softmax`` on the full
+logits; the chunked side recomputes the kept set per chunk, a sort of ``[chunk, V]`` for top-p):
+
+    .venv/bin/python benchmarks/bench_logprobs.py --tokens 1024 --temperature 0.7 --top-k 20 --top-p 0.9
+
 With ``--backward`` the ``checkpointed`` rows add the path a head module with hooks or a
 parametrization takes (per-chunk checkpoints, a ``[V, H]`` partial weight gradient per chunk), next
 to the fused ``chunked`` path of a bare linear head (one weight-gradient buffer).
@@ -35,32 +41,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import PeakMemory, check_rss_tracks_tensors  # noqa: E402
 
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, token_log_probs_from_hidden  # noqa: E402
+from glmpost.rollout.distribution import LOG_PROB_FLOOR, ScoredDistribution, distribution_log_softmax  # noqa: E402
 
 GOAL_MEMORY_RATIO = 0.2
 GOAL_SPEED_RATIO = 0.9
 
 
-def naive(hidden, weight, targets, *, temperature, entropy):
-    """The reference: full [T, V] float32 logits, log_softmax, gather."""
-    log_softmax = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
-    log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
-    ent = -(log_softmax.exp() * log_softmax).sum(-1) if entropy else None
+def naive(hidden, weight, targets, *, temperature, entropy, top_k=0, top_p=1.0):
+    """The reference: full [T, V] float32 logits, log_softmax (of the kept set when filtered), gather."""
+    log_softmax = distribution_log_softmax((hidden @ weight.T).float(), ScoredDistribution(temperature, top_k, top_p))
+    log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1).clamp(min=LOG_PROB_FLOOR)
+    ent = -(log_softmax.exp() * log_softmax.clamp(min=LOG_PROB_FLOOR)).sum(-1) if entropy else None
     return log_probs, ent
 
 
-def chunked(hidden, weight, targets, *, temperature, entropy, chunk_size):
+def chunked(hidden, weight, targets, *, temperature, entropy, chunk_size, top_k=0, top_p=1.0):
     out = token_log_probs_from_hidden(
         hidden,
         weight,
         targets,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         chunk_size=chunk_size,
         return_entropy=entropy,
     )
     return out.log_probs, out.entropy
 
 
-def checkpointed(hidden, weight, targets, *, temperature, entropy, chunk_size):
+def checkpointed(hidden, weight, targets, *, temperature, entropy, chunk_size, top_k=0, top_p=1.0):
     """The chunked path a head module with hooks or a parametrization takes (QAT's fake quant,
     DeepSpeed ZeRO-3): each chunk checkpointed around the head, one ``[V, H]`` partial weight
     gradient per chunk in backward; a bare linear head takes the fused path (``chunked``)."""
@@ -71,7 +80,8 @@ def checkpointed(hidden, weight, targets, *, temperature, entropy, chunk_size):
     from glmpost.closure.logprobs import _chunked_log_probs
 
     out = _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight), weight.shape[0], targets, mask=None,
-                             temperature=temperature, chunk_size=chunk_size, return_entropy=entropy)
+                             distribution=ScoredDistribution(temperature, top_k, top_p), chunk_size=chunk_size,
+                             return_entropy=entropy)
     return out.log_probs, out.entropy
 
 
@@ -167,6 +177,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="sampling filter of the log-probs (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampling filter of the log-probs (1.0 = off)")
     parser.add_argument("--entropy", action="store_true", help="also compute the entropy")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (best wins)")
@@ -189,12 +201,14 @@ def main(argv=None):
     # Scaled so logits are ~N(0, 4): a peaked, realistic softmax.
     weight = torch.randn(args.vocab, args.hidden, generator=generator) * (2.0 / args.hidden**0.5)
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
+    if args.top_k or args.top_p < 1.0:  # filtered: score tokens inside the kept set (each row's argmax)
+        targets = torch.cat([(hidden[i : i + 512] @ weight.T).argmax(-1) for i in range(0, args.tokens, 512)])
     hidden, weight, targets = hidden.to(device, dtype), weight.to(device, dtype), targets.to(device)
     if args.backward:
         hidden.requires_grad_(True)
         weight.requires_grad_(True)
     tensors = (hidden, weight, targets)
-    common = {"temperature": args.temperature, "entropy": args.entropy}
+    common = {"temperature": args.temperature, "entropy": args.entropy, "top_k": args.top_k, "top_p": args.top_p}
 
     # Warm up kernels, thread pools and the checkpoint machinery on a small slice.
     small = hidden[:8].detach().requires_grad_(args.backward)
@@ -243,6 +257,7 @@ def main(argv=None):
 
     print(
         f"T={args.tokens} V={args.vocab} H={args.hidden} dtype={args.dtype} device={device} "
+        f"temperature={args.temperature} top_k={args.top_k} top_p={args.top_p} "
         f"entropy={args.entropy} backward={args.backward} threads={torch.get_num_threads()} "
         f"float32 [T,V] = {args.tokens * args.vocab * 4 / 2**20:.0f} MiB; rss check {rss_check}"
     )

@@ -11,7 +11,8 @@ top-k rule). Path B is, by what you pass:
                    the same checkpoint in another dtype, device, DSA top-k
                    rule or batch size;
   --against-server URL
-                   a `glmpost serve` / SGLang server (prefill log-probs).
+                   a `glmpost serve` / SGLang server (prefill log-probs;
+                   --api-key KEY if it wants one, never recorded).
 
 delta = log p_A - log p_B per action token. Reports mean / p50 / p99 / max |delta|, k1 and k3
 estimates of KL(p_B || p_A), the fraction IcePop keeps at --beta and DIS at --eps-low/--eps-high,
@@ -40,6 +41,7 @@ from glmpost.commands.common import (
 )
 from glmpost.commands.options import config_from, json_option, option
 from glmpost.config import ConfigError
+from glmpost.serving.sglang_client import check_api_key, without_api_key
 
 
 def diff_logprobs(
@@ -49,6 +51,7 @@ def diff_logprobs(
     out: Path = typer.Option(..., "--out", help="Directory for report.json, plots, metrics.jsonl and stage.json (created; never silently replaced)."),
     against: Path | None = option(DiffConfig, "against"),
     against_server: str | None = option(DiffConfig, "against_server"),
+    api_key: str | None = option(DiffConfig, "api_key", show_default=False),
     dtype: str = option(DiffConfig, "dtype"),
     against_dtype: str | None = option(DiffConfig, "against_dtype"),
     device: str = option(DiffConfig, "device"),
@@ -69,9 +72,10 @@ def diff_logprobs(
     as_json: bool = json_option("the report"),
     config: Path | None = config_option(),
 ) -> None:
+    check_api_key(api_key)  # before path A is scored
     diff = LogprobDiff(config_from(ctx, DiffConfig))
     report = diff.measure()
-    options = effective_options(ctx)
+    options = without_api_key(effective_options(ctx))
     with staged_output_dir(out, overwrite=overwrite, complete_marker="stage.json", stage=STAGE,
                            options=options) as staging:
         if staging is None:

@@ -10,8 +10,10 @@ the loss. One batch may mix domains routed to different teachers (MOPD, cross-st
 metrics carry teacher_kl/<domain> (mean log pi_theta - log pi_T over that domain's action tokens,
 before the update), so a lagging capability shows.
 
-Same machinery as train-grpo: old log-probs recomputed on the same weights, IcePop mask, PPO clip,
-a loss averaged over the batch's trusted action tokens whatever the data-parallel split, DeepSpeed
+Same machinery as train-grpo: old log-probs recomputed on the same weights, of the distribution
+the records' rollout_log_probs are of (sampling.log_prob_kind, temperature, top-k, top-p; greedy
+records refused), IcePop mask, PPO clip, a loss averaged over the batch's trusted (or, with
+--loss-denominator action, all) action tokens whatever the data-parallel split, DeepSpeed
 ZeRO under `deepspeed`/`torchrun`, the new version under --out with LATEST moved to it, --resume
 after an interruption, metrics.jsonl beside the version and in the root.
 """
@@ -52,6 +54,7 @@ def opd_merge(
     eps_high: float = option(OPDConfig, 'eps_high'),
     icepop: bool = option(OPDConfig, 'icepop'),
     icepop_beta: float = option(OPDConfig, 'icepop_beta'),
+    loss_denominator: str = option(OPDConfig, 'loss_denominator'),
     max_version_lag: int = option(OPDConfig, 'max_version_lag'),
     advantage_eps: float = option(OPDConfig, 'advantage_eps'),
     entropy_coef: float = option(OPDConfig, 'entropy_coef'),

@@ -13,7 +13,13 @@ real SGLang) with each sequence's seed as sampling_seed, so against `glmpost ser
 --concurrency at a time, spread over the servers, with --timeout and --retries (exponential backoff,
 failing over to the next server); a request that finally fails becomes records with status
 "aborted" and the reason in extra.status_reason, never a lost prompt. Servers are checked first: an
-unreachable one, or one whose tokenizer revision differs from --checkpoint's, is an error.
+unreachable one, one that refuses --api-key (HTTP 401), one whose tokenizer revision differs from
+--checkpoint's, or one that rejects a sampling field (old SGLang builds reject sampling_seed) is one
+error for the run. Each server's /server_info is read once: records carry
+sampling.seed_reproducible (true only when every server says enable_deterministic_inference; true
+for --engine local) and sampling.log_prob_kind, what rollout_log_probs are log-probs of:
+--server-log-prob-kind, or with auto the kind the server reports (`glmpost serve` does), else the
+kind a probe of four 1-token requests finds.
 
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
 --prompts-per-shard prompts; a rerun writes only the parts that are missing. The same seed gives
@@ -30,6 +36,7 @@ import typer
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.commands.options import config_from, json_option, option
 from glmpost.rollout.runner import RolloutConfig, RolloutRunner
+from glmpost.serving.sglang_client import without_api_key
 
 
 def rollout(
@@ -56,12 +63,14 @@ def rollout(
     concurrency: int = option(RolloutConfig, "concurrency"),
     timeout: float = option(RolloutConfig, "timeout"),
     retries: int = option(RolloutConfig, "retries"),
+    api_key: Optional[str] = option(RolloutConfig, "api_key", show_default=False),
+    server_log_prob_kind: str = option(RolloutConfig, "server_log_prob_kind"),
     zstd_level: int = option(RolloutConfig, "zstd_level"),
     overwrite: bool = option(RolloutConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
-    summary = RolloutRunner(config_from(ctx, RolloutConfig), options=effective_options(ctx)).run()
+    summary = RolloutRunner(config_from(ctx, RolloutConfig), options=without_api_key(effective_options(ctx))).run()
     human = (
         f"{out}: {summary['records']} trajectories of {summary['prompts']} prompts x {group_size} in "
         f"{summary['shards_written']} new shard(s) ({summary['shards_skipped']} kept), policy v{summary['policy_version']}, "

@@ -13,7 +13,8 @@ Teachers must share the student's action space: a teacher whose tokenizer revisi
 shards', or whose vocabulary size differs from the student's (--student, by default the checkpoint
 the rollout recorded) or another teacher's, is refused with both values. The local engine scores
 --batch-size records at a time in --chunk-size position chunks, so memory stays bounded; --engine
-sglang scores through an SGLang-compatible server (`glmpost serve`) with one teacher.
+sglang scores through an SGLang-compatible server (`glmpost serve`) with one teacher (--api-key KEY
+if the server wants one; the key is never recorded).
 
 One output shard per input shard (same file name); complete outputs are kept on a rerun
 (--overwrite redoes them); nothing is written before every teacher loads and every record is routed.
@@ -29,6 +30,7 @@ import typer
 from glmpost.closure.teachers import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.commands.options import config_from, json_option, option
+from glmpost.serving.sglang_client import check_api_key, without_api_key
 
 
 def score_teacher(
@@ -47,6 +49,7 @@ def score_teacher(
     topk: int = option(ScoreTeacherConfig, "topk"),
     engine: str = option(ScoreTeacherConfig, "engine"),
     server: Optional[str] = option(ScoreTeacherConfig, "server"),
+    api_key: Optional[str] = option(ScoreTeacherConfig, "api_key", show_default=False),
     batch_size: int = option(ScoreTeacherConfig, "batch_size"),
     chunk_size: int = option(ScoreTeacherConfig, "chunk_size"),
     device: str = option(ScoreTeacherConfig, "device"),
@@ -57,6 +60,7 @@ def score_teacher(
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
-    run = ScoreTeacherRun(config_from(ctx, ScoreTeacherConfig, options=effective_options(ctx)))
+    check_api_key(api_key)  # before any teacher loads
+    run = ScoreTeacherRun(config_from(ctx, ScoreTeacherConfig, options=without_api_key(effective_options(ctx))))
     summary = run.run()
     print_summary(summary, as_json=as_json, human=run.human(summary))

@@ -1,14 +1,28 @@
 """Serve a checkpoint over the subset of SGLang's native HTTP API that glmpost uses.
 
-POST /generate (input_ids, sampling_params with sampling_seed, return_logprob, logprob_start_len,
-top_logprobs_num; max_new_tokens 0 scores the input only), POST /update_weights_from_disk
-(model_path, weight_version, flush_cache, abort_all_requests; a checkpoint of another architecture
-or tokenizer revision, or with missing tensors, is refused and the old weights stay), GET
-/get_weight_version, GET /model_info (model path, weight version, tokenizer revision), GET /health,
-GET /get_server_info (the model info and counters since start: requests, engine batches,
-sequences, generated tokens, seconds the engine was busy).
+POST /generate: input_ids (one list or a batch), rid (echoed as meta_info.id; a batch's string RID
+becomes RID_0, RID_1, ..., or pass a list), return_logprob, logprob_start_len, top_logprobs_num,
+return_text_in_logprobs (log-prob entries [logprob, id, token text]), and sampling_params:
+max_new_tokens (0 scores the input only), temperature, top_p, top_k, stop_token_ids, ignore_eos,
+sampling_seed, stop (a string or a list: the response ends at the token after which its decoded
+text contains one; finish_reason {"type": "stop", "matched": "STRING"}; output_ids keep that token
+and text is cut before the stop unless no_stop_trim). skip_special_tokens,
+spaces_between_special_tokens, stream_interval and custom_params are accepted and ignored;
+penalties, min_p, min_new_tokens, n and grammars are refused unless at their defaults.
+POST /update_weights_from_disk (model_path, weight_version, flush_cache, abort_all_requests; a
+checkpoint of another architecture or tokenizer revision, or with missing tensors, is refused and
+the old weights stay), GET /get_weight_version, GET /model_info (model path, weight version,
+tokenizer revision), GET /health, GET /server_info (also /get_server_info: the model info,
+enable_deterministic_inference true, log_prob_kind, version, and counters since start: requests,
+engine batches, sequences, generated tokens, seconds the engine was busy).
 Answers are shaped as SGLang shapes them, so `rollout --engine sglang`, `score-teacher` and
 `sync-weights` work against this server and real SGLang servers alike.
+
+--log-prob-kind says what output log-probs are log-probs of (greedy requests always get raw):
+sampled (default; the distribution sampled from, what --engine local records), tempered (SGLang's
+default), raw, top_p_renormalized. --api-key KEY makes every route but /health answer HTTP 401
+{"error": "Unauthorized"} unless the request carries `Authorization: Bearer KEY`; the key is never
+logged.
 
 One engine thread runs the model: concurrent requests are batched (up to --batch-size); a batch
 request runs exactly as the in-process engine runs the same list, so with the same seeds the server
@@ -44,6 +58,8 @@ def serve(
     batch_size: int = option(ServeConfig, "batch_size"),
     batch_wait_ms: float = option(ServeConfig, "batch_wait_ms"),
     weight_version: Optional[str] = option(ServeConfig, "weight_version"),
+    log_prob_kind: str = option(ServeConfig, "log_prob_kind"),
+    api_key: Optional[str] = option(ServeConfig, "api_key", show_default=False),
     deterministic_topk: bool = option(ServeConfig, "deterministic_topk"),
     log_requests: bool = option(ServeConfig, "log_requests"),
     metrics: Optional[Path] = option(ServeConfig, "metrics", dir_okay=False),

@@ -9,9 +9,10 @@ renamed to vNNNNNN (the source's policy version) and only then is LATEST switche
 --server is told update_weights_from_disk(model_path=VERSION_DIR, weight_version=POLICY_VERSION)
 and the sync is confirmed by reading the server's weight version back; a server that fails or
 still reports the old version is retried (--retries, --backoff), then reported, and the command
-exits 1 naming it. A version already published from the same source is not written again (its
-servers are still confirmed). --keep N prunes old versions (never LATEST). Per-server results go to
-stdout (--json) and to ROOT/metrics.jsonl.
+exits 1 naming it. Servers started with an API key need --api-key KEY (never recorded). A version
+already published from the same source is not written again (its servers are still confirmed).
+--keep N prunes old versions (never LATEST). Per-server results go to stdout (--json) and to
+ROOT/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.commands.options import config_from, json_option, option
+from glmpost.serving.sglang_client import check_api_key, without_api_key
 from glmpost.serving.weight_sync import SyncConfig, failed_servers_error, sync_report, sync_weights_run
 
 
@@ -39,11 +41,13 @@ def sync_weights(
     retries: int = option(SyncConfig, "retries"),
     backoff: float = option(SyncConfig, "backoff"),
     timeout: float = option(SyncConfig, "timeout"),
+    api_key: Optional[str] = option(SyncConfig, "api_key", show_default=False),
     keep: int = option(SyncConfig, "keep"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
 ) -> None:
-    summary = sync_weights_run(config_from(ctx, SyncConfig), effective_options(ctx))
+    check_api_key(api_key)  # before anything is published
+    summary = sync_weights_run(config_from(ctx, SyncConfig), without_api_key(effective_options(ctx)))
     print_summary(summary, as_json=as_json, human=sync_report(summary))
     error = failed_servers_error(summary)
     if error is not None:

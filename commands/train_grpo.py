@@ -3,9 +3,17 @@
 One run is one policy update of GLM-5's Reasoning RL: group advantages (R - mean) / (std + eps) per
 group_id; old log-probs of the exact rollout tokens recomputed by the training engine on the same
 weights; the IcePop mask keeps a token iff 1/beta <= pi_train_old / pi_infer <= beta (a mask, not
-a clamp); PPO clip eps_low / eps_high; the loss is averaged over the trusted action tokens of the
-whole batch, so it does not depend on the data-parallel split. Records with a NaN reward or a
-failed rollout are excluded and counted.
+a clamp); PPO clip eps_low / eps_high; the loss is averaged over the whole batch's trusted action
+tokens (--loss-denominator trusted: the survivors of a heavy mask are up-weighted) or all its
+action tokens (action), so it does not depend on the data-parallel split. Records with a NaN
+reward or a failed rollout are excluded and counted.
+
+Every log-prob the trainer computes is of the distribution the records' rollout_log_probs are of
+(their sampling.log_prob_kind at their temperature, top-k and top-p: a top-k / top-p rollout is
+scored under the same truncated, renormalised distribution; SGLang's pre-filter log-probs under
+the tempered one), so IcePop compares like with like. Greedy records (temperature 0), records
+that differ in these settings, and records of another policy version than --checkpoint (unless
+--max-version-lag accepts the lag) are refused.
 
 The new version (parent's policy version + 1) is written under --out (a checkpoint root) and LATEST
 moves to it. A run interrupted after --save-every steps continues with --resume; a version that
@@ -45,12 +53,13 @@ def train_grpo(
     eps_high: float = option(GRPOConfig, 'eps_high'),
     icepop: bool = option(GRPOConfig, 'icepop'),
     icepop_beta: float = option(GRPOConfig, 'icepop_beta'),
+    loss_denominator: str = option(GRPOConfig, 'loss_denominator'),
     max_version_lag: int = option(GRPOConfig, 'max_version_lag'),
     advantage_eps: float = option(GRPOConfig, 'advantage_eps'),
     kl_coef: float = option(GRPOConfig, 'kl_coef'),
     ref_checkpoint: Optional[Path] = typer.Option(None, "--ref-checkpoint", help="Reference policy for the KL term (default: --checkpoint)."),
     entropy_coef: float = option(GRPOConfig, 'entropy_coef'),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature of the log-probs; default: the one the records were sampled at."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature of the log-probs; default: the one the records were sampled at (their log-prob kind, top-k and top-p always apply)."),
     chunk_size: int = option(GRPOConfig, 'chunk_size'),
     seed: int = option(GRPOConfig, 'seed'),
     as_json: bool = json_option(),

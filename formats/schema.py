@@ -76,7 +76,7 @@ FIELDS: dict[str, Field] = {
         _array("observation_mask", "bool", ("T",), ROLLOUT, True, "1 = tool / environment / copied context"),
         _array("rollout_log_probs", "float32", ("T",), ROLLOUT, False, "sampling log-prob; NaN off actions"),
         _array("policy_versions", "int32", ("T",), ROLLOUT, False, "policy version per token"),
-        Field("sampling", "map", ROLLOUT, doc="temperature, top_p, top_k, seed, max_new_tokens, engine"),
+        Field("sampling", "map", ROLLOUT, doc="temperature, top_p, top_k, seed, max_new_tokens, engine, log_prob_kind"),
         Field("tokenizer_revision", "str", ROLLOUT, True, doc="digest of tokenizer files and chat template"),
         Field("segments", "segments", ROLLOUT, doc="[{start, end, kind, turn}], in order, non-overlapping"),
         Field("status", "str", ROLLOUT, True, doc="one of " + ", ".join(STATUSES)),

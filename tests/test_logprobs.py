@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from glmpost.closure.logprobs import (
     TokenLogProbs,
     _chunked_log_probs,
-    _plain_linear,
     sequence_log_probs,
     token_log_probs_from_hidden,
 )
+from glmpost.closure.heads import plain_linear
+from glmpost.rollout.distribution import ScoredDistribution
 from glmpost.models.tiny import build_model, tiny_glm5_config
 
 LENGTHS = (23, 17, 9)  # right-padded rows of one batch; L = 23 is divisible by no chunk size used
@@ -99,8 +100,9 @@ def test_gradients_match_naive_path(model, batch):
 
 def _checkpointed(hidden, weight, targets, **kwargs):
     """The path of a head module that is not a bare linear layer (per-chunk checkpoints)."""
+    distribution = ScoredDistribution(kwargs.pop("temperature", 1.0), kwargs.pop("top_k", 0), kwargs.pop("top_p", 1.0))
     return _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight, bias=kwargs.pop("lm_head_bias", None)),
-                              weight.shape[0], targets, mask=kwargs.pop("mask", None),
+                              weight.shape[0], targets, mask=kwargs.pop("mask", None), distribution=distribution,
                               return_entropy=kwargs.pop("return_entropy", False), **kwargs)
 
 
@@ -188,7 +190,7 @@ def test_fused_backward_makes_one_weight_gradient_buffer():
 def test_only_a_bare_linear_head_takes_the_fused_path():
     from torch.nn.utils import parametrize
 
-    assert _plain_linear(torch.nn.Linear(4, 6))
+    assert plain_linear(torch.nn.Linear(4, 6))
     hooked = torch.nn.Linear(4, 6)
     hooked.register_forward_pre_hook(lambda module, args: None)  # as DeepSpeed ZeRO-3 gathers weights
     parametrized = torch.nn.Linear(4, 6)
@@ -197,7 +199,7 @@ def test_only_a_bare_linear_head_takes_the_fused_path():
     class Scaled(torch.nn.Linear):
         pass
 
-    assert not any(_plain_linear(head) for head in (hooked, parametrized, Scaled(4, 6)))
+    assert not any(plain_linear(head) for head in (hooked, parametrized, Scaled(4, 6)))
 
 
 def test_response_start_and_score_mask(model, batch):

@@ -168,3 +168,19 @@ def test_bad_prompts_are_clear_errors(glmpost_cli, tiny_checkpoint, tmp_path):
     assert stops.exit_code == 2 and "--stop-token-ids 'a,b'" in stops.stderr
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.msgpack.zst"))
     assert all("Traceback" not in r.stderr for r in (result, long, bad, stops))
+
+
+def test_local_records_say_their_seeds_reproduce_and_what_their_log_probs_are_of(glmpost_cli, tiny_checkpoint, tmp_path):
+    result = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", tiny_checkpoint, "--out", tmp_path / "o",
+                         "--group-size", "2", "--max-new-tokens", "3", "--top-k", "20")
+    assert result.exit_code == 0, result.stderr
+    for record in _records(tmp_path / "o"):
+        assert record["sampling"]["seed_reproducible"] is True and record["sampling"]["log_prob_kind"] == "sampled"
+    options = json.loads((tmp_path / "o" / "stage.json").read_text())["options"]
+    assert "api_key" not in options and options["server_log_prob_kind"] == "auto"
+    bad = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", tiny_checkpoint, "--out", tmp_path / "b",
+                      "--server-log-prob-kind", "filtered")
+    assert bad.exit_code == 2 and "--server-log-prob-kind must be auto or one of sampled" in bad.stderr
+    key = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", tiny_checkpoint, "--out", tmp_path / "b",
+                      "--engine", "sglang", "--server", "127.0.0.1:1", "--api-key", "two words")
+    assert key.exit_code == 2 and "--api-key: an API key must be printable" in key.stderr and "two words" not in key.stderr

@@ -1,6 +1,7 @@
 """``glmpost serve`` (SGLang's native API subset), the SGLang client and ``rollout --engine sglang``.
 
-Every server here is a real ``glmpost serve`` process on 127.0.0.1 with ``--port 0``.
+Every server here is a real ``glmpost serve`` process on 127.0.0.1 with ``--port 0``
+(tests/test_serve_sglang.py: API keys, ``/server_info``, stop strings, log-prob kinds).
 """
 
 from __future__ import annotations
@@ -304,3 +305,6 @@ def test_a_server_killed_mid_run_leaves_aborted_records_with_reasons(tiny_checkp
     for record in aborted:
         assert url in record["extra"]["status_reason"] and len(record["response_token_ids"]) == 0
     assert records[0]["status"] == "truncated" and len(records[0]["response_token_ids"]) == 24
+
+
+# ----------------------------------------------------------------------------- SGLang fidelity (issue 14)

@@ -20,13 +20,13 @@ from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
 
 
-def _judged(glmpost_cli, checkpoint, tmp_path, *, name="judged", nan_first=False, seed=0) -> Path:
+def _judged(glmpost_cli, checkpoint, tmp_path, *, name="judged", nan_first=False, seed=0, rollout_args=()) -> Path:
     """Rollout shards of the count task with a reward = fraction of tokens equal to the digit."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "count", "task": {"digit": str(d)}}) + "\n" for d in range(4)))
     rollout = tmp_path / f"{name}-rollout"
     result = glmpost_cli("rollout", prompts, "--checkpoint", checkpoint, "--out", rollout, "--group-size", "4",
-                         "--max-new-tokens", "6", "--stop-token-ids", "none", "--seed", seed)
+                         "--max-new-tokens", "6", "--stop-token-ids", "none", "--seed", seed, *rollout_args)
     assert result.exit_code == 0, result.stderr
     out = tmp_path / name
     out.mkdir()
@@ -226,3 +226,106 @@ def test_records_of_an_older_policy_are_refused_unless_a_lag_is_accepted(glmpost
     assert json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())["version_lags"] == {"0": 16}
     step = json.loads((tmp_path / "policy" / "v000002" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["train/version_lag/1"] == 16
+
+
+TRUNCATED = ("--temperature", "0.7", "--top-k", "20", "--top-p", "0.9")  # the issue's round-trip settings
+
+
+def _rewrite_sampling(src: Path, dst: Path, **changes) -> Path:
+    """A copy of ``src``'s shards with ``changes`` applied to every record's ``sampling`` map."""
+    dst.mkdir()
+    for path in resolve_shard_paths([src]):
+        reader = ShardReader(path)
+        with ShardWriter(dst / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+            for record in reader:
+                writer.write({**record, "sampling": {**record["sampling"], **changes}})
+    return dst
+
+
+def test_truncated_sampling_round_trip_trusts_every_token_it_should(glmpost_cli, tiny_checkpoint, tmp_path):
+    """Top-k 20 / top-p 0.9 / T 0.7: the trainer recomputes the truncated, renormalised distribution
+    the engine sampled from, so IcePop trusts (nearly) every token and diff-logprobs agrees to 1e-5;
+    a train side that ignores the truncation (records claiming no filter) trusts few (TRL#6789)."""
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path, rollout_args=TRUNCATED)
+    record = next(iter(ShardReader(resolve_shard_paths([judged])[0])))
+    assert record["sampling"]["log_prob_kind"] == "sampled" and record["sampling"]["top_k"] == 20
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["trusted_fraction"] >= 0.99
+    stage = json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())
+    assert stage["log_prob_distribution"] == {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
+
+    diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
+    assert diff.exit_code == 0, diff.stderr
+    report = json.loads(diff.stdout)
+    assert report["overall"]["max_abs"] <= 1e-5 and report["overall"]["sample_agreement"] == 1.0
+    assert (report["top_k"], report["top_p"], report["log_prob_kind"]) == (20, 0.9, "sampled")
+
+    ignored = _rewrite_sampling(judged, tmp_path / "ignored", top_k=0, top_p=1.0)
+    wrong = glmpost_cli("train-grpo", ignored, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "wrong", "--json")
+    assert wrong.exit_code == 0, wrong.stderr
+    assert json.loads(wrong.stdout)["trusted_fraction"] < 0.5
+
+
+def test_greedy_records_are_refused_by_the_trainer(glmpost_cli, tiny_checkpoint, tmp_path):
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path, rollout_args=("--temperature", "0"))
+    record = next(iter(ShardReader(resolve_shard_paths([judged])[0])))
+    assert record["sampling"]["log_prob_kind"] == "raw" and float(record["rollout_log_probs"].max()) < 0
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1
+    assert "was decoded greedily (sampling.temperature 0)" in result.stderr and "--temperature > 0" in result.stderr
+    assert not (tmp_path / "policy").exists()
+    # Their raw log-probs (the model's own distribution) still check against the trainer's forward.
+    diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
+    assert diff.exit_code == 0, diff.stderr
+    assert json.loads(diff.stdout)["overall"]["max_abs"] <= 1e-5
+
+
+def test_an_unknown_log_prob_kind_is_one_error_naming_the_field(glmpost_cli, tiny_checkpoint, tmp_path):
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    bad = _rewrite_sampling(judged, tmp_path / "bad", log_prob_kind="filtered")
+    result = glmpost_cli("train-grpo", bad, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1
+    assert "sampling.log_prob_kind: unknown log-prob kind 'filtered'" in result.stderr
+
+
+def test_loss_denominator_is_a_recipe_choice(glmpost_cli, tiny_checkpoint, tmp_path):
+    """The denominator is set from a recipe section, recorded in stage.json, and checked
+    (tests/test_trainer.py checks what it does to the gradient)."""
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[train-grpo]\nloss_denominator = "action"\n')
+    action = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "a", "--config", recipe, "--json")
+    assert action.exit_code == 0, action.stderr
+    stage = json.loads((tmp_path / "a" / "v000001" / "stage.json").read_text())
+    assert stage["options"]["loss_denominator"] == "action"
+    bad = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "b", "--loss-denominator", "tokens")
+    assert bad.exit_code == 2 and "--loss-denominator 'tokens' is not one of trusted, action" in bad.stderr
+
+
+def test_sglang_pre_filter_log_probs_train_under_the_tempered_distribution(glmpost_cli, tiny_checkpoint, tmp_path):
+    """SGLang's semantics (log_softmax(z / T) before top-k / top-p, `serve --log-prob-kind tempered`)
+    through rollout --engine sglang: the records say so, and train-grpo and diff-logprobs score the
+    tempered distribution. The same values taken for the truncated one would be distrusted."""
+    from serve_process import start_server, stop_server
+
+    proc, url = start_server(tiny_checkpoint, "--log-prob-kind", "tempered")
+    try:
+        judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path, rollout_args=("--engine", "sglang", "--server", url, *TRUNCATED))
+    finally:
+        stop_server(proc)
+    record = next(iter(ShardReader(resolve_shard_paths([judged])[0])))
+    assert record["sampling"]["log_prob_kind"] == "tempered" and record["sampling"]["top_k"] == 20
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["trusted_fraction"] >= 0.99
+    stage = json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())
+    assert stage["log_prob_distribution"] == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
+    assert diff.exit_code == 0, diff.stderr
+    assert json.loads(diff.stdout)["overall"]["max_abs"] <= 1e-5
+
+    misread = _rewrite_sampling(judged, tmp_path / "misread", log_prob_kind="sampled")
+    wrong = glmpost_cli("train-grpo", misread, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "wrong", "--json")
+    assert wrong.exit_code == 0, wrong.stderr
+    assert json.loads(wrong.stdout)["trusted_fraction"] < 0.5

@@ -106,6 +106,28 @@ class GradientRecorder(LocalBackend):
         return super().step()
 
 
+def test_action_denominator_scales_the_trusted_gradient_by_the_trusted_fraction(policy):
+    """The same sum over trusted tokens, divided by the trusted count (default: the survivors of a
+    heavy mask are up-weighted) or by every action token."""
+    checkpoint, tokenizer, _ = policy
+    examples = prepare_batch(_records(policy)).examples
+    for example in examples[:5]:  # five of eight trajectories wholly distrusted: rho = exp(-4)
+        example.rollout_log_probs = np.minimum(example.rollout_log_probs + 4.0, -1e-3)
+    runs = {}
+    for denominator in ("trusted", "action"):
+        config = GRPOConfig(lr=1e-2, micro_batch_size=8, loss_denominator=denominator)
+        backend = GradientRecorder(load_model(checkpoint), config)
+        metrics = PolicyTrainer(backend.model, config, pad_token_id=tokenizer.pad_token_id, backend=backend).train(examples)[0]
+        runs[denominator] = (metrics, backend.gradients)
+    (trusted, g_trusted), (action, g_action) = runs["trusted"], runs["action"]
+    fraction = trusted["train/trusted_fraction"]
+    assert 0.2 < fraction < 0.6 and action["train/trusted_fraction"] == fraction
+    assert action["train/loss"] == pytest.approx(trusted["train/loss"] * fraction, rel=1e-5, abs=1e-9)
+    for name, grad in g_trusted.items():
+        torch.testing.assert_close(g_action[name], grad * fraction, atol=1e-7, rtol=1e-4, msg=name)
+    assert any(float(g.abs().max()) > 0 for g in g_trusted.values())
+
+
 def test_gradient_does_not_depend_on_micro_batch_split(policy):
     checkpoint, tokenizer, _ = policy
     examples = prepare_batch(_records(policy)).examples

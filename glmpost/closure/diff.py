@@ -40,6 +40,8 @@ from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.formats import iter_checked_records
 from glmpost.npu import resolve_device
+from glmpost.rollout.distribution import ScoredDistribution, scored_distribution
+from glmpost.rollout.engine import SamplingParams
 from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
 
 STAGE = "diff-logprobs"
@@ -55,6 +57,7 @@ class DiffConfig:
     out: Optional[Path] = None  # the report directory, as messages name it (the caller stages it)
     against: Optional[Path] = setting(None, "Path B: another checkpoint (root or version; quantized ones are dequantized).")
     against_server: Optional[str] = setting(None, "Path B: a glmpost serve / SGLang server URL.")
+    api_key: Optional[str] = setting(None, "--against-server's API key, sent as 'Authorization: Bearer KEY' (never recorded).")
     dtype: str = setting("auto", "Path A dtype: auto (the checkpoint's), fp32, bf16 or fp16.")
     against_dtype: Optional[str] = setting(None, "Path B dtype (default: path A's).")
     device: str = setting("auto", "Path A device: auto, cpu, cuda[:N] or npu[:N].")
@@ -132,9 +135,9 @@ class LocalSide:
         set_indexer_topk(model, deterministic=self.deterministic_topk)
         return model
 
-    def score(self, model, records, *, temperature: float, label: str, indexer: bool, progress: Callable) -> PathScores:
+    def score(self, model, records, *, distribution: ScoredDistribution, label: str, indexer: bool, progress: Callable) -> PathScores:
         """``records`` scored through the trainer's forward (:func:`~glmpost.closure.mismatch.local_path`)."""
-        return local_path(model, records, temperature=temperature, label=label, batch_size=self.batch_size,
+        return local_path(model, records, distribution=distribution, label=label, batch_size=self.batch_size,
                           indexer=indexer, progress=progress)
 
     def describe(self) -> dict[str, Any]:
@@ -165,42 +168,49 @@ def open_checkpoints(config: DiffConfig) -> tuple[Path, Path, Any, str]:
     return version_dir, against_dir, tokenizer, revision
 
 
-def read_diff_records(inputs: list[str], revision: str, *, need_rollout: bool) -> tuple[list[dict[str, Any]], set[float], set[str]]:
-    """Every record of ``inputs`` (checked: fields, tokenizer ``revision``), and the sampling
-    temperatures and engines they name."""
-    records, temperatures, engines = [], set(), set()
+def read_diff_records(inputs: list[str], revision: str, *, need_rollout: bool) -> tuple[list[dict[str, Any]], set[tuple], set[str]]:
+    """Every record of ``inputs`` (checked: fields, tokenizer ``revision``, ``sampling``), and the
+    distinct log-prob settings (kind, temperature, filter) and engines they name."""
+    records, settings, engines = [], set(), set()
     require = ["rollout_log_probs", "sampling"] if need_rollout else []
-    for record, _ in iter_checked_records(inputs, revision=revision, stage=STAGE, require=require):
+    for record, where in iter_checked_records(inputs, revision=revision, stage=STAGE, require=require):
         sampling = record.get("sampling") or {}
-        if "temperature" in sampling:
-            temperatures.add(float(sampling["temperature"]))
+        try:
+            params = SamplingParams.from_record(sampling)
+        except ValueError as exc:
+            raise GlmpostError(f"{where}: record {record['id']!r}: {exc}") from None
+        settings.add((params.log_prob_kind, params.temperature, params.top_k, params.top_p))
         engines.add(str(sampling.get("engine", "unknown")))
         records.append(record)
     if not records:
         raise GlmpostError(f"{STAGE}: {', '.join(map(str, inputs))}: no records")
-    return records, temperatures, engines
+    return records, settings, engines
 
 
-def comparison_temperature(temperatures: set[float], mode: str) -> float:
-    """The one temperature the records were sampled at (1 when they name none); greedy records
-    compare two model paths' own distributions, and have nothing to compare with the rollout."""
-    if len(temperatures) > 1:
-        raise GlmpostError(f"{STAGE}: records were sampled at different temperatures {sorted(temperatures)}; compare them separately")
-    temperature = next(iter(temperatures)) if temperatures else 1.0
-    if temperature == 0:
+def comparison_distribution(settings: set[tuple], mode: str) -> ScoredDistribution:
+    """The one distribution the records' log-probs are of (formats/SPEC.md ``sampling``: their
+    ``log_prob_kind`` at their temperature, top-k and top-p), which both paths compute. Greedy
+    records from before ``log_prob_kind`` carry the point mass's 0, which nothing can check against
+    a rollout; two model paths then compare the model's own (raw) distributions."""
+    if len(settings) > 1:
+        raise GlmpostError(f"{STAGE}: records differ in (log_prob_kind, temperature, top_k, top_p): "
+                           f"{sorted(settings, key=str)}; compare them separately")
+    kind, temperature, top_k, top_p = next(iter(settings))
+    if temperature == 0 and kind != "raw":
         if mode == "rollout":
-            raise GlmpostError(f"{STAGE}: greedy rollouts (temperature 0) record no sampling log-probs to compare")
-        temperature = 1.0  # two model paths: compare the model's own distributions (samples stay greedy)
-    return temperature
+            raise GlmpostError(f"{STAGE}: greedy rollouts recorded as sampling.log_prob_kind {kind!r} carry the point mass's "
+                               "log-prob 0: nothing to compare (glmpost now records greedy log-probs as 'raw')")
+        return ScoredDistribution()
+    return scored_distribution(kind, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def server_path_b(url: str, records, *, temperature: float, revision: str, vocab_size: int,
-                  progress: Callable) -> tuple[PathScores, dict[str, Any]]:
+def server_path_b(url: str, records, *, distribution: ScoredDistribution, revision: str, vocab_size: int,
+                  progress: Callable, api_key: Optional[str] = None) -> tuple[PathScores, dict[str, Any]]:
     """Path B on a server: its scores and its description; the server must be reachable and serve
     tokenizer ``revision``."""
     from glmpost.serving.sglang_client import ServerError, SGLangClient
 
-    client = SGLangClient(url, timeout=120.0, retries=2, backoff=0.2)
+    client = SGLangClient(url, timeout=120.0, retries=2, backoff=0.2, api_key=api_key)
     try:
         info = client.model_info()
     except ServerError as exc:
@@ -210,7 +220,7 @@ def server_path_b(url: str, records, *, temperature: float, revision: str, vocab
         raise ConfigError("{against_server} {url}: tokenizer revision {theirs} differs from {checkpoint}'s {revision}",
                           url=client.url, theirs=theirs, revision=revision, exit_code=1)
     try:
-        path = server_path(client, records, temperature=temperature, vocab_size=vocab_size, label="B", progress=progress)
+        path = server_path(client, records, distribution=distribution, vocab_size=vocab_size, label="B", progress=progress)
     except (ValueError, ServerError) as exc:
         raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
     return path, {"kind": "server", "url": client.url, "weight_version": info.get("weight_version"),
@@ -260,15 +270,16 @@ class LogprobDiff:
         c = self.config
         gates = c.check()
         self.version_dir, against_dir, tokenizer, revision = open_checkpoints(c)
-        records, temperatures, engines = read_diff_records(c.inputs, revision, need_rollout=c.mode == "rollout")
-        temperature = comparison_temperature(temperatures, c.mode)
-        path_a, path_b, desc_a, desc_b = self._score(records, temperature=temperature, revision=revision,
+        records, settings, engines = read_diff_records(c.inputs, revision, need_rollout=c.mode == "rollout")
+        distribution = comparison_distribution(settings, c.mode)
+        path_a, path_b, desc_a, desc_b = self._score(records, distribution=distribution, revision=revision,
                                                      engines=engines, against_dir=against_dir)
         self.deltas = deltas = compare_paths(path_a, path_b, records)
         report = mismatch_report(deltas, worst=c.worst, beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high,
                                  context=lambda i, position: worst_context(tokenizer, records[i], position, c.context_tokens))
         report.update({"mode": c.mode, "path_a": desc_a, "path_b": desc_b, "records": len(records),
-                       "temperature": temperature, "resampled": deltas.agree is not None,
+                       "temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p,
+                       "log_prob_kind": next(iter(settings))[0], "resampled": deltas.agree is not None,
                        "checkpoint": str(self.version_dir), "deterministic_topk": c.deterministic_topk})
         if c.indexer:
             report["indexer"] = compare_indexers(path_a, path_b)
@@ -277,21 +288,22 @@ class LogprobDiff:
         self.report = report
         return report
 
-    def _score(self, records, *, temperature: float, revision: str, engines: set[str], against_dir: Path):
+    def _score(self, records, *, distribution: ScoredDistribution, revision: str, engines: set[str], against_dir: Path):
         """``(path_a, path_b, description_a, description_b)``, with a progress bar over both."""
         c = self.config
         side_a = LocalSide(self.version_dir, c.dtype, resolve_device(c.device), c.deterministic_topk, c.batch_size)
         progress = tqdm(total=len(records) * 2, desc=STAGE, unit="traj", leave=False, disable=None)
         with progress:
             model_a = side_a.load()
-            path_a = side_a.score(model_a, records, temperature=temperature, label="A", indexer=c.indexer, progress=progress.update)
+            path_a = side_a.score(model_a, records, distribution=distribution, label="A", indexer=c.indexer, progress=progress.update)
             if c.mode == "rollout":
                 path_b = rollout_path(records, resample=bool(engines) and engines <= set(REPRODUCIBLE_ENGINES))
                 progress.update(len(records))
                 return path_a, path_b, side_a.describe(), {"kind": "rollout", "engines": sorted(engines)}
             if c.mode == "server":
-                path_b, desc_b = server_path_b(c.against_server, records, temperature=temperature, revision=revision,
-                                               vocab_size=model_a.get_output_embeddings().weight.shape[0], progress=progress.update)
+                path_b, desc_b = server_path_b(c.against_server, records, distribution=distribution, revision=revision,
+                                               vocab_size=model_a.get_output_embeddings().weight.shape[0], progress=progress.update,
+                                               api_key=c.api_key)
                 return path_a, path_b, side_a.describe(), desc_b
             side_b = self._side_b(side_a, against_dir)
             if c.against is None and side_b.dtype == side_a.dtype and str(side_b.device) == str(side_a.device):
@@ -299,7 +311,7 @@ class LogprobDiff:
             else:
                 del model_a  # free path A's weights before loading path B's
                 model_b = side_b.load()
-            path_b = side_b.score(model_b, records, temperature=temperature, label="B", indexer=c.indexer, progress=progress.update)
+            path_b = side_b.score(model_b, records, distribution=distribution, label="B", indexer=c.indexer, progress=progress.update)
             return path_a, path_b, side_a.describe(), side_b.describe()
 
     def _side_b(self, side_a: LocalSide, against_dir: Path) -> LocalSide:

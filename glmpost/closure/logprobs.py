@@ -14,6 +14,10 @@ sampling temperature ``tau > 0``::
 
 The log-probs are those of the temperature-scaled distribution ``softmax(logits / tau)``: the one a
 rollout engine samples from at temperature ``tau``. ``tau = 1`` gives the model's own distribution.
+With a top-k / top-p filter (``top_k``, ``top_p``) they are those of the truncated, renormalised
+distribution the engine samples from (a record's ``sampling.log_prob_kind`` ``sampled``): ``z`` off
+the kept set is ``MASKED_LOGIT`` before the softmax (:mod:`glmpost.rollout.distribution`). The kept
+set is recomputed per chunk (a sort of ``[chunk_size, V]`` when top-p is on) and again in backward.
 
 Memory: positions are processed ``chunk_size`` rows at a time, so the largest live tensors are
 ``[chunk_size, V]`` float32 buffers. Without autograd the peak extra memory is
@@ -41,6 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from glmpost.closure.heads import plain_linear, split_causal_lm, vocab_size_of
+from glmpost.rollout.distribution import LOG_PROB_FLOOR, MASKED_LOGIT, ScoredDistribution, scaled_logits
+
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "TokenLogProbs",
@@ -52,11 +59,6 @@ __all__ = [
 # no-grad peak at ~0.13x the naive path's and runs as fast as it on CPU
 # (benchmarks/bench_logprobs.py; 256 is slower on CPU, 1024 misses the 0.2x memory goal).
 DEFAULT_CHUNK_SIZE = 512
-
-# Config attributes of Hugging Face heads that post-process logits after the LM head; the chunked
-# path applies the head module alone, so it refuses such models rather than return wrong numbers.
-_LOGIT_POSTPROCESSING_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
 
 @dataclass(frozen=True)
 class TokenLogProbs:
@@ -82,10 +84,13 @@ def token_log_probs_from_hidden(
     lm_head_bias: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
 ) -> TokenLogProbs:
-    """Log-prob (and entropy) of ``targets`` under ``softmax((hidden @ W.T + b).float() / tau)``.
+    """Log-prob (and entropy) of ``targets`` under ``softmax((hidden @ W.T + b).float() / tau)``,
+    restricted to the tokens top-k / top-p keep when those are on (see :func:`sequence_log_probs`).
 
     A pure tensor function: ``logp[i] = log_softmax(z_i)[targets[i]]`` with
     ``z_i = float32(hidden[i] @ lm_head_weight.T + lm_head_bias) / temperature``, computed
@@ -98,6 +103,7 @@ def token_log_probs_from_hidden(
         lm_head_bias: optional ``[V]``.
         mask: optional bool ``[...]``; rows where it is False are skipped and read 0.0.
         temperature: ``tau > 0``.
+        top_k, top_p: the sampling filter (0 and 1.0: off).
         chunk_size: rows per chunk, > 0.
         return_entropy: also return the entropy per row.
 
@@ -134,7 +140,7 @@ def token_log_probs_from_hidden(
         lm_head_weight.shape[0],
         targets,
         mask=mask,
-        temperature=temperature,
+        distribution=ScoredDistribution(temperature, top_k, top_p),
         chunk_size=chunk_size,
         return_entropy=return_entropy,
         linear=(lm_head_weight, lm_head_bias),
@@ -149,6 +155,8 @@ def sequence_log_probs(
     response_start: int | torch.Tensor | None = None,
     score_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
 ) -> TokenLogProbs:
@@ -173,6 +181,12 @@ def sequence_log_probs(
             to score (e.g. the prompt length); entries with ``t + 1 < response_start`` are skipped.
         score_mask: optional bool ``[B, L-1]``: entries to score (e.g. action tokens only).
         temperature: ``tau > 0``.
+        top_k, top_p: the sampling filter a ``sampled`` record's log-probs are under
+            (:mod:`glmpost.rollout.distribution`; 0 and 1.0: off). On, the log-prob is
+            ``z[y] - logsumexp_{v in S} z[v]`` over the kept set ``S`` of ``z = logits / tau``
+            (top-k, then top-p: :func:`~glmpost.rollout.distribution.keep_mask`, the engine's own
+            rule), its gradient ``onehot(y) - p_S`` (``S`` held fixed), the entropy that of
+            ``p_S``; a target outside ``S`` reads ``LOG_PROB_FLOOR`` with no gradient.
         chunk_size: positions per chunk.
         return_entropy: also return the entropy of ``p_tau`` at each scored position.
 
@@ -227,19 +241,19 @@ def sequence_log_probs(
             )
         scored &= score_mask
 
-    body, head = _split_causal_lm(model)
+    body, head = split_causal_lm(model)
     outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     return _chunked_log_probs(
         hidden[:, :-1],
         head,
-        _vocab_size(head),
+        vocab_size_of(head),
         input_ids[:, 1:],
         mask=scored,
-        temperature=temperature,
+        distribution=ScoredDistribution(temperature, top_k, top_p),
         chunk_size=chunk_size,
         return_entropy=return_entropy,
-        linear=(head.weight, head.bias) if _plain_linear(head) else None,
+        linear=(head.weight, head.bias) if plain_linear(head) else None,
     )
 
 
@@ -250,7 +264,7 @@ def _chunked_log_probs(
     targets: torch.Tensor,
     *,
     mask: torch.Tensor | None,
-    temperature: float,
+    distribution: ScoredDistribution,
     chunk_size: int,
     return_entropy: bool,
     linear: tuple[torch.Tensor, torch.Tensor | None] | None = None,
@@ -260,7 +274,7 @@ def _chunked_log_probs(
     ``linear = (weight, bias)`` says ``head`` is exactly ``F.linear(rows, weight, bias)``: under
     autograd the rows then go through :class:`_FusedLinearLogProbs` (one weight-gradient buffer)
     instead of per-chunk checkpoints around ``head``."""
-    _check_temperature_and_chunk(temperature, chunk_size)
+    _check_temperature_and_chunk(distribution.temperature, chunk_size)
     lead = tuple(hidden.shape[:-1])
     if tuple(targets.shape) != lead:
         raise ValueError(
@@ -289,12 +303,12 @@ def _chunked_log_probs(
 
     if torch.is_grad_enabled() and linear is not None:
         log_prob_all, entropy_all = _FusedLinearLogProbs.apply(
-            rows, linear[0], linear[1], row_targets, temperature, chunk_size, return_entropy
+            rows, linear[0], linear[1], row_targets, distribution, chunk_size, return_entropy
         )
         return _assemble(lead, mask, [log_prob_all], [entropy_all] if return_entropy else [], return_entropy, hidden.device)
 
     chunk_fn = functools.partial(
-        _chunk_log_probs, head=head, temperature=temperature, return_entropy=return_entropy
+        _chunk_log_probs, head=head, distribution=distribution, return_entropy=return_entropy
     )
     use_checkpoint = torch.is_grad_enabled()
     log_prob_parts, entropy_parts = [], []
@@ -324,23 +338,6 @@ def _assemble(lead, mask, log_prob_parts, entropy_parts, return_entropy, device)
     return TokenLogProbs(log_probs=log_probs, entropy=entropy, mask=mask)
 
 
-def _plain_linear(head) -> bool:
-    """A bare ``nn.Linear`` whose ``weight`` is the tensor its forward uses: no parametrization
-    (QAT's fake quant), no hooks (DeepSpeed ZeRO-3 gathers partitioned weights in them), no
-    subclass. Only such a head may be applied as ``F.linear(rows, weight, bias)`` directly."""
-    from torch.nn.modules import module as nn_module
-
-    return (
-        type(head) is torch.nn.Linear
-        and not head._forward_hooks
-        and not head._forward_pre_hooks
-        and not head._backward_hooks
-        and not nn_module._global_forward_hooks
-        and not nn_module._global_forward_pre_hooks
-        and not hasattr(head.weight, "ds_id")
-    )
-
-
 class _FusedLinearLogProbs(torch.autograd.Function):
     """Chunked log-probs (and entropy) through a linear head, with one weight-gradient buffer.
 
@@ -355,23 +352,23 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, targets, temperature, chunk_size, return_entropy):
+    def forward(ctx, rows, weight, bias, targets, distribution, chunk_size, return_entropy):
         # grad is off inside forward: the plain chunk loop, nothing recorded
         out = _chunked_log_probs(rows, functools.partial(F.linear, weight=weight, bias=bias), None, targets, mask=None,
-                                 temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+                                 distribution=distribution, chunk_size=chunk_size, return_entropy=return_entropy)
         log_prob = out.log_probs
         entropy = out.entropy if return_entropy else rows.new_zeros(0, dtype=torch.float32)
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(rows, weight, bias, targets)
-        ctx.temperature, ctx.chunk_size, ctx.return_entropy = temperature, chunk_size, return_entropy
+        ctx.distribution, ctx.chunk_size, ctx.return_entropy = distribution, chunk_size, return_entropy
         ctx.set_materialize_grads(False)
         return log_prob, entropy
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
         rows, weight, bias, targets = ctx.saved_tensors
-        temperature = ctx.temperature
+        temperature = ctx.distribution.temperature
         if not ctx.return_entropy:
             grad_entropy = None
         need_rows, need_weight, need_bias = ctx.needs_input_grad[:3]
@@ -384,22 +381,23 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             end = min(begin + ctx.chunk_size, rows.shape[0])
             chunk = rows[begin:end]
             # In place on as few [C, V] float32 buffers as possible (two at most).
-            z = F.linear(chunk, weight, bias).float()
-            if temperature != 1.0:
-                z = z.div_(temperature)
+            z = scaled_logits(F.linear(chunk, weight, bias).float(), ctx.distribution, inplace=True)
+            g = None if grad_log_prob is None else grad_log_prob[begin:end, None]
+            if g is not None and ctx.distribution.filtered:  # a target outside the kept set: floored, no gradient
+                g = g.masked_fill(z.gather(-1, targets[begin:end, None]) == MASKED_LOGIT, 0.0)
             log_p = torch.log_softmax(z, dim=-1)
             del z
             if grad_entropy is None:
-                grad_z = log_p.exp_().mul_(-grad_log_prob[begin:end, None])  # -g p
+                grad_z = log_p.exp_().mul_(-g)  # -g p
             else:
                 p = log_p.exp()
                 entropy = torch.linalg.vecdot(p, log_p).neg_()[:, None]  # -sum p log p
                 grad_z = log_p.add_(entropy).mul_(p).mul_(-grad_entropy[begin:end, None])  # -g_H p (log p + H)
-                if grad_log_prob is not None:
-                    grad_z.addcmul_(p, grad_log_prob[begin:end, None], value=-1.0)  # - g p
+                if g is not None:
+                    grad_z.addcmul_(p, g, value=-1.0)  # - g p
                 del p
-            if grad_log_prob is not None:  # + g at the target
-                grad_z.scatter_add_(-1, targets[begin:end, None], grad_log_prob[begin:end, None].to(grad_z.dtype))
+            if g is not None:  # + g at the target
+                grad_z.scatter_add_(-1, targets[begin:end, None], g.to(grad_z.dtype))
             if temperature != 1.0:
                 grad_z.div_(temperature)
             grad_logits = grad_z.to(weight.dtype)
@@ -419,10 +417,11 @@ def _chunk_log_probs(
     targets: torch.Tensor,
     *,
     head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float,
+    distribution: ScoredDistribution,
     return_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(log_softmax(z)[targets], entropy(z) or None)``, ``z = float(head(rows)) / tau``.
+    """``(log_softmax(z)[targets], entropy(z) or None)``, ``z = float(head(rows)) / tau`` (filtered:
+    the dropped tokens' ``z`` set to ``MASKED_LOGIT``, an out-of-set target floored).
 
     Uses the fused row-wise ``log_softmax`` kernel (one pass per row in cache, the same kernel as
     the naive path). Without autograd, temporaries are freed or updated in place so at most two
@@ -430,12 +429,12 @@ def _chunk_log_probs(
     checkpoint, which discards them after the forward).
     """
     inplace = not torch.is_grad_enabled()
-    logits = head(rows).float()  # a fresh [C, V] tensor, safe to update in place
-    if temperature != 1.0:
-        logits = logits.div_(temperature) if inplace else logits / temperature
+    logits = scaled_logits(head(rows).float(), distribution, inplace=inplace)  # a fresh [C, V] tensor
     log_softmax = torch.log_softmax(logits, dim=-1)
     del logits
     log_prob = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+    if distribution.filtered:
+        log_prob = log_prob.clamp(min=LOG_PROB_FLOOR)
     if not return_entropy:
         return log_prob, None
     if inplace:
@@ -457,38 +456,3 @@ def _check_temperature_and_chunk(temperature: float, chunk_size: int) -> None:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
-
-
-def _split_causal_lm(
-    model: torch.nn.Module,
-) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    """``(decoder body, LM head module)`` of a Hugging Face causal LM."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        raise ValueError(f"{type(model).__name__} exposes no LM head (get_output_embeddings())")
-    config = getattr(model, "config", None)
-    for attr in _LOGIT_POSTPROCESSING_ATTRS:
-        value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(
-                f"{type(model).__name__} post-processes its logits (config.{attr}={value}); "
-                "chunked log-probs apply the LM head alone and do not support it"
-            )
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if body is None or body is model:
-        body = getattr(model, "model", None)
-    if body is None or body is model:
-        body = getattr(model, "base_model", None)
-    if body is None or body is model:
-        raise ValueError(
-            f"{type(model).__name__} exposes no decoder body (get_decoder(), .model, .base_model)"
-        )
-    return body, head
-
-
-def _vocab_size(head: torch.nn.Module) -> int | None:
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0:
-        return weight.shape[0]
-    out_features = getattr(head, "out_features", None)
-    return out_features if isinstance(out_features, int) else None

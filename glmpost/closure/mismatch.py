@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from glmpost.rl.masks import dis_mask, icepop_mask
+from glmpost.rollout.distribution import ScoredDistribution, distribution_log_softmax
 from glmpost.rollout.engine import LocalEngine, SamplingParams, sequence_seed
 
 POSITION_BUCKETS = (0, 64, 256, 1024, 4096)
@@ -245,10 +246,11 @@ def inverse_cdf_samples(logits: torch.Tensor, uniforms: torch.Tensor, params: Sa
 
 
 @torch.no_grad()
-def local_path(model, records: Sequence[dict[str, Any]], *, temperature: float, label: str = "local", batch_size: int = 8,
+def local_path(model, records: Sequence[dict[str, Any]], *, distribution: ScoredDistribution, label: str = "local", batch_size: int = 8,
                resample: bool = True, indexer: bool = False, chunk_size: int = 512, progress: Callable | None = None) -> PathScores:
     """Score ``records`` with ``model`` through the trainer's forward (right-padded batches of
-    ``batch_size``, :func:`glmpost.closure.logprobs.sequence_log_probs` at ``temperature``); with ``resample``
+    ``batch_size``, :func:`glmpost.closure.logprobs.sequence_log_probs` under ``distribution``: the
+    records' log-prob kind at their temperature and filter); with ``resample``
     also draw the inverse-CDF samples from the same hidden states, with ``indexer`` capture the DSA
     indexers' selections (:mod:`glmpost.closure.indexer_probe`)."""
     from glmpost.closure.indexer_probe import IndexerCapture
@@ -274,8 +276,8 @@ def local_path(model, records: Sequence[dict[str, Any]], *, temperature: float, 
             hidden.clear()
             if capture is not None:
                 capture.start()
-            scored = sequence_log_probs(model, input_ids.to(device), attention.to(device), temperature=temperature,
-                                        chunk_size=chunk_size)
+            scored = sequence_log_probs(model, input_ids.to(device), attention.to(device), temperature=distribution.temperature,
+                                        top_k=distribution.top_k, top_p=distribution.top_p, chunk_size=chunk_size)
             train = scored.log_probs.double().cpu().numpy()
             for row, r in enumerate(chunk):
                 prompt, response = len(r["prompt_token_ids"]), len(r["response_token_ids"])
@@ -303,19 +305,20 @@ def local_path(model, records: Sequence[dict[str, Any]], *, temperature: float, 
     return result
 
 
-def server_path(client, records: Sequence[dict[str, Any]], *, temperature: float, vocab_size: int, label: str = "server",
+def server_path(client, records: Sequence[dict[str, Any]], *, distribution: ScoredDistribution, vocab_size: int, label: str = "server",
                 resample: bool = True, progress: Callable | None = None) -> PathScores:
     """Score ``records`` on a server (:meth:`glmpost.serving.sglang_client.SGLangClient.score`, temperature 1).
 
     With a vocabulary of at most ``SERVER_FULL_DISTRIBUTION_MAX_VOCAB`` ids the server is asked for
     the whole next-token distribution at every position (``top_logprobs_num = V``), so the
-    log-probs at ``temperature`` (``log p_tau(y) = lp(y)/tau - logsumexp(lp/tau)``) and the
-    inverse-CDF samples come out; a larger vocabulary gives the sampled tokens' log-probs at
-    temperature 1 only (``temperature`` must be 1; no samples).
+    log-probs under ``distribution`` (``log p_tau(y) = lp(y)/tau - logsumexp(lp/tau)``, over the
+    kept set when filtered) and the inverse-CDF samples come out; a larger vocabulary gives the
+    sampled tokens' log-probs at temperature 1 only (``distribution`` must be the raw one; no samples).
     """
     full = vocab_size <= SERVER_FULL_DISTRIBUTION_MAX_VOCAB
-    if not full and temperature != 1.0:
-        raise ValueError(f"the server scores at temperature 1 and its vocabulary ({vocab_size}) is too large to rescale to {temperature}")
+    if not full and distribution != ScoredDistribution():
+        raise ValueError(f"the server scores at temperature 1 without filtering and its vocabulary ({vocab_size}) is too large "
+                         f"to rescale to {distribution}")
     result = PathScores(label, [], [] if resample and full else None)
     for r in records:
         prompt = [int(x) for x in r["prompt_token_ids"]]
@@ -328,7 +331,7 @@ def server_path(client, records: Sequence[dict[str, Any]], *, temperature: float
             logits = torch.full((len(response), vocab_size), float("-inf"), dtype=torch.float64)
             for t, (ids, lps) in enumerate(zip(answer["top_ids"], answer["top_log_probs"])):
                 logits[t, torch.tensor(ids, dtype=torch.long)] = torch.tensor(lps, dtype=torch.float64)
-            scaled = torch.log_softmax(logits / temperature, dim=-1)
+            scaled = distribution_log_softmax(logits, distribution)
             picked = scaled.gather(-1, torch.tensor(response, dtype=torch.long)[:, None]).squeeze(-1).numpy()
             result.log_probs.append(np.where(actions, picked, np.nan))
             if result.samples is not None:

@@ -17,12 +17,9 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from glmpost.closure.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    _scatter_rows,
-    _split_causal_lm,
-    _vocab_size,
-)
+from glmpost.closure.heads import split_causal_lm, vocab_size_of
+from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, _scatter_rows
+from glmpost.rollout.distribution import LOG_PROB_FLOOR, ScoredDistribution, scaled_logits
 
 
 @dataclass(frozen=True)
@@ -53,6 +50,8 @@ def score_tokens(
     *,
     score_mask: torch.Tensor,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
     gather_ids: torch.Tensor | None = None,
@@ -67,18 +66,19 @@ def score_tokens(
     rows in ``score_mask`` (and real tokens of ``attention_mask``) reach the LM head; the largest
     live tensors are ``[chunk_size, V]``. Under autograd each chunk runs in a non-reentrant
     checkpoint, as in :mod:`glmpost.closure.logprobs`. Ties in the top-k follow ``torch.topk``.
+    ``top_k`` / ``top_p`` restrict the distribution to the kept set as there (a gathered id outside
+    it reads ``LOG_PROB_FLOOR``).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, L] with L >= 2; got {tuple(input_ids.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
+    distribution = ScoredDistribution(temperature, top_k, top_p)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0; got {chunk_size}")
     scored = score_mask.clone()
     if attention_mask is not None:
         scored &= attention_mask.bool()[:, 1:]
-    body, head = _split_causal_lm(model)
-    vocab = _vocab_size(head)
+    body, head = split_causal_lm(model)
+    vocab = vocab_size_of(head)
     if topk and vocab is not None and topk > vocab:
         raise ValueError(f"top-k {topk} exceeds the vocabulary size {vocab}")
     outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -90,7 +90,7 @@ def score_tokens(
         high = int(targets.max()) if ids is None else max(int(targets.max()), int(ids.max()))
         if int(targets.min()) < 0 or high >= vocab:
             raise ValueError(f"token ids must lie in [0, {vocab}); got max {high}")
-    fn = functools.partial(_chunk_scores, head=head, temperature=temperature, return_entropy=return_entropy, topk=topk)
+    fn = functools.partial(_chunk_scores, head=head, distribution=distribution, return_entropy=return_entropy, topk=topk)
     parts: list[tuple] = []
     use_checkpoint = torch.is_grad_enabled()
     for begin in range(0, max(rows.shape[0], 1), chunk_size):
@@ -119,19 +119,18 @@ def _chunk_scores(
     ids: torch.Tensor | None,
     *,
     head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float,
+    distribution: ScoredDistribution,
     return_entropy: bool,
     topk: int,
 ):
     """``(logp[targets], entropy, logp[ids], topk ids, topk logp)`` of one chunk; Nones where not asked."""
-    logits = head(rows).float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = scaled_logits(head(rows).float(), distribution, inplace=False)
     log_softmax = torch.log_softmax(logits, dim=-1)
     del logits
-    log_prob = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+    floor = (lambda t: t.clamp(min=LOG_PROB_FLOOR)) if distribution.filtered else (lambda t: t)
+    log_prob = floor(log_softmax.gather(-1, targets[:, None]).squeeze(-1))
     entropy = -(log_softmax.exp() * log_softmax).sum(-1) if return_entropy else None
-    gathered = log_softmax.gather(-1, ids) if ids is not None else None
+    gathered = floor(log_softmax.gather(-1, ids)) if ids is not None else None
     top_ids = top_lp = None
     if topk:
         top = torch.topk(log_softmax, topk, dim=-1)

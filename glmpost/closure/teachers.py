@@ -23,6 +23,8 @@ from glmpost.config import ConfigError, domain_assignment, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
 from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
+from glmpost.rollout.distribution import ScoredDistribution
+from glmpost.rollout.engine import SamplingParams
 
 STAGE = "score-teacher"
 ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "observation_mask", "status", "tokenizer_revision")
@@ -68,6 +70,7 @@ class ScoreTeacherConfig:
     topk: int = setting(8, "k of the top-k payload.", min=1)
     engine: str = setting("local", "local (in-process prefill) or sglang (--server).")
     server: str | None = setting(None, "URL[,URL...] of SGLang-compatible servers serving the one teacher (--engine sglang).")
+    api_key: str | None = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).")
     batch_size: int = setting(8, "Records per teacher forward (local engine) or requests in flight (sglang).", min=1)
     chunk_size: int = setting(512, "Positions per chunk of the teacher's LM head (bounds [chunk, V] memory).", min=1)
     device: str = shared("device")
@@ -183,7 +186,7 @@ class ScoreTeacherRun:
         if c.engine == "local":
             _load_teachers(_unique(self.teachers), c.device)
         else:
-            pool = _sglang_pool(c.server, _unique(self.teachers)[0], c.batch_size)
+            pool = _sglang_pool(c.server, _unique(self.teachers)[0], c.batch_size, api_key=c.api_key)
         c.out.mkdir(parents=True, exist_ok=True)
         write_stage_json(c.out, STAGE, self.options, teachers={d: t.id for d, t in self.teachers.items()})
         progress = tqdm(total=sum(len(v) for v in self.plan.values()), desc=STAGE, unit="rec", leave=False, disable=None)
@@ -379,11 +382,11 @@ def _check_token_range(path: Path, keys: list[str], teachers: dict[str, Teacher]
                                f"{teachers[key].path}'s vocabulary of {teachers[key].vocab_size}")
 
 
-def _sglang_pool(server: str, teacher: Teacher, concurrency: int):
+def _sglang_pool(server: str, teacher: Teacher, concurrency: int, *, api_key: str | None = None):
     """Connect to the servers; each must serve the teacher's tokenizer revision and vocabulary."""
     from glmpost.serving.sglang_client import SGLangPool
 
-    pool = SGLangPool(server, concurrency=concurrency)
+    pool = SGLangPool(server, concurrency=concurrency, api_key=api_key)
     for client in pool.clients:
         info = client.model_info()
         theirs = info.get("tokenizer_revision")
@@ -441,10 +444,19 @@ def _write_scored(writer: ShardWriter, records: list[dict], keys: list[str], pay
         writer.write(out)
         actions = record["action_mask"] & ~record["observation_mask"]
         action_tokens += int(actions.sum())
-        # The rollout's own log-probs are the student's at sampling time: at temperature 1 their
-        # gap to the teacher is the sampled reverse KL the distillation starts from.
-        if "rollout_log_probs" in record and float(record.get("sampling", {}).get("temperature", 1.0)) == 1.0:
+        # The rollout's own log-probs are the student's at sampling time: when they are of its own
+        # distribution (temperature 1, untruncated, or kind raw) their gap to the teacher is the
+        # sampled reverse KL the distillation starts from.
+        if "rollout_log_probs" in record and _student_own_distribution(record):
             acc = kl.setdefault(record.get("domain") or "none", [0.0, 0.0])
             acc[0] += float((record["rollout_log_probs"][actions].astype(np.float64) - p.log_probs[actions]).sum())
             acc[1] += int(actions.sum())
     return action_tokens, kl
+
+
+def _student_own_distribution(record: dict) -> bool:
+    """Whether the record's ``rollout_log_probs`` are of the student's own distribution."""
+    try:
+        return SamplingParams.from_record(record.get("sampling")).scored() == ScoredDistribution()
+    except ValueError:  # greedy before log_prob_kind (the point mass's 0), or an unknown kind
+        return False

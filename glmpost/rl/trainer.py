@@ -10,7 +10,8 @@ diagnostics (:mod:`glmpost.rl.diagnostics`). GRPO (:class:`GRPOConfig`) is ``grp
 ``policy``; OPD / MOPD (:class:`OPDConfig`) is ``opd`` (or ``task`` with the ``topk_reverse_kl``
 term) + ``icepop`` + ``policy``.
 
-The loss of a mini-batch is a sum over its trusted action tokens divided by their number *in the
+The loss of a mini-batch is a sum over its trusted action tokens divided by their number (or, with
+``loss_denominator = "action"``, by the number of all its action tokens) *in the
 whole mini-batch across all data-parallel ranks*, so the gradient does not depend on how records
 are split into micro-batches or ranks (a 2-process run matches a 1-process run). Step metrics are
 named sums, reduced over ranks once per step.
@@ -38,6 +39,9 @@ from glmpost.rl.losses import LOSS_TERMS, LossInputs, masked_sum_over, trusted_s
 from glmpost.rl.masks import TRUST_MASKS
 
 
+LOSS_DENOMINATORS = ("trusted", "action")
+
+
 @dataclass
 class GRPOConfig(OptimizerConfig):
     """Defaults are GLM-5's Reasoning RL values where the brief gives them."""
@@ -50,6 +54,11 @@ class GRPOConfig(OptimizerConfig):
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",
                            flag="--icepop/--no-icepop")
     icepop_beta: float = setting(2.0, "IcePop beta (GLM-5: 2).")  # brief: beta = 2
+    # brief, "IcePop 为什么有两层 ratio": m_t multiplies the token loss; what it is averaged over is a choice.
+    loss_denominator: str = setting(
+        "trusted", "Tokens the loss is averaged over, across the whole mini-batch and every rank: trusted (the action "
+        "tokens the trust mask keeps; when many are masked the survivors are up-weighted) or action (every action "
+        "token; a masked token counts as a zero, so the step shrinks with the trusted fraction).")
     max_version_lag: int = setting(
         0, "Accept records sampled up to this many policy versions before --checkpoint; the trust mask is then DIS "
         "(1 - eps-low < pi_train_old / pi_rollout < 1 + eps-high) instead of IcePop. 0: every record comes from "
@@ -57,7 +66,11 @@ class GRPOConfig(OptimizerConfig):
     advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).")
     kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
+    # The distribution of the records' rollout log-probs (glmpost.rl.updates.sampled_distribution);
+    # the trainer's log-probs are of it too.
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation (bounds [chunk, V] memory).", min=1)
     seed: int = setting(0, "Seed of the mini-batch shuffling.")
 
@@ -68,6 +81,8 @@ class GRPOConfig(OptimizerConfig):
             "icepop_beta": self.icepop_beta >= 1,
             "temperature": self.temperature > 0,
         })
+        if self.loss_denominator not in LOSS_DENOMINATORS:
+            raise SettingError("loss_denominator", self.loss_denominator, f"is not one of {', '.join(LOSS_DENOMINATORS)}")
 
     # What the trainer composes (glmpost.rl.advantages / masks / losses / diagnostics), by name.
 
@@ -182,6 +197,8 @@ class PolicyTrainer:
             batch.attention_mask,
             score_mask=batch.action_mask,
             temperature=self.config.temperature,
+            top_k=self.config.top_k,
+            top_p=self.config.top_p,
             chunk_size=self.config.chunk_size,
             return_entropy=entropy,
         )
@@ -193,7 +210,8 @@ class PolicyTrainer:
             return self._log_probs(self.model, batch, entropy=True)
         return score_tokens(
             self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
-            temperature=self.config.temperature, chunk_size=self.config.chunk_size, return_entropy=True,
+            temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
+            chunk_size=self.config.chunk_size, return_entropy=True,
             gather_ids=batch.token_fields[self.gather].long(),
         )
 
@@ -324,7 +342,8 @@ class PolicyTrainer:
             dtype=torch.float64,
         )
         trusted_total, action_total = self.backend.all_reduce_sum(counts).tolist()
-        denominator = trusted_total  # global over ranks and micro-batches: split-invariant gradients
+        # Global over ranks and micro-batches: split-invariant gradients.
+        denominator = trusted_total if config.loss_denominator == "trusted" else action_total
         sums = {name: torch.zeros((), dtype=torch.float64) for name in self.metric_names}
         for micro in range(micro_steps):
             chunk_idx = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]

@@ -23,6 +23,8 @@ from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 from glmpost.rl.batches import check_version_lags, prepare_batch, prepare_opd_batch
 from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
+from glmpost.rollout.distribution import ScoredDistribution, scored_distribution
+from glmpost.rollout.engine import SamplingParams
 from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.stage import log
 
@@ -33,11 +35,36 @@ def _validated(config) -> None:
     config.validate()
 
 
-def _one_temperature(records: Sequence[dict], stage: str) -> float:
-    temperatures = {float(r["sampling"].get("temperature", 1.0)) for r in records}
-    if len(temperatures) > 1:
-        raise GlmpostError(f"{stage}: records were sampled at different temperatures {sorted(temperatures)}; train them separately")
-    return temperatures.pop()
+def sampled_distribution(records: Sequence[dict], stage: str, *, temperature: float | None = None) -> ScoredDistribution:
+    """The one distribution the records' ``rollout_log_probs`` are of (their ``sampling``:
+    ``log_prob_kind`` at their temperature, top-k and top-p; formats/SPEC.md), which the trainer's
+    old and new log-probs then are of too, so IcePop's ratio compares like with like (brief, "IcePop
+    为什么有两层 ratio"; TRL#6789). ``temperature`` overrides the records' (train-grpo --temperature).
+
+    Greedy records (temperature 0) are refused: the policy they were decoded with is a point mass,
+    so there is no probability ratio to optimise (their ``raw`` log-probs remain comparable with
+    ``diff-logprobs``). So are records that differ in these settings, or name an unknown kind."""
+    settings: dict[tuple, str] = {}
+    for record in records:
+        try:
+            params = SamplingParams.from_record(record["sampling"])
+        except ValueError as exc:
+            raise GlmpostError(f"{stage}: record {record['id']!r}: {exc}") from None
+        if params.temperature == 0:
+            raise GlmpostError(f"{stage}: record {record['id']!r} was decoded greedily (sampling.temperature 0): a point "
+                               "mass has no probability ratio to optimise; roll out with --temperature > 0")
+        settings.setdefault((params.log_prob_kind, params.temperature, params.top_k, params.top_p), record["id"])
+    if len(settings) > 1:
+        raise GlmpostError(f"{stage}: records differ in sampling (log_prob_kind, temperature, top_k, top_p): "
+                           f"{sorted(settings, key=str)}; train them separately")
+    kind, sampled_at, top_k, top_p = next(iter(settings))
+    return scored_distribution(kind, temperature=sampled_at if temperature is None else temperature, top_k=top_k, top_p=top_p)
+
+
+def _use_distribution(config, distribution: ScoredDistribution) -> dict[str, Any]:
+    """Set the trainer's log-prob distribution; returns it as stage.json records it."""
+    config.temperature, config.top_k, config.top_p = distribution.temperature, distribution.top_k, distribution.top_p
+    return {"temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p}
 
 
 def _skipped(run: TrainingRun) -> dict[str, Any]:
@@ -69,11 +96,11 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
     lags = check_version_lags(records, run.plan.parent_version, max_lag=config.max_version_lag, stage=stage)
-    sampled_temperature = _one_temperature(records, stage)
-    config.temperature = temperature if temperature is not None else sampled_temperature
+    recorded = sampled_distribution(records, stage)
+    scored = _use_distribution(config, recorded if temperature is None else sampled_distribution(records, stage, temperature=temperature))
     _validated(config)
-    if temperature is not None and not math.isclose(temperature, sampled_temperature):
-        log(f"warning: --temperature {temperature} differs from the sampling temperature {sampled_temperature}; "
+    if temperature is not None and not math.isclose(temperature, recorded.temperature):
+        log(f"warning: --temperature {temperature} differs from the sampling temperature {recorded.temperature}; "
             "IcePop will compare different distributions")
     batch = prepare_batch(records, advantage_eps=config.advantage_eps)
     if not batch.examples:
@@ -94,7 +121,8 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "train/policy_version": run.plan.version, **_lag_metrics(lags),
         },
         manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
-        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags},
+        stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags,
+                     "log_prob_distribution": scored},
     )
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
@@ -120,10 +148,12 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
     records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
     lags = check_version_lags(records, run.plan.parent_version, max_lag=config.max_version_lag, stage=stage)
-    config.temperature = _one_temperature(records, stage)
-    if config.temperature != 1.0:
-        log(f"warning: the rollouts were sampled at temperature {config.temperature}; the teacher scored at 1, so the "
-            "OPD advantage compares the teacher's distribution with the student's tempered one")
+    student = sampled_distribution(records, stage)
+    scored = _use_distribution(config, student)
+    if student != ScoredDistribution():
+        log(f"warning: the rollouts' log-probs are of the student's distribution at temperature {student.temperature}, "
+            f"top-k {student.top_k or 'off'}, top-p {student.top_p}; the teacher scored its own at 1, so the OPD advantage "
+            "compares the teacher's distribution with that one")
     _validated(config)
     batch = prepare_opd_batch(records, loss=config.loss, task_advantage_weight=config.task_advantage_weight,
                               advantage_eps=config.advantage_eps)
@@ -147,7 +177,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
         lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
         step_metrics=step_metrics,
         manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains},
-        stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags},
+        stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags, "log_prob_distribution": scored},
     )
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:

@@ -1,9 +1,10 @@
 """The embedded rollout engine: batched sampling with a KV cache over a Hugging Face causal LM.
 
-For every sampled token it records the log-prob under the distribution it was actually sampled
+For every sampled token it records the log-prob of the kind ``SamplingParams.log_prob_kind`` names
+(:mod:`glmpost.rollout.distribution`): by default under the distribution it was actually sampled
 from (temperature, then top-k, then top-p, renormalised) — the rollout ("infer") probability that
 IcePop and DIS compare against (DESIGN.md §5). Greedy decoding (temperature 0) samples from a point
-mass, so its log-probs are 0.
+mass and records the model's own log-probs (kind ``raw``), as SGLang does.
 
 Reproducibility: each sequence draws from its own ``torch.Generator`` seeded from
 ``(seed, sequence key)`` (:func:`sequence_seed`) or from an explicit per-sequence seed (what
@@ -25,6 +26,9 @@ from typing import Sequence
 
 import torch
 
+from glmpost.rollout.distribution import (DEFAULT_LOG_PROB_KIND, check_log_prob_kind, distribution_log_softmax,
+                                          filter_logits, scored_distribution)
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +40,9 @@ class SamplingParams:
     max_new_tokens: int = 64
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    # What rollout_log_probs are log-probs of (glmpost.rollout.distribution.LOG_PROB_KINDS); greedy
+    # decoding always records "raw" (see recorded_kind).
+    log_prob_kind: str = DEFAULT_LOG_PROB_KIND
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -46,21 +53,42 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_log_prob_kind(self.log_prob_kind)
+
+    def recorded_kind(self) -> str:
+        """The kind of the log-probs a completion carries: ``raw`` for greedy, else ``log_prob_kind``."""
+        return "raw" if self.temperature == 0 else self.log_prob_kind
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "log_prob_kind": self.recorded_kind()}
 
     @classmethod
     def from_record(cls, sampling: dict | None) -> "SamplingParams":
         """A record's ``sampling`` map read back (formats/SPEC.md): an absent field takes its default;
         ``top_k`` 0 or any negative value (SGLang and imported data write -1) is off, as ``top_p`` 1.0
-        (or absent) is."""
+        (or absent) is; an absent ``log_prob_kind`` is ``sampled`` (all glmpost wrote before it existed).
+
+        Raises ValueError naming the field for an unknown ``log_prob_kind``."""
         s = sampling or {}
         top_k = int(s.get("top_k") or 0)
         top_p = s.get("top_p")
         return cls(temperature=float(s.get("temperature", 1.0)), top_p=1.0 if top_p is None else float(top_p),
                    top_k=max(top_k, 0), max_new_tokens=max(1, int(s.get("max_new_tokens", 1) or 1)),
-                   seed=int(s.get("seed", 0) or 0))
+                   seed=int(s.get("seed", 0) or 0), log_prob_kind=_record_kind(s))
+
+    def scored(self):
+        """The :class:`~glmpost.rollout.distribution.ScoredDistribution` the recorded log-probs are of
+        (ValueError for a greedy record whose kind is not ``raw``: glmpost before log_prob_kind
+        recorded 0, the log-prob of the point mass greedy decoding samples from, which nothing can check)."""
+        return scored_distribution(self.log_prob_kind, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+def _record_kind(sampling: dict) -> str:
+    kind = sampling.get("log_prob_kind", DEFAULT_LOG_PROB_KIND)
+    try:
+        return check_log_prob_kind(kind)
+    except ValueError as exc:
+        raise ValueError(f"sampling.log_prob_kind: {exc}") from None
 
 
 @dataclass
@@ -89,27 +117,6 @@ def sequence_seed(seed: int, key: str) -> int:
     """A 63-bit seed for one sequence, independent of batch layout."""
     digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature-scaled logits with tokens outside top-k / top-p (nucleus) set to -inf.
-
-    ``logits`` ``[B, V]`` float32. Top-p keeps the smallest set of most likely tokens whose
-    probability reaches ``top_p`` (the token crossing the threshold is kept). Ties at the top-k
-    boundary keep every tied token.
-    """
-    scaled = logits / temperature
-    if top_k and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    return scaled
 
 
 def _cache_kwarg(model) -> str:
@@ -273,21 +280,23 @@ class LocalEngine:
     def _sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, top_logprobs_num: int = 0):
         """Inverse-CDF sampling of one token per row from the filtered distribution, and its log-prob.
 
-        With ``top_logprobs_num`` k > 0 also returns the k largest log-probs of the sampling
-        distribution and their ids (greedy: the temperature-1 distribution), else None.
+        The log-probs (and, with ``top_logprobs_num`` k > 0, the k largest of them and their ids; else
+        None) are of the recorded kind (``params.recorded_kind()``): by default the sampling
+        distribution, for greedy decoding the temperature-1 one.
         """
         if params.temperature == 0:
             chosen = logits.argmax(dim=-1)
-            top = _top(torch.log_softmax(logits, dim=-1), top_logprobs_num) if top_logprobs_num > 0 else None
-            return chosen, torch.zeros(chosen.shape, dtype=torch.float32, device=logits.device), top
-        filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        sampling_log_probs = torch.log_softmax(filtered, dim=-1)
-        cdf = torch.cumsum(sampling_log_probs.double().exp(), dim=-1)
-        # The first token whose cumulative probability exceeds u * total; zero-probability tokens
-        # have a flat CDF and are never chosen.
-        chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-        chosen = chosen.clamp(max=logits.shape[-1] - 1)
-        return chosen, sampling_log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), _top(sampling_log_probs, top_logprobs_num)
+            recorded = torch.log_softmax(logits, dim=-1)  # kind "raw"
+        else:
+            filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+            sampling_log_probs = torch.log_softmax(filtered, dim=-1)
+            cdf = torch.cumsum(sampling_log_probs.double().exp(), dim=-1)
+            # The first token whose cumulative probability exceeds u * total; zero-probability tokens
+            # have a flat CDF and are never chosen.
+            chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+            chosen = chosen.clamp(max=logits.shape[-1] - 1)
+            recorded = sampling_log_probs if params.log_prob_kind == "sampled" else distribution_log_softmax(logits, params.scored())
+        return chosen, recorded.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), _top(recorded, top_logprobs_num)
 
 
 def _top(log_probs: torch.Tensor, k: int):

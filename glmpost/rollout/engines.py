@@ -1,15 +1,17 @@
 """The two rollout engines a run samples with, behind one interface (``prepare``, ``generate``,
 ``close``): ``local`` (:class:`~glmpost.rollout.engine.LocalEngine` in this process) and ``sglang``
 (SGLang servers or ``glmpost serve`` over HTTP, each sequence's seed sent as ``sampling_seed``; every
-server checked first: reachable, and serving the checkpoint's tokenizer revision). A request that
-finally fails comes back as an aborted outcome with its reason, never a lost prompt.
+server checked first: reachable, taking the API key, serving the checkpoint's tokenizer revision,
+taking the run's sampling fields; its settings read once for ``seed_reproducible`` and the log-prob
+kind records carry). A request that finally fails comes back as an aborted outcome with its reason,
+never a lost prompt, unless every request would fail alike (a refused key or field: one error).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -70,7 +72,10 @@ class PolicyCheckpoint:
 
 
 class LocalBackend:
-    """``--engine local``: the checkpoint's model in this process, ``batch_size`` sequences per call."""
+    """``--engine local``: the checkpoint's model in this process, ``batch_size`` sequences per call;
+    a sequence's samples are a function of its seed (``seed_reproducible``)."""
+
+    seed_reproducible = True
 
     def __init__(self, model: Any, *, batch_size: int, pad_token_id: int):
         self.model = model
@@ -110,13 +115,24 @@ class LocalBackend:
 
 
 class SGLangBackend:
-    """``--engine sglang``: the same batches sent to SGLang servers, ``concurrency`` requests at a time."""
+    """``--engine sglang``: the same batches sent to SGLang servers, ``concurrency`` requests at a time.
 
-    def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int):
+    Each server's settings are read once (``settings``, in pool order): records say
+    ``seed_reproducible`` only when every server does, and carry the servers' log-prob kind
+    (``kind_setting``, or with ``auto`` the one they report, else the one
+    :func:`~glmpost.serving.server_settings.probe_log_prob_kind` finds on ``probe_prompts``).
+    """
+
+    def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int,
+                 settings: Sequence[Any] = (), kind_setting: str = "auto", probe_prompts: Sequence[list[int]] = ()):
         self.pool = pool
         self.model_config = model_config
         self.default_stops = default_stops
         self.batch_size = batch_size
+        self.settings = list(settings)
+        self.kind_setting = kind_setting
+        self.probe_prompts = list(probe_prompts)
+        self.seed_reproducible = bool(self.settings) and all(s.seed_reproducible for s in self.settings)
         self.params: SamplingParams | None = None
         self.sglang_params: dict[str, Any] = {}
 
@@ -126,22 +142,92 @@ class SGLangBackend:
         (``device`` is unused: the servers hold the model)."""
         from transformers import AutoConfig, GenerationConfig
 
+        from glmpost.serving.server_settings import probe_prompts
+
         version_dir = str(checkpoint.version_dir)
         model_config = AutoConfig.from_pretrained(version_dir)
         try:
             default_stops = GenerationConfig.from_pretrained(version_dir).eos_token_id
         except OSError:
             default_stops = model_config.eos_token_id
-        pool = connect_servers(config, revision=checkpoint.revision, version_dir=checkpoint.version_dir)
-        return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size)
+        pool, settings = connect_servers(config, revision=checkpoint.revision, version_dir=checkpoint.version_dir)
+        return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size,
+                   settings=settings, kind_setting=config.server_log_prob_kind,
+                   probe_prompts=probe_prompts(checkpoint.tokenizer))
 
     def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
-        """Translate ``params`` to SGLang's sampling params (refused when SGLang cannot express them)."""
+        """Translate ``params`` to SGLang's sampling params (refused when SGLang cannot express them),
+        check that every server takes them (one 1-token request each), and set
+        ``params.log_prob_kind`` to the kind the servers' log-probs are of, which records carry."""
         try:
             self.sglang_params = sglang_sampling_params(params, eos_ids)
         except ValueError as exc:
             raise ConfigError("{engine_name} sglang {stop_token_ids}: {reason}", reason=exc) from None
         self.params = params
+        for client in self.pool.clients:
+            self._check_fields(client)
+        kinds = {client.url: self._server_kind(client, settings) for client, settings in zip(self.pool.clients, self.settings)}
+        if len(set(kinds.values())) > 1:
+            shown = ", ".join(f"{url} {kind}" for url, kind in kinds.items())
+            raise ConfigError("{server}: the servers return different log-prob kinds ({shown}); serve them alike",
+                              shown=shown, exit_code=1)
+        if kinds:
+            params.log_prob_kind = next(iter(kinds.values()))
+
+    def _check_fields(self, client: Any) -> None:
+        """One 1-token request with the run's sampling params: a server that refuses one of its
+        fields, or the API key, fails the whole run here, before any shard."""
+        from glmpost.serving.sglang_client import ServerError
+
+        prompt = self.probe_prompts[0] if self.probe_prompts else [0]
+        try:
+            client.generate(prompt, {**self.sglang_params, "max_new_tokens": 1, "sampling_seed": 0}, return_logprob=True)
+        except ServerError as exc:
+            fatal = self._run_error(exc)
+            if fatal is not None:
+                raise fatal from None
+            raise ConfigError("{server} {url} refused this rollout's sampling settings ({reason})", url=client.url,
+                              reason=exc, exit_code=1) from None
+
+    def _server_kind(self, client: Any, settings: Any) -> str:
+        """The log-prob kind of one server: the setting (which must not contradict what the server
+        reports), else the reported one, else the probed one."""
+        from glmpost.serving.server_settings import probe_log_prob_kind
+        from glmpost.serving.sglang_client import ServerError
+
+        reported = settings.log_prob_kind
+        if self.kind_setting != "auto":
+            if reported is not None and reported != self.kind_setting:
+                raise ConfigError("{server_log_prob_kind} {value} contradicts {server} {url}, which reports log_prob_kind "
+                                  "{reported}", value=self.kind_setting, url=client.url, reported=reported)
+            return self.kind_setting
+        if reported is not None:
+            return reported
+        try:
+            kind = probe_log_prob_kind(client, self.probe_prompts)
+        except ValueError as exc:
+            raise ConfigError("{server} {url} does not report what its log-probs are of and the probe cannot tell "
+                              "({reason}); pass {server_log_prob_kind} KIND", url=client.url, reason=exc) from None
+        except ServerError as exc:
+            raise (self._run_error(exc) or ConfigError("{server} {url}: the log-prob probe failed ({reason})",
+                                                       url=client.url, reason=exc, exit_code=1)) from None
+        log(f"--server {client.url} does not report what its log-probs are of; the probe says {kind}")
+        return kind
+
+    def _run_error(self, exc: Any) -> ConfigError | None:
+        """The one error for the whole run that a failed request is when every request would fail
+        alike (the API key refused, a sampling field rejected), else None (the request is aborted)."""
+        from glmpost.serving.server_settings import rejected_field
+
+        if exc.status == 401:
+            return api_key_error(exc)
+        field_name = rejected_field(exc, [*self.sglang_params, "sampling_seed"])
+        if field_name is None:
+            return None
+        hint = ("; SGLang builds without sampling_seed cannot reproduce a sequence from its seed: upgrade the server"
+                if field_name == "sampling_seed" else "")
+        return ConfigError("{server} {url} rejects sampling_params.{field} ({reason}){hint}", url=exc.url,
+                           field=field_name, reason=exc, hint=hint, exit_code=1)
 
     def engine_name(self) -> str:
         """The name stamped in each record's engine map."""
@@ -149,7 +235,8 @@ class SGLangBackend:
 
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm) -> list[Outcome]:
         """One /generate batch request per ``batch_size`` chunk (the local engine's batches), in
-        parallel; a chunk whose request finally failed comes back aborted with the reason."""
+        parallel; a chunk whose request finally failed comes back aborted with the reason, unless
+        every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run)."""
         from glmpost.serving.sglang_client import ServerError
 
         futures = [(chunk, self._submit(number, chunk, sequences, keys))
@@ -159,6 +246,9 @@ class SGLangBackend:
             try:
                 outcomes += self._answers(future.result(), len(chunk))
             except ServerError as exc:
+                fatal = self._run_error(exc)
+                if fatal is not None:
+                    raise fatal from None
                 outcomes += [(None, None, str(exc))] * len(chunk)
             progress.update(len(chunk))
         return outcomes
@@ -189,28 +279,40 @@ def _chunks(count: int, size: int) -> Iterator[list[int]]:
         yield list(range(start, min(start + size, count)))
 
 
-def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) -> Any:
-    """A pool over the ``server`` URLs, each checked: reachable, and serving our tokenizer revision."""
+def api_key_error(exc: Any) -> ConfigError:
+    """A server's HTTP 401 as the run's one error (the message never holds the key)."""
+    return ConfigError("{server} {url} refused the API key (HTTP 401): pass {api_key}", url=exc.url, exit_code=1)
+
+
+def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) -> tuple[Any, list[Any]]:
+    """A pool over the ``server`` URLs, each checked (reachable, serving our tokenizer revision, taking
+    our API key), and each server's settings, in pool order."""
     from glmpost.serving.sglang_client import SGLangPool
 
     try:
-        pool = SGLangPool(config.server, concurrency=config.concurrency, timeout=config.timeout, retries=config.retries)
+        pool = SGLangPool(config.server, concurrency=config.concurrency, timeout=config.timeout, retries=config.retries,
+                          api_key=config.api_key)
     except ValueError as exc:
         raise ConfigError("{server} {value!r}: {reason}", value=config.server, reason=exc) from None
-    for client in pool.clients:
-        check_server(client, config, revision=revision, version_dir=version_dir)
-    return pool
+    return pool, [check_server(client, config, revision=revision, version_dir=version_dir) for client in pool.clients]
 
 
-def check_server(client: Any, config: RolloutConfig, *, revision: str, version_dir: Path) -> None:
-    """Ask one server for its model info (quickly): an unreachable server or another tokenizer
-    revision is an error; a server that batches fewer sequences than ``batch_size`` is warned about."""
+def check_server(client: Any, config: RolloutConfig, *, revision: str, version_dir: Path) -> Any:
+    """Ask one server for its model info and settings (quickly); returns its
+    :class:`~glmpost.serving.server_settings.ServerSettings`, the run's one read of them. An unreachable
+    server, a refused API key or another tokenizer revision is an error; a server that batches fewer
+    sequences than ``batch_size``, or does not say its seeds reproduce, is warned about."""
+    from glmpost.serving.server_settings import ServerSettings
     from glmpost.serving.sglang_client import ServerError
 
-    quick = type(client)(client.url, timeout=min(config.timeout, 30.0), retries=min(config.retries, 1), backoff=0.2)
+    quick = type(client)(client.url, timeout=min(config.timeout, 30.0), retries=min(config.retries, 1), backoff=0.2,
+                         api_key=client.api_key)
     try:
         info = quick.model_info()
+        settings = ServerSettings.read(quick)
     except ServerError as exc:
+        if exc.status == 401:
+            raise api_key_error(exc) from None
         raise ConfigError("{server} {url}: unreachable ({reason})", url=client.url, reason=exc, exit_code=1) from None
     served = info.get("tokenizer_revision") if isinstance(info, dict) else None
     if served is None:
@@ -222,6 +324,10 @@ def check_server(client: Any, config: RolloutConfig, *, revision: str, version_d
     if isinstance(info, dict) and isinstance(info.get("batch_size"), int) and info["batch_size"] < config.batch_size:
         log(f"--server {client.url} batches {info['batch_size']} sequences, fewer than --batch-size {config.batch_size}: "
             "log-probs may differ from --engine local in the last bits")
+    if not settings.seed_reproducible:
+        log(f"--server {client.url} does not say enable_deterministic_inference: records get seed_reproducible false "
+            "(a seed may not give the same samples twice)")
+    return settings
 
 
 def open_backend(checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> LocalBackend | SGLangBackend:

@@ -6,8 +6,10 @@
 * **engine**: ``local`` samples in this process (:class:`~glmpost.rollout.engine.LocalEngine`,
   ``batch_size`` sequences per call); ``sglang`` sends the same batches to SGLang servers (or
   ``glmpost serve``) with each sequence's seed as ``sampling_seed``, after checking that every server
-  is reachable and serves the checkpoint's tokenizer revision. A request that finally fails becomes
-  ``aborted`` records, never a lost prompt.
+  is reachable, takes ``api_key``, serves the checkpoint's tokenizer revision and takes the run's
+  sampling fields; records carry ``sampling.seed_reproducible`` and the servers' log-prob kind
+  (``server_log_prob_kind``). A request that finally fails becomes ``aborted`` records, never a
+  lost prompt.
 * **output**: an output directory written before with other options (or another checkpoint version)
   is refused unless ``overwrite``; the prompts are cut into parts of ``prompts_per_shard`` prompts,
   parts are split among ``num_shards`` tasks, and a task writes only its parts that are missing.
@@ -30,6 +32,7 @@ from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
 from glmpost.npu import resolve_device
+from glmpost.rollout.distribution import LOG_PROB_KINDS
 from glmpost.rollout.engine import Completion, SamplingParams
 from glmpost.rollout.engines import (
     LocalBackend,
@@ -48,7 +51,7 @@ STAGE = "rollout"
 ENGINES = ("local", "sglang")
 # Options that may differ between the tasks or reruns writing one output directory.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "device", "config",
-                    "engine_name", "server", "concurrency", "timeout", "retries")
+                    "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
 
 @dataclass
 class RolloutConfig:
@@ -58,7 +61,8 @@ class RolloutConfig:
     checkpoint: Optional[Path] = None  # a checkpoint root (its LATEST) or a version directory
     out: Optional[Path] = None  # the output directory for the rollout shards
     group_size: int = setting(8, "Samples per prompt (GRPO's G); siblings share a group_id.", min=1)
-    temperature: float = setting(1.0, "Sampling temperature; 0 is greedy (log-probs 0).", min=0.0)
+    temperature: float = setting(
+        1.0, "Sampling temperature; 0 is greedy (its log-probs are then the model's own: log_prob_kind raw).", min=0.0)
     top_p: float = setting(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
     top_k: int = setting(0, "Sample among the k most likely tokens; 0 disables.", min=0)
     max_new_tokens: int = setting(64, "Most tokens sampled per response.", min=1)
@@ -77,6 +81,11 @@ class RolloutConfig:
     concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
     timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
     retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
+    api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
+                                     "KEY' (never recorded).")
+    server_log_prob_kind: str = setting(
+        "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
+        "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
 
@@ -91,17 +100,25 @@ class RolloutConfig:
         return params
 
     def check_engine(self) -> None:
-        """Refuse an unknown engine, or ``sglang`` without servers."""
+        """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that
+        cannot go in a header (without repeating it)."""
+        from glmpost.serving.sglang_client import check_api_key
+
         if self.engine_name not in ENGINES:
             raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)
         if self.engine_name == "sglang" and not self.server:
             raise ConfigError("{engine_name} sglang needs {server} URL[,URL...]")
+        if self.server_log_prob_kind != "auto" and self.server_log_prob_kind not in LOG_PROB_KINDS:
+            raise ConfigError("{server_log_prob_kind} must be auto or one of {kinds}, got {value!r}",
+                              kinds=", ".join(LOG_PROB_KINDS), value=self.server_log_prob_kind)
+        check_api_key(self.api_key)
 
     def as_options(self) -> dict[str, Any]:
-        """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output)."""
+        """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,
+        ``api_key`` is never recorded)."""
         options: dict[str, Any] = {}
         for f in fields(self):
-            if f.name == "overwrite":
+            if f.name in ("overwrite", "api_key"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, Path):
@@ -247,7 +264,8 @@ class RolloutRunner:
                       checkpoint: PolicyCheckpoint) -> RolloutTotals:
         """Generate and write every shard of ``plan.todo``, one metrics line each."""
         group_size = self.config.group_size
-        engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(), "group_size": group_size}
+        engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(), "group_size": group_size,
+                       "seed_reproducible": backend.seed_reproducible}
         totals = RolloutTotals()
         total = sum(len(plan.parts[i]) for i, _ in plan.todo) * group_size
         progress = tqdm(total=total, desc="rollout", unit="seq", leave=False, disable=None)

@@ -2,7 +2,10 @@
 
 :class:`_Handler` maps each route (see :mod:`glmpost.serving.server` for the endpoints and their
 shapes) to an engine call and answers JSON; a refused request is ``{"error": {"message", "code"}}``
-with its 4xx status, an unexpected failure a 500, and no request takes the server down.
+with its 4xx status, an unexpected failure a 500, and no request takes the server down. With an
+``api_key`` every route but ``/health`` first checks ``Authorization: Bearer KEY`` (or
+``x-api-key``; ``hmac.compare_digest``) and answers 401 ``{"error": "Unauthorized"}`` without it, as
+SGLang's middleware does; the key is never logged nor echoed.
 :func:`make_http_server` builds the threading server, :func:`serve_until_signalled` runs it until
 SIGTERM or SIGINT, and :func:`bound_address` says where it listens. :func:`serve_checkpoint` is one
 ``glmpost serve`` run (:class:`ServeConfig`): the engine, the listening server and the metrics lines.
@@ -10,6 +13,7 @@ SIGTERM or SIGINT, and :func:`bound_address` says where it listens. :func:`serve
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
@@ -21,6 +25,7 @@ from typing import Any, Optional
 
 from glmpost.config import ConfigError, setting, shared
 from glmpost.npu import resolve_device
+from glmpost.rollout.distribution import DEFAULT_LOG_PROB_KIND, LOG_PROB_KINDS
 from glmpost.serving.parsing import RequestError
 from glmpost.serving.server import EngineServer
 from glmpost.stage import MetricsWriter, log
@@ -30,6 +35,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "glmpost-serve"
     engine: EngineServer  # set on the subclass made by make_http_server
     quiet = True
+    api_key: Optional[str] = None  # set on the subclass: every route but /health then wants it
 
     def log_message(self, format: str, *args: Any) -> None:
         if not self.quiet:
@@ -54,23 +60,38 @@ class _Handler(BaseHTTPRequestHandler):
         except json.JSONDecodeError as exc:
             raise RequestError(f"the request body is not JSON ({exc})") from None
 
+    def _authorized(self, path: str) -> bool:
+        """True without an API key, for ``/health`` (probes carry no secrets, as in SGLang), and for
+        ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (compared in constant time)."""
+        if self.api_key is None or path.startswith("/health"):
+            return True
+        expected = self.api_key.encode()
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        offered = [token] if scheme.lower() == "bearer" else []
+        offered += [self.headers.get("x-api-key") or ""]
+        # Header values are latin-1 text; the key is printable ASCII (check_api_key).
+        return any(hmac.compare_digest(o.strip().encode("latin-1", "replace"), expected) for o in offered if o)
+
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         try:
-            if method == "GET" and path == "/health":
+            if not self._authorized(path):
+                self._send(401, {"error": "Unauthorized"})
+            elif method == "GET" and path == "/health":
                 self._send(200, None)
             elif method == "GET" and path in ("/get_weight_version", "/weight_version"):
                 self._send(200, {"weight_version": self.engine.weight_version})
             elif method == "GET" and path in ("/model_info", "/get_model_info"):
                 self._send(200, self.engine.model_info())
-            elif method == "GET" and path == "/get_server_info":
+            elif method == "GET" and path in ("/server_info", "/get_server_info"):
                 self._send(200, self.engine.server_info())
             elif method == "POST" and path == "/generate":
                 self._send(200, self.engine.generate(self._body()))
             elif method == "POST" and path == "/update_weights_from_disk":
                 status, answer = self.engine.update_weights_from_disk(self._body())
                 self._send(status, answer)
-            elif path in ("/health", "/get_weight_version", "/model_info", "/get_server_info", "/generate", "/update_weights_from_disk"):
+            elif path in ("/health", "/get_weight_version", "/model_info", "/server_info", "/get_server_info", "/generate",
+                          "/update_weights_from_disk"):
                 self._error(405, f"{method} is not allowed on {path}")
             else:
                 self._error(404, f"no route {path}")
@@ -91,9 +112,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
 
-def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True) -> ThreadingHTTPServer:
-    """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port)."""
-    handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet})
+def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True,
+                     api_key: Optional[str] = None) -> ThreadingHTTPServer:
+    """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port); with
+    ``api_key`` every route but ``/health`` wants it."""
+    handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet, "api_key": api_key or None})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
@@ -148,6 +171,11 @@ class ServeConfig:
     batch_wait_ms: float = setting(
         50.0, "Most time the engine waits for as many single requests as its last batch had before it starts a batch.", min=0.0)
     weight_version: Optional[str] = setting(None, "Initial weight_version reported; default: the checkpoint's policy version.")
+    api_key: Optional[str] = setting(
+        None, "Require 'Authorization: Bearer KEY' on every route but /health (HTTP 401 without it), as SGLang's --api-key.")
+    log_prob_kind: str = setting(
+        DEFAULT_LOG_PROB_KIND, "What output log-probs are log-probs of (reported in /server_info; greedy requests "
+        "are always raw): " + "; ".join(f"{kind}: {what}" for kind, what in LOG_PROB_KINDS.items()) + ".")
     deterministic_topk: bool = shared("deterministic_topk")
     log_requests: bool = setting(False, "Log every HTTP request to stderr.")
     metrics: Optional[Path] = setting(
@@ -190,17 +218,29 @@ class _MetricsLines:
         self.writer.close()
 
 
+def _checked_settings(config: ServeConfig) -> Optional[str]:
+    """Refuse an unknown ``log_prob_kind`` or an API key that cannot go in a header (without
+    repeating it); returns the key (None for none)."""
+    from glmpost.serving.sglang_client import check_api_key
+
+    if config.log_prob_kind not in LOG_PROB_KINDS:
+        raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
+                          value=config.log_prob_kind)
+    return check_api_key(config.api_key)
+
+
 def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]) -> dict[str, Any]:
     """Serve ``config.checkpoint`` until SIGTERM or SIGINT (:func:`serve_until_signalled`), calling
     ``on_listening(url)`` once the server is ready; returns the engine's counters at stop."""
+    api_key = _checked_settings(config)
     metrics = _MetricsLines(config.metrics) if config.metrics is not None else None
     try:
         device = resolve_device(config.device)
         engine = EngineServer(config.checkpoint, device=device, batch_size=config.batch_size,
                               deterministic_topk=config.deterministic_topk, weight_version=config.weight_version,
-                              batch_wait_s=config.batch_wait_ms / 1000.0)
+                              batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind)
         try:
-            server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests)
+            server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key)
         except OSError as exc:
             raise ConfigError("{host} {address} {port} {number}: cannot listen ({reason})", address=config.host,
                               number=config.port, reason=exc.strerror or exc) from None
@@ -209,7 +249,8 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
 
         def ready() -> None:
             log(f"serving {engine.loaded.version_dir} (weight_version {engine.weight_version}, tokenizer "
-                f"{engine.loaded.revision}) on {device}, batch size {config.batch_size}")
+                f"{engine.loaded.revision}) on {device}, batch size {config.batch_size}, log-probs {engine.log_prob_kind}"
+                + (", API key required" if api_key else ""))
             on_listening(f"http://{shown}:{port}")
 
         if metrics is not None:

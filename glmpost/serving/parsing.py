@@ -2,17 +2,20 @@
 
 A body follows SGLang's ``GenerateReqInput`` (managers/io_struct.py): ``input_ids`` (one list or a
 batch), ``sampling_params`` (a dict or one per sequence), ``return_logprob``, ``logprob_start_len``,
-``top_logprobs_num``. :func:`parse_generate` turns it into one checked item per sequence, or refuses
-it with a one-line :class:`RequestError` (HTTP 4xx); sampling parameters that would change the
-output if honoured are refused unless at SGLang's default.
+``top_logprobs_num``, ``return_text_in_logprobs``, ``rid`` (a string; for a batch a string, which
+becomes ``RID_i`` per sequence as ``GenerateReqInput._normalize_rid`` makes it, or one string per
+sequence). :func:`parse_generate` turns it into one checked item per sequence, or refuses it with a
+one-line :class:`RequestError` (HTTP 4xx); sampling parameters that would change the output if
+honoured are refused unless at SGLang's default.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from glmpost.rollout.distribution import DEFAULT_LOG_PROB_KIND
 from glmpost.rollout.engine import SamplingParams
 
 if TYPE_CHECKING:
@@ -20,9 +23,8 @@ if TYPE_CHECKING:
 
 # Sampling parameters that would change the output if honoured; refused unless at SGLang's default.
 _UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                         "min_new_tokens": 0, "min_p": 0.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-                         "stop": None}
-_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
+                         "min_new_tokens": 0, "min_p": 0.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None}
+_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "sampling_seed",
           "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
           *_UNSUPPORTED_DEFAULTS}
 
@@ -45,12 +47,17 @@ class _Item:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    rid: str | None = None  # echoed as meta_info["id"] (None: a fresh id)
+    stop_strs: list[str] = field(default_factory=list)  # sampling_params.stop
+    no_stop_trim: bool = False  # keep the matched stop (string or token) in ``text``
+    return_text_in_logprobs: bool = False  # log-prob entries carry each token's text
     result: dict | None = None
 
 
-def parse_generate(body: Any, loaded: _Loaded) -> tuple[list[_Item], bool]:
+def parse_generate(body: Any, loaded: _Loaded, *, log_prob_kind: str = DEFAULT_LOG_PROB_KIND) -> tuple[list[_Item], bool]:
     """The sequences of a ``/generate`` body, checked against the served model ``loaded``, and
-    whether it is a batch request (``input_ids`` a list of lists)."""
+    whether it is a batch request (``input_ids`` a list of lists); every item's params return
+    log-probs of ``log_prob_kind`` (greedy ones ``raw``: ``SamplingParams.recorded_kind``)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if body.get("text") is not None and body.get("input_ids") is None:
@@ -66,9 +73,40 @@ def parse_generate(body: Any, loaded: _Loaded) -> tuple[list[_Item], bool]:
              for name, default in (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0))}
     if body.get("stream"):
         raise RequestError("stream is not supported by glmpost serve")
+    rids = _rids(body.get("rid"), len(prompts), batch)
+    with_text = body.get("return_text_in_logprobs", False)
+    if not isinstance(with_text, bool):
+        raise RequestError("return_text_in_logprobs must be true or false")
     items = [_parse_item(prompts[i], per_item[i], flags["return_logprob"][i], flags["logprob_start_len"][i],
                          flags["top_logprobs_num"][i], loaded) for i in range(len(prompts))]
+    for item, rid in zip(items, rids):
+        item.rid, item.return_text_in_logprobs = rid, with_text
+        item.params.log_prob_kind = log_prob_kind
     return items, batch
+
+
+def _rids(rid: Any, count: int, batch: bool) -> list[str | None]:
+    """One request id per sequence: a single request's string; a batch's string ``RID`` as
+    ``RID_0 .. RID_{n-1}``, or its list of ``count`` strings (SGLang's ``_normalize_rid``)."""
+    if rid is None:
+        return [None] * count
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)] if batch else [rid]
+    if batch and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != count:
+            raise RequestError(f"rid: {len(rid)} ids for {count} sequences")
+        return list(rid)
+    raise RequestError("rid must be a string (or, for a batch, a list of strings, one per sequence)")
+
+
+def _stop_strings(value: Any) -> list[str]:
+    """``sampling_params.stop``: a string or a list of non-empty strings (None or [] for none)."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("sampling_params.stop must be a non-empty string or a list of them")
+    return list(stops)
 
 
 def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top_n: Any, loaded: _Loaded) -> _Item:
@@ -79,7 +117,7 @@ def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top
     if unknown:
         raise RequestError(f"sampling_params: unknown key(s) {', '.join(unknown)}")
     for key, default in _UNSUPPORTED_DEFAULTS.items():
-        if sp.get(key, default) not in (default, None) and not (key == "stop" and sp.get(key) == []):
+        if sp.get(key, default) not in (default, None):
             raise RequestError(f"sampling_params.{key} is not supported by glmpost serve")
     try:
         max_new = int(sp.get("max_new_tokens", 128))
@@ -116,7 +154,8 @@ def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top
         raise RequestError(f"logprob_start_len {start} must be < the {len(prompt)} input tokens")
     if top_n < 0:
         raise RequestError("top_logprobs_num must be >= 0")
-    return _Item(list(prompt), params, seed, bool(return_logprob), start, top_n)
+    return _Item(list(prompt), params, seed, bool(return_logprob), start, top_n, stop_strs=_stop_strings(sp.get("stop")),
+                 no_stop_trim=bool(sp.get("no_stop_trim", False)))
 
 
 def _eos_ids(loaded: _Loaded) -> list[int]:

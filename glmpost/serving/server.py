@@ -12,24 +12,38 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
 
 * ``POST /generate``: ``input_ids`` (one list or a batch), ``sampling_params`` (a dict or one per
   sequence: ``max_new_tokens`` (0 = prefill-only scoring), ``temperature``, ``top_p``, ``top_k``,
-  ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``), ``return_logprob``, ``logprob_start_len``,
-  ``top_logprobs_num``. Answer per sequence ``{"text", "output_ids", "meta_info"}``.
+  ``stop_token_ids``, ``stop`` (a string or a list: the sequence stops once its decoded output
+  contains one; ``finish_reason`` ``{"type": "stop", "matched": "STRING"}``), ``ignore_eos``,
+  ``sampling_seed``, ``no_stop_trim`` (``text`` keeps the matched stop); ``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``stream_interval``, ``custom_params`` accepted and ignored;
+  penalties, ``min_p``, ``min_new_tokens``, ``n`` and grammars refused unless at their defaults),
+  ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``
+  (entries ``[logprob, id, token_text]``), ``rid`` (echoed as ``meta_info["id"]``; a batch's string
+  ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence). Answer per sequence
+  ``{"text", "output_ids", "meta_info"}`` (:mod:`glmpost.serving.answers`).
 * ``POST /update_weights_from_disk``: ``model_path``, ``weight_version``, ``flush_cache``,
   ``abort_all_requests``; answer ``{"success", "message", "num_paused_requests"}`` (HTTP 400 when
   refused; the old weights stay).
-* ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``; ``GET /get_server_info``: the
-  model info, and counters since start (requests, engine batches, sequences, generated tokens,
-  seconds the engine was busy).
+* ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``; ``GET /server_info`` (also
+  ``/get_server_info``, its older name): the model info, ``enable_deterministic_inference`` (always
+  true: a sequence's tokens and log-probs follow from its ``sampling_seed``), ``log_prob_kind``,
+  ``version`` (glmpost's), and counters since start (requests, engine batches, sequences, generated
+  tokens, seconds the engine was busy).
+* With an API key every route but ``/health`` wants ``Authorization: Bearer KEY`` (or
+  ``x-api-key: KEY``) and answers HTTP 401 ``{"error": "Unauthorized"}`` without it, as SGLang's
+  ``add_api_key_middleware`` (srt/utils/auth.py) does.
 
 One worker thread owns the :class:`~glmpost.rollout.engine.LocalEngine`; HTTP threads only parse, queue and
 wait. Concurrent single-sequence requests are merged into one engine batch (up to ``batch_size``); a
 batch request runs as its own batch(es), exactly as the in-process engine would run the same list,
 so ``rollout --engine sglang`` reproduces ``--engine local`` bit for bit. Weight swaps happen between
-batches. Output log-probs are those of the distribution sampled from (temperature, top-k, top-p; as
-``rollout_log_probs``); input log-probs are the model's own (temperature 1), by the trainer's formula.
+batches. Output log-probs are of the server's ``log_prob_kind`` (:mod:`glmpost.rollout.distribution`;
+by default ``sampled``, the distribution sampled from: temperature, top-k, top-p; greedy requests
+``raw``); input log-probs are the model's own (temperature 1), by the trainer's formula.
 
 This module holds :class:`EngineServer` (the worker, request batching, weight swaps) and checkpoint
-loading. Parsing and validating ``/generate`` requests is :mod:`glmpost.serving.parsing`; the HTTP
+loading. Parsing and validating ``/generate`` requests is :mod:`glmpost.serving.parsing`, shaping
+each sequence's answer :mod:`glmpost.serving.answers`; the HTTP
 routes, the listening server and its signal-driven lifetime are :mod:`glmpost.serving.http_server`.
 """
 
@@ -45,8 +59,10 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+from glmpost.rollout.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
 from glmpost.rollout.engine import LocalEngine, Scores
 from glmpost.errors import GlmpostError
+from glmpost.serving.answers import input_start, sequence_answer
 from glmpost.serving.parsing import RequestError, _Item, parse_generate
 
 
@@ -113,8 +129,9 @@ class EngineServer:
     """The worker that owns the engine, and the request handling behind the HTTP routes."""
 
     def __init__(self, checkpoint: str | Path, *, device: Any = "cpu", batch_size: int = 32, deterministic_topk: bool = True,
-                 weight_version: str | None = None, batch_wait_s: float = 0.05):
+                 weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND):
         self.device = device
+        self.log_prob_kind = check_log_prob_kind(log_prob_kind)
         self.batch_size = batch_size
         self.deterministic_topk = deterministic_topk
         self.batch_wait_s = batch_wait_s
@@ -188,7 +205,7 @@ class EngineServer:
         }
 
     def generate(self, body: dict) -> Any:
-        items, batch = parse_generate(body, self.loaded)
+        items, batch = parse_generate(body, self.loaded, log_prob_kind=self.log_prob_kind)
         if batch:
             return self.submit(_Job("generate", items, batch=True))
         with self._cond:
@@ -202,9 +219,14 @@ class EngineServer:
                 self._cond.notify_all()
 
     def server_info(self) -> dict:
-        """``GET /get_server_info``: what ``/model_info`` says, and the counters since start."""
+        """``GET /server_info`` (and ``/get_server_info``): what ``/model_info`` says, the settings
+        clients read (``enable_deterministic_inference``: a sequence's tokens and log-probs are a
+        function of its ``sampling_seed``; ``log_prob_kind``; ``version``) and the counters since start."""
+        from glmpost import __version__
+
         stats = {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}
-        return {**self.model_info(), "batch_wait_s": self.batch_wait_s, "stats": stats}
+        return {**self.model_info(), "enable_deterministic_inference": True, "log_prob_kind": self.log_prob_kind,
+                "version": __version__, "batch_wait_s": self.batch_wait_s, "stats": stats}
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
@@ -293,7 +315,7 @@ class EngineServer:
         scores: dict[int, Scores] = {}
         for top_n in sorted({items[i].top_logprobs_num for i in need_scores}):
             idx = [i for i in need_scores if items[i].top_logprobs_num == top_n]
-            for i, s in zip(idx, engine.score([items[i].prompt for i in idx], [_start(items[i]) + 1 for i in idx],
+            for i, s in zip(idx, engine.score([items[i].prompt for i in idx], [input_start(items[i]) + 1 for i in idx],
                                               top_logprobs_num=top_n)):
                 scores[i] = s
         # Generation: one engine call per group of identical sampling settings, in request order.
@@ -301,7 +323,8 @@ class EngineServer:
         for i, it in enumerate(items):
             if it.params.max_new_tokens > 0:
                 p = it.params
-                key = (p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop_token_ids), it.top_logprobs_num)
+                key = (p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop_token_ids), p.log_prob_kind,
+                       it.top_logprobs_num)
                 groups.setdefault(key, []).append(i)
         completions = {}
         for key, idx in groups.items():
@@ -310,30 +333,9 @@ class EngineServer:
             completions.update(zip(idx, outs))
         latency = time.perf_counter() - started
         for i, it in enumerate(items):
-            completion = completions.get(i)
-            out_ids = completion.token_ids if completion is not None else []
-            if completion is None:
-                finish = {"type": "length", "length": 0}
-            elif completion.finish_reason == "stop":
-                finish = {"type": "stop", "matched": out_ids[-1]}
-            else:
-                finish = {"type": "length", "length": len(out_ids)}
-            meta: dict[str, Any] = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(it.prompt),
-                                    "completion_tokens": len(out_ids), "cached_tokens": 0,
-                                    "weight_version": self.weight_version, "e2e_latency": round(latency, 6)}
-            if it.return_logprob:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(completion.log_probs, out_ids)] if completion else []
-                start = _start(it)
-                first = [[None, it.prompt[start], None]]
-                s = scores.get(i)
-                rest = [[lp, t, None] for lp, t in zip(s.log_probs, it.prompt[start + 1:])] if s else []
-                meta["input_token_logprobs"] = first + rest
-                if it.top_logprobs_num > 0:
-                    meta["output_top_logprobs"] = ([_top_rows(ids, lps) for ids, lps in zip(completion.top_ids, completion.top_log_probs)]
-                                                   if completion else [])
-                    meta["input_top_logprobs"] = [None] + ([_top_rows(ids, lps) for ids, lps in zip(s.top_ids, s.top_log_probs)]
-                                                           if s else [])
-            it.result = {"text": loaded.tokenizer.decode(out_ids), "output_ids": out_ids, "meta_info": meta}
+            it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
+                                        weight_version=self.weight_version, latency=latency)
+            out_ids = it.result["output_ids"]
             self.stats["generated_tokens"] += len(out_ids)
         self.stats["batches"] += 1
         self.stats["sequences"] += len(items)
@@ -387,15 +389,6 @@ class EngineServer:
                 "weight_version": self.weight_version}} for it in j.payload]
             j.done.set()
         return len(jobs)
-
-
-def _start(item: _Item) -> int:
-    """SGLang's default logprob_start_len -1 means the last input token (one input entry)."""
-    return len(item.prompt) - 1 if item.logprob_start_len < 0 else item.logprob_start_len
-
-
-def _top_rows(ids: list[int], lps: list[float]) -> list[list]:
-    return [[lp, t, None] for lp, t in zip(lps, ids)]
 
 
 __all__ = [

@@ -6,6 +6,9 @@ Only the endpoints glmpost uses (DESIGN.md §6: "in-process torch engine, also s
 * ``POST /generate``: token ids in, token ids and log-probs out (TITO: no text round trip).
 * ``POST /update_weights_from_disk``, ``GET /get_weight_version`` (``/model_info`` where a newer
   SGLang answers 404 there), ``GET /model_info``, ``GET /health``.
+* ``GET /server_info`` (``/get_server_info`` where an older SGLang answers 404 there): the server's
+  settings (SGLang's server args, e.g. ``enable_deterministic_inference``), read once per client
+  (:meth:`SGLangClient.settings`).
 
 Response shapes follow SGLang (python/sglang/srt/managers/tokenizer_manager.py
 ``detokenize_logprob_tokens`` / ``convert_logprob_style``; scheduler ``_process_input_token_logprobs``;
@@ -14,8 +17,10 @@ entrypoints/http_server.py ``update_weights_from_disk``): a log-prob entry is a 
 first entry's logprob is ``None``; ``finish_reason`` is ``{"type": "stop", "matched": id}``,
 ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
 
-Failures: connection errors, timeouts and HTTP 5xx are retried ``retries`` times with exponential
-backoff (``backoff * 2**attempt`` seconds); HTTP 4xx is not retried. A request that finally fails
+An ``api_key`` is sent as ``Authorization: Bearer KEY`` (SGLang's ``--api-key``) and never appears in
+a message. Failures: connection errors, timeouts and HTTP 5xx are retried ``retries`` times with
+exponential backoff (``backoff * 2**attempt`` seconds); HTTP 4xx is not retried (a 401 says whether
+a key was sent). A request that finally fails
 raises :class:`ServerError` (a :class:`~glmpost.errors.GlmpostError`, so a CLI prints one line).
 :class:`SGLangPool` spreads requests over several servers with bounded concurrency and fails over to
 the next server when one is unreachable.
@@ -36,7 +41,7 @@ from typing import Any
 
 from glmpost.errors import GlmpostError
 
-__all__ = ["SGLangClient", "SGLangPool", "ServerError", "parse_server_urls"]
+__all__ = ["SGLangClient", "SGLangPool", "ServerError", "check_api_key", "parse_server_urls", "without_api_key"]
 
 
 class ServerError(GlmpostError):
@@ -74,6 +79,25 @@ def parse_server_urls(value: str | Sequence[str]) -> list[str]:
     return urls
 
 
+def check_api_key(key: str | None) -> str | None:
+    """``key`` when it can go in an HTTP header (printable ASCII, no spaces), None for none or "".
+
+    Raises :class:`~glmpost.config.ConfigError` naming the ``api_key`` setting (every config that
+    holds a key calls it so) and never repeating the key."""
+    if key is None or key == "":
+        return None
+    if not all("!" <= ch <= "~" for ch in key):
+        from glmpost.config import ConfigError
+
+        raise ConfigError("{api_key}: an API key must be printable ASCII without spaces")
+    return key
+
+
+def without_api_key(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without ``api_key``: what stage.json, shard headers and logs may record."""
+    return {name: value for name, value in options.items() if name != "api_key"}
+
+
 _RETRYABLE_EXCEPTIONS = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
                          http.client.HTTPException, OSError)
 
@@ -86,13 +110,17 @@ class SGLangClient:
         timeout: seconds to wait for one HTTP answer (a long generation must fit in it).
         retries: extra attempts after a connection error, timeout or 5xx (0 = try once).
         backoff: seconds before the first retry; doubled before each further one.
+        api_key: sent as ``Authorization: Bearer KEY`` with every request (None: no header).
     """
 
-    def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5):
+    def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None):
         self.url = parse_server_urls(url)[0]
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.api_key = check_api_key(api_key)
+        self._settings: dict | None = None
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -120,9 +148,14 @@ class SGLangClient:
         assert last is not None
         raise ServerError(f"{last} (after {self.retries + 1} attempts)", url=self.url, status=last.status, retryable=True)
 
+    def _headers(self, data: bytes | None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
     def _once(self, method: str, path: str, data: bytes | None, ok: set[int]) -> Any:
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data is not None else {})
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data))
         where = f"{method} {self.url}{path}"
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:
@@ -132,6 +165,9 @@ class SGLangClient:
             if exc.code in ok:
                 return _decode(raw, where, self.url)
             detail = _error_detail(raw) or exc.reason
+            if exc.code == 401:
+                detail = (f"{detail}: the server refused the API key" if self.api_key is not None
+                          else f"{detail}: the server wants an API key and none was given")
             raise ServerError(f"{where}: HTTP {exc.code}: {detail}", url=self.url, status=exc.code,
                               retryable=exc.code >= 500) from None
         except _RETRYABLE_EXCEPTIONS as exc:
@@ -159,6 +195,33 @@ class SGLangClient:
             if exc.status != 404:
                 raise
             return self.request("GET", "/get_model_info")
+
+    def server_info(self) -> dict:
+        """``GET /server_info`` (SGLang's current name), ``/get_server_info`` where that answers 404.
+
+        SGLang answers its server args (``enable_deterministic_inference``, ``random_seed``, ...), the
+        scheduler info, ``internal_states`` and ``version``; ``glmpost serve`` answers its model info,
+        counters (``stats``), ``enable_deterministic_inference`` (true), ``version`` and
+        ``log_prob_kind``."""
+        try:
+            answer = self.request("GET", "/server_info")
+        except ServerError as exc:
+            if exc.status != 404:
+                raise
+            answer = self.request("GET", "/get_server_info")
+        return answer if isinstance(answer, dict) else {}
+
+    def settings(self) -> dict:
+        """:meth:`server_info` as read the first time (a server's settings do not change while it runs);
+        ``{}`` for a server that has neither route (both 404). Raises ServerError otherwise."""
+        if self._settings is None:
+            try:
+                self._settings = self.server_info()
+            except ServerError as exc:
+                if exc.status != 404:
+                    raise
+                self._settings = {}
+        return self._settings
 
     def get_weight_version(self) -> str | None:
         """The server's ``weight_version`` (None if it has none): ``GET /get_weight_version``, or
@@ -190,7 +253,8 @@ class SGLangClient:
         return answer
 
     def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict | Sequence[dict], *,
-                 return_logprob: bool = True, logprob_start_len: int = -1, top_logprobs_num: int = 0) -> dict | list[dict]:
+                 return_logprob: bool = True, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 **fields: Any) -> dict | list[dict]:
         """``POST /generate`` with token ids (one prompt, or a batch as a list of lists).
 
         ``sampling_params`` as SGLang takes them: ``max_new_tokens``, ``temperature``, ``top_p``,
@@ -206,11 +270,12 @@ class SGLangClient:
                            # with top_logprobs_num = k > 0: per position a list of k [logprob, id, None]
                            "output_top_logprobs": [[[lp, id, None], ...], ...], "input_top_logprobs": [None, [...], ...]}}
 
-        ``logprob_start_len`` -1 asks for no input log-probs (``input_token_logprobs`` empty).
+        ``logprob_start_len`` -1 asks for no input log-probs (``input_token_logprobs`` empty). Further
+        ``fields`` (``rid``, ``return_text_in_logprobs``) go into the body as they are.
         """
         body = {"input_ids": [list(map(int, x)) for x in input_ids] if _is_batch(input_ids) else list(map(int, input_ids)),
                 "sampling_params": sampling_params, "return_logprob": return_logprob,
-                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
+                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num, **fields}
         return self.request("POST", "/generate", body)
 
     def score(self, input_ids: Sequence[int], logprob_start_len: int, top_logprobs_num: int = 0) -> dict:
@@ -254,12 +319,13 @@ class SGLangPool:
 
     Request ``i`` goes to server ``i % len(urls)``; when that server finally fails with a connection
     error, timeout or 5xx, the next server is tried, and only when every server failed does the call
-    raise :class:`ServerError`.
+    raise :class:`ServerError`. Every server gets the same ``api_key``.
     """
 
     def __init__(self, urls: str | Sequence[str], *, concurrency: int = 8, timeout: float = 600.0, retries: int = 3,
-                 backoff: float = 0.5):
-        self.clients = [SGLangClient(u, timeout=timeout, retries=retries, backoff=backoff) for u in parse_server_urls(urls)]
+                 backoff: float = 0.5, api_key: str | None = None):
+        self.clients = [SGLangClient(u, timeout=timeout, retries=retries, backoff=backoff, api_key=api_key)
+                        for u in parse_server_urls(urls)]
         self.concurrency = max(1, concurrency)
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()

@@ -146,7 +146,7 @@ def weight_version_name(policy_version: int) -> str:
 
 
 def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int = 3, backoff: float = 1.0,
-                timeout: float = 600.0, skip_if_current: bool = False) -> ServerResult:
+                timeout: float = 600.0, skip_if_current: bool = False, api_key: str | None = None) -> ServerResult:
     """Tell one server to load ``model_path`` as ``weight_version`` and confirm it reports it.
 
     An attempt is: ``update_weights_from_disk`` (must answer ``success``), then
@@ -154,7 +154,7 @@ def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int
     A failed attempt is retried ``retries`` times, ``backoff * 2**k`` seconds apart."""
     from glmpost.serving.sglang_client import ServerError, SGLangClient
 
-    client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff)
+    client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff, api_key=api_key)
     result = ServerResult(url=client.url, status="failed")
     started = time.perf_counter()
     for attempt in range(retries + 1):

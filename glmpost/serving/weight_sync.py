@@ -63,6 +63,7 @@ class SyncConfig(GroupSizeSetting):
     retries: int = setting(3, "Extra attempts per server after a failed update or confirmation.")
     backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.")
     timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).")
+    api_key: Optional[str] = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).")
     keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
 
     def check(self) -> None:
@@ -190,7 +191,7 @@ def _sync(config: SyncConfig, urls: list[str], target: Path, version: int, *, sk
           metrics: MetricsWriter) -> list[dict[str, Any]]:
     """Tell every server to load ``target`` and confirm it; one metrics line per server; the rows."""
     results = sync_servers(urls, target.resolve(), weight_version_name(version), retries=config.retries,
-                           backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped)
+                           backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped, api_key=config.api_key)
     rows = [r.to_json() for r in results]
     for row in rows:
         metrics.write(**{"sync/policy_version": version, "sync/server": row["url"], "sync/status": row["status"],
