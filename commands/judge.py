@@ -2,7 +2,7 @@
 
 Each record's response is decoded with --checkpoint's tokenizer (the one the rollout used) and
 scored by the reward mixture R = sum_k w_k R_k - sum_j lambda_j P_j: rewards (--reward) and
-penalties (--penalty) drawn from the record's domain verifier (math, count, or any
+penalties (--penalty) drawn from the record's domain verifier (math, count, env, or any
 package.module:function), format / length / truncation rules, an Outcome Reward Model and a
 generative judge. With no component given, the reward is the domain verifier alone ("correct",
 weight 1). Every component value is kept in `rewards`; a component that fails makes `reward` NaN
@@ -107,8 +107,8 @@ def judge(
     ),
     verifiers: List[str] = typer.Option(
         [], "--verifier", metavar="DOMAIN=VERIFIER", parser=parse_verifier_route,
-        help="Route records of DOMAIN to a verifier: a built-in (math, count) or package.module:function "
-        "taking a VerifyContext and returning a score in [0, 1]. Repeatable; wins over --domains.",
+        help="Route records of DOMAIN to a verifier: a built-in (math, count, env: a multi-turn rollout's own reward) "
+        "or package.module:function taking a VerifyContext and returning a score in [0, 1]. Repeatable; wins over --domains.",
     ),
     domains: Optional[str] = option(JudgeConfig, "domains", metavar="TABLE", parser=parse_domains),
     default_verifier: Optional[str] = option(JudgeConfig, "default_verifier", metavar="VERIFIER"),

@@ -21,6 +21,18 @@ for --engine local) and sampling.log_prob_kind, what rollout_log_probs are log-p
 --server-log-prob-kind, or with auto the kind the server reports (`glmpost serve` does), else the
 kind a probe of four 1-token requests finds.
 
+--env NAME runs multi-turn (agentic) trajectories against an environment (calculator, kv-lookup,
+latency, or package.module:Class with reset(task) and step(action); --env-options is a JSON object
+of its keyword arguments). Turn after turn the model's exact ids are the action (ending with the
+turn marker it emitted, which is trained) and the environment's answer is rendered once with the
+chat template's observation turn and appended as exact ids: each turn's prompt is exactly what came
+before, nothing is re-tokenized. Observation tokens carry observation_mask, NaN log-probs and
+policy version -1; segments record each part with its turn; extra.env the environment's reward,
+turns, malformed tool calls and per-step info. A trajectory ends "completed" when the environment
+says done, "truncated" at --max-turns, a turn at --max-new-tokens, or a context overflow, and
+"env_error" (the reason in extra.status_reason; the run goes on) when the environment raises, takes
+longer than --env-timeout or answers malformed.
+
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
 --prompts-per-shard prompts; a rerun writes only the parts that are missing. The same seed gives
 the same shards bit for bit, whatever the batch size or split.
@@ -65,6 +77,10 @@ def rollout(
     retries: int = option(RolloutConfig, "retries"),
     api_key: Optional[str] = option(RolloutConfig, "api_key", show_default=False),
     server_log_prob_kind: str = option(RolloutConfig, "server_log_prob_kind"),
+    env: Optional[str] = option(RolloutConfig, "env"),
+    env_options: str = option(RolloutConfig, "env_options"),
+    max_turns: int = option(RolloutConfig, "max_turns"),
+    env_timeout: float = option(RolloutConfig, "env_timeout"),
     zstd_level: int = option(RolloutConfig, "zstd_level"),
     overwrite: bool = option(RolloutConfig, "overwrite"),
     as_json: bool = json_option(),

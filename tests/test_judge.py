@@ -338,7 +338,7 @@ def test_shard_index_splits_the_work(glmpost_cli, tiny_checkpoint, policy, tmp_p
 def test_unknown_domain(glmpost_cli, tiny_checkpoint, policy, tmp_path):
     write(tmp_path / "in", "s.msgpack.zst", [record(policy, "p", "a poem", "roses", domain="poetry", task={})])
     result = glmpost_cli("judge", tmp_path / "in", "--out", tmp_path / "out", "--checkpoint", tiny_checkpoint)
-    failed_cleanly(result, 2, "record 'p'", "domain 'poetry' has no verifier (known: count, math)")
+    failed_cleanly(result, 2, "record 'p'", "domain 'poetry' has no verifier (known: count, env, math)")
     assert not (tmp_path / "out").exists()
     # with a default verifier the same shard is judged
     result = glmpost_cli("judge", tmp_path / "in", "--out", tmp_path / "out", "--checkpoint", tiny_checkpoint,

@@ -244,7 +244,7 @@ def test_verifier_table_routes_domains(hooks):
     table = VerifierTable({"gsm8k": "math", "mine": f"{hooks}:quarter"})
     assert table.lookup("math")[0] == "math" and table.lookup("gsm8k")[0] == "math"
     assert table.lookup("mine")[0] == f"{hooks}:quarter"
-    with pytest.raises(UsageError, match=r"domain 'poetry' has no verifier \(known: count, gsm8k, math, mine\)"):
+    with pytest.raises(UsageError, match=r"domain 'poetry' has no verifier \(known: count, env, gsm8k, math, mine\)"):
         table.lookup("poetry")
     with pytest.raises(UsageError, match="no domain to route to a verifier"):
         table.lookup("")

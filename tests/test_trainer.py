@@ -162,10 +162,17 @@ def test_prepare_batch_excludes_and_counts(policy):
     for record in records[4:8]:
         record["reward"] = 1.0  # an all-equal group: no relative signal
     batch = prepare_batch(records)
-    assert batch.excluded == {"nan_reward": 1, "status": 1, "no_actions": 0}
-    assert len(batch.examples) == 10 and batch.groups == 3 and batch.zero_advantage_groups == 1
-    assert [e.advantage for e in batch.examples[2:6]] == [0.0] * 4
-    assert sum(e.advantage for e in batch.examples[:2]) == pytest.approx(0.0, abs=1e-6)
+    # Group 0 keeps 2 valid samples of 4, not more than half: GLM-5 drops it whole.
+    assert batch.excluded == {"nan_reward": 1, "status": 1, "no_actions": 0, "small_group": 2}
+    assert len(batch.examples) == 8 and batch.groups == 2 and batch.zero_advantage_groups == 1
+    assert [e.advantage for e in batch.examples[:4]] == [0.0] * 4
+    assert sum(e.advantage for e in batch.examples[4:]) == pytest.approx(0.0, abs=1e-6)
+    assert batch.failed == {"aborted": 1, "nan_reward": 1} and batch.group_sizes == {4: 2}
+    records[2]["status"] = "completed"
+    records[1]["status"] = "completed"  # 3 of 4 valid: kept, its baseline over those three
+    kept = prepare_batch(records)
+    assert kept.excluded["small_group"] == 0 and kept.group_sizes == {3: 1, 4: 2}
+    assert sum(e.advantage for e in kept.examples[:3]) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_kl_to_reference_is_zero_at_the_start_and_entropy_is_reported(policy):

@@ -198,13 +198,28 @@ def record_uniforms(record: dict[str, Any]) -> torch.Tensor:
 
     ``glmpost rollout`` seeds sequence ``i`` of prompt ``p`` with ``sequence_seed(seed, "p/i")``
     and draws ``max_new_tokens`` numbers up front (:class:`glmpost.rollout.engine.LocalEngine`); record ids
-    end in ``/i``. Positions past ``max_new_tokens`` continue the same stream.
+    end in ``/i``. Positions past ``max_new_tokens`` continue the same stream. A multi-turn record's
+    action segment of turn ``t`` draws from its turn's stream (:func:`glmpost.rollout.agentic.turn_key`);
+    observation positions read 0.
     """
+    from glmpost.rollout.agentic import turn_key
+
     params = record_sampling(record)
     key = f"{record['prompt_id']}/{str(record['id']).rsplit('/', 1)[-1]}"
     length = len(record["response_token_ids"])
-    generator = torch.Generator().manual_seed(sequence_seed(params.seed, key))
-    return torch.rand(max(params.max_new_tokens, length), generator=generator, dtype=torch.float64)[:length]
+
+    def stream(turn: int, size: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(sequence_seed(params.seed, turn_key(key, turn)))
+        return torch.rand(max(params.max_new_tokens, size), generator=generator, dtype=torch.float64)[:size]
+
+    turns = [s for s in record.get("segments") or [] if s.get("kind") == "action"]
+    if not any(int(s.get("turn", 0)) for s in turns):
+        return stream(0, length)
+    uniforms = torch.zeros(length, dtype=torch.float64)
+    for segment in turns:
+        start, end = int(segment["start"]), int(segment["end"])
+        uniforms[start:end] = stream(int(segment["turn"]), end - start)
+    return uniforms
 
 
 @dataclass

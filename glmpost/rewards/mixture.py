@@ -298,6 +298,7 @@ class RecordView:
             domain=r.get("domain", ""),
             sampling=r.get("sampling") or {},
             record_id=self.id,
+            extra=r.get("extra") or {},
         )
 
 

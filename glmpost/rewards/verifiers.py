@@ -3,7 +3,7 @@
 A *verifier* is a function ``fn(ctx: VerifyContext) -> float | Verdict`` returning a score in
 ``[0, 1]``. It may raise: the judge records that as a failed component (``reward`` NaN, the reason in
 ``reward_info``), never as a silent 0. Verifiers are looked up by name in :data:`VERIFIERS`
-(built in: ``math``, ``count``) or imported from a ``package.module:function`` spec
+(built in: ``math``, ``count``, ``env``) or imported from a ``package.module:function`` spec
 (:func:`load_hook`); :class:`VerifierTable` routes each record's ``domain`` to one.
 
 Rules are small pure functions on what the record already says: :func:`format_score` (a regex the
@@ -48,6 +48,7 @@ class VerifyContext:
     domain: str = ""
     sampling: Mapping[str, Any] = field(default_factory=dict)
     record_id: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)  # the record's extra (extra.env: a multi-turn rollout's)
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,17 @@ def count_verifier(ctx: VerifyContext) -> Verdict:
     denominator = max(int(actions.sum()), int(budget) if isinstance(budget, int) and budget > 0 else 0)
     score = hits / denominator if denominator else 0.0
     return Verdict(score, {"matches": hits, "of": denominator})
+
+
+@register_verifier("env")
+def env_verifier(ctx: VerifyContext) -> Verdict:
+    """The environment's own reward of a multi-turn rollout (``extra.env.reward``: the sum of its
+    steps' rewards, ``rollout --env``), which must lie in [0, 1]; the turns and malformed tool calls
+    ride along in the details."""
+    env = ctx.extra.get("env") if isinstance(ctx.extra, Mapping) else None
+    if not isinstance(env, Mapping) or "reward" not in env:
+        raise VerifierError("record has no extra.env.reward: roll it out with `glmpost rollout --env`")
+    return Verdict(check_score(env["reward"]), {"turns": env.get("turns"), "malformed": env.get("malformed")})
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class PreparedBatch:
     excluded: dict[str, int] = field(default_factory=dict)
     zero_advantage_groups: int = 0
     groups: int = 0
+    group_sizes: dict[int, int] = field(default_factory=dict)  # trained groups by their number of valid samples
+    failed: dict[str, int] = field(default_factory=dict)  # records not trained, by status or reason
 
 
 def usable_records(records: Sequence[dict[str, Any]], *, need_reward: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -115,9 +117,72 @@ def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> Tra
     )
 
 
+def drop_stale(records: Sequence[dict[str, Any]], version: int, max_staleness: int | None) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """GLM-5's version filter (brief, "Direct Double-Sided Importance Sampling": drop samples with
+    ``v_train - v_rollout > tau``): the records whose oldest action token lags ``version`` by more
+    than ``max_staleness`` are dropped whole, before any token check. Returns the rest and metrics:
+    how many were dropped, and the response lengths and rewards of the dropped and the kept (dropping
+    biases against long, hard trajectories: the metrics show by how much)."""
+    if max_staleness is None:
+        return list(records), {}
+    kept, dropped = [], []
+    for record in records:
+        lag = version_lag(record, version)
+        (dropped if lag is not None and lag > max_staleness else kept).append(record)
+
+    def means(part: list[dict[str, Any]], name: str) -> dict[str, float]:
+        lengths = [len(r["response_token_ids"]) for r in part]
+        rewards = [r["reward"] for r in part if math.isfinite(r.get("reward", float("nan")))]
+        return {f"train/{name}_response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+                f"train/{name}_reward_mean": float(np.mean(rewards)) if rewards else 0.0}
+
+    return kept, {"train/stale_dropped": len(dropped), **means(dropped, "stale_dropped"), **means(kept, "kept")}
+
+
+def whole_groups(records: Sequence[dict[str, Any]], usable: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, dict[int, int]]:
+    """GLM-5's rule for failed samples (brief, same section): a group with more than half of its
+    samples valid (trainable status, finite reward) keeps them, and its baseline is theirs alone;
+    a group with half or fewer is dropped whole. A group's size is ``sampling.group_size`` or the
+    number of its records, whichever is larger. Returns the kept records, how many valid records
+    were dropped with their group, and the kept groups by their number of valid samples."""
+    size: dict[str, int] = {}
+    for record in records:
+        group = record["group_id"]
+        size[group] = size.get(group, 0) + 1
+    for record in records:
+        declared = (record.get("sampling") or {}).get("group_size")
+        if isinstance(declared, int):
+            size[record["group_id"]] = max(size[record["group_id"]], declared)
+    valid: dict[str, int] = {}
+    for record in usable:
+        valid[record["group_id"]] = valid.get(record["group_id"], 0) + 1
+    kept = [r for r in usable if 2 * valid[r["group_id"]] > size[r["group_id"]]]
+    histogram: dict[int, int] = {}
+    for group, count in valid.items():
+        if 2 * count > size[group]:
+            histogram[count] = histogram.get(count, 0) + 1
+    return kept, len(usable) - len(kept), dict(sorted(histogram.items()))
+
+
+def failure_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Records no update can train, by status (``aborted``, ``env_error``, ...) or ``nan_reward``."""
+    counts: dict[str, int] = {}
+    for record in records:
+        if record["status"] not in TRAINABLE_STATUSES:
+            key = record["status"]
+        elif "reward" in record and not math.isfinite(record["reward"]):
+            key = "nan_reward"
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6) -> PreparedBatch:
-    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted."""
+    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted,
+    and groups with half or fewer valid samples dropped whole (:func:`whole_groups`)."""
     usable, excluded = usable_records(records, need_reward=True)
+    usable, excluded["small_group"], sizes = whole_groups(records, usable)
     rewards = np.array([r["reward"] for r in usable], dtype=np.float64)
     groups = [r["group_id"] for r in usable]
     if usable:
@@ -126,7 +191,7 @@ def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1
         advantages, zero_signal = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     examples = [train_example(r, a) for r, a in zip(usable, advantages.tolist())]
     zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
-    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
+    return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)), sizes, failure_counts(records))
 
 
 @dataclass

@@ -192,6 +192,29 @@ def policy_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tenso
     }
 
 
+def dis_policy_loss(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, advantages: torch.Tensor) -> PolicyLossTerms:
+    """The policy term of Direct Double-Sided IS (brief, "Direct Double-Sided Importance Sampling").
+
+        r_t = exp(logp_theta - logp_rollout)      l_t = -r_t * A_t
+
+    on the tokens the DIS mask keeps (``1 - eps_low < r_t < 1 + eps_high``, :func:`glmpost.rl.masks.dis_mask`,
+    applied by the trainer as the final mask): the ratio is to the behaviour policy the rollout
+    recorded, not to a rebuilt old policy, and it is masked, not clipped (its gradient is
+    ``-r_t A_t grad log pi_theta``). ``rollout_log_probs`` may be NaN off the actions; those entries
+    read the detached ``log_probs`` (ratio 1) so no NaN reaches the gradient.
+    """
+    behaviour = torch.where(torch.isfinite(rollout_log_probs), rollout_log_probs, log_probs.detach())
+    ratio = torch.exp(log_probs - behaviour)
+    return PolicyLossTerms(losses=-ratio * advantages, ratio=ratio.detach(), clipped=torch.zeros_like(ratio, dtype=torch.bool))
+
+
+@register_loss_term("dis_policy", metrics=("train/ratio_mean",), logged_as="train/pg_loss")
+def dis_policy_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DIS policy gradient (:func:`dis_policy_loss`), the policy term when the ``dis`` mask is on."""
+    terms = dis_policy_loss(inputs.forward.log_probs, inputs.batch.rollout_log_probs, inputs.advantages)
+    return terms.losses, {"train/ratio_mean": trusted_sum(terms.ratio, inputs.trust)}
+
+
 @register_loss_term("topk_reverse_kl", metrics=("train/topk_kl",), gather="teacher_topk_ids")
 def topk_reverse_kl_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """MOPD's reverse KL on the teacher's top-k set (:func:`topk_reverse_kl`, ``topk_correction``)."""

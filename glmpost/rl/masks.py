@@ -2,8 +2,9 @@
 
 A trust mask has one signature, ``(train_log_probs, rollout_log_probs, config) -> (mask, metrics)``
 over ``[B, L-1]`` tensors (NaN off the actions, never trusted). The trainer ANDs the masks
-``config.trust_masks`` names into the action mask once, on the weights before the update; the same
-final mask gives the loss its numerator and its denominator (the trusted-token count).
+``config.trust_masks`` names into the action mask: ``icepop`` once, on the weights before the
+update; ``dis`` on the weights of each optimizer step. The same final mask gives the loss its
+numerator and its denominator (the trusted-token count; the trainer checks they agree).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def icepop(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, confi
 
 @register_trust_mask("dis")
 def dis(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DIS on the weights before the update (:func:`dis_mask` with ``config.eps_low`` /
-    ``eps_high``): for records sampled by an older policy (``max_version_lag``), a token is kept only
-    where pi_train_old / pi_rollout stays inside the clip range."""
+    """DIS (:func:`dis_mask` with ``config.eps_low`` / ``eps_high``): a token is kept only where
+    pi_theta / pi_rollout stays inside the trust band. The trainer takes it on the weights of every
+    optimizer step (``train_log_probs`` are pi_theta's then), and the policy term becomes
+    :func:`glmpost.rl.losses.dis_policy_loss`: the tool for records of an older policy (brief,
+    "IcePop 与 DIS 不要混用": it absorbs version lag and engine mismatch alike)."""
     return dis_mask(train_log_probs, rollout_log_probs, eps_low=config.eps_low, eps_high=config.eps_high), {}

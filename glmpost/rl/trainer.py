@@ -23,7 +23,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from glmpost.rl.masks import TRUST_MASKS
 
 
 LOSS_DENOMINATORS = ("trusted", "action")
+PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not once before the update
 
 
 @dataclass
@@ -59,10 +60,20 @@ class GRPOConfig(OptimizerConfig):
         "trusted", "Tokens the loss is averaged over, across the whole mini-batch and every rank: trusted (the action "
         "tokens the trust mask keeps; when many are masked the survivors are up-weighted) or action (every action "
         "token; a masked token counts as a zero, so the step shrinks with the trusted fraction).")
+    trust_mask: list[str] = setting(
+        ["icepop"], "Trust masks ANDed into the action mask, by name (repeat for several): icepop (train vs rollout "
+        "engine on the weights before the update; --no-icepop drops it) or dis (brief's Direct Double-Sided IS: the "
+        "policy term becomes -m r A with r = pi_theta / pi_rollout and m = 1[1 - eps-low < r < 1 + eps-high], "
+        "evaluated on the weights of each optimizer step). The brief warns against reading DIS as an engine check.",
+        flag="--trust-mask")
     max_version_lag: int = setting(
-        0, "Accept records sampled up to this many policy versions before --checkpoint; the trust mask is then DIS "
-        "(1 - eps-low < pi_train_old / pi_rollout < 1 + eps-high) instead of IcePop. 0: every record comes from "
-        "--checkpoint's version.", min=0)
+        0, "Accept records sampled up to this many policy versions before --checkpoint (a larger lag is refused); "
+        "the trust mask is then DIS instead of IcePop. 0: every record comes from --checkpoint's version.", min=0)
+    # brief, "Direct Double-Sided Importance Sampling": GLM-5 drops samples with v_train - v_rollout > tau.
+    max_staleness: Optional[int] = setting(
+        None, "Drop whole trajectories whose oldest action token is more than TAU policy versions behind --checkpoint, "
+        "before any token check (counted, with their lengths and rewards, in the metrics); the rest are trained "
+        "with DIS. Unset: none dropped.", min=0)
     advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).")
     kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
@@ -81,6 +92,10 @@ class GRPOConfig(OptimizerConfig):
             "icepop_beta": self.icepop_beta >= 1,
             "temperature": self.temperature > 0,
         })
+        unknown = [n for n in self.trust_mask if n not in TRUST_MASKS]
+        if unknown or not self.trust_mask:
+            raise SettingError("trust_mask", unknown[0] if unknown else self.trust_mask,
+                               f"is not one of {', '.join(TRUST_MASKS)}")
         if self.loss_denominator not in LOSS_DENOMINATORS:
             raise SettingError("loss_denominator", self.loss_denominator, f"is not one of {', '.join(LOSS_DENOMINATORS)}")
 
@@ -90,12 +105,18 @@ class GRPOConfig(OptimizerConfig):
         return "grpo"
 
     def trust_masks(self) -> tuple[str, ...]:
-        if self.max_version_lag > 0:  # brief: DIS is the tool for lagged (off-policy) samples
-            return ("dis",)
-        return ("icepop",) if self.icepop else ()
+        names = [n for n in dict.fromkeys(self.trust_mask) if n != "icepop" or self.icepop]
+        if self.accepted_lag() > 0 and "dis" not in names:  # brief: DIS is the tool for lagged (off-policy) samples
+            names = [n for n in names if n != "icepop"] + ["dis"]
+        return tuple(names)
+
+    def accepted_lag(self) -> int:
+        """The most policy versions a trained record may lag the checkpoint."""
+        return max(self.max_version_lag, self.max_staleness or 0)
 
     def loss_terms(self) -> tuple[str, ...]:
-        return ("policy",) + (("kl",) if self.kl_coef > 0 else ()) + (("entropy",) if self.entropy_coef > 0 else ())
+        policy = "dis_policy" if "dis" in self.trust_masks() else "policy"
+        return (policy,) + (("kl",) if self.kl_coef > 0 else ()) + (("entropy",) if self.entropy_coef > 0 else ())
 
     def diagnostics(self) -> tuple[str, ...]:
         return ("mismatch",)
@@ -143,7 +164,8 @@ class OldPolicyStats:
     """Per owned example (by global index): old log-probs float32 [L-1] and the trust mask bool [L-1]."""
 
     old_log_probs: dict[int, torch.Tensor]
-    trust: dict[int, torch.Tensor]
+    trust: dict[int, torch.Tensor]  # the first optimizer step's final mask
+    base_trust: dict[int, torch.Tensor] = None  # the update-start masks alone (before the per-step ones)
 
 
 @dataclass
@@ -177,7 +199,10 @@ class PolicyTrainer:
         self.reference = reference
         self.device = next(model.parameters()).device
         self.estimator = ADVANTAGE_ESTIMATORS[config.advantage_estimator()]
-        self.masks = [TRUST_MASKS[name] for name in config.trust_masks()]
+        # Masks of two engines on the same weights are taken once, before the update; DIS judges the
+        # policy being optimised, so it is taken again on the weights of every later optimizer step.
+        self.masks = [TRUST_MASKS[name] for name in config.trust_masks() if name not in PER_STEP_MASKS]
+        self.step_masks = [TRUST_MASKS[name] for name in config.trust_masks() if name in PER_STEP_MASKS]
         self.terms = [LOSS_TERMS[name] for name in config.loss_terms()]
         self.diagnostics = [BATCH_DIAGNOSTICS[name] for name in config.diagnostics()]
         if "kl" in config.loss_terms() and reference is None:
@@ -223,18 +248,39 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def old_policy(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> OldPolicyStats:
-        """Old log-probs of the rollout tokens with the training engine, and the trust mask."""
+        """Old log-probs of the rollout tokens with the training engine, and the trust mask (the
+        per-step masks on these weights: the first step's)."""
         self.model.eval()
-        old, trust = {}, {}
+        old, trust, base = {}, {}, {}
         for chunk, batch in self._micro_batches(examples, indices):
             result = self._log_probs(self.model, batch)
             mask = batch.action_mask.clone()
             for trust_mask in self.masks:
                 mask &= trust_mask(result.log_probs, batch.rollout_log_probs, self.config)[0]
+            stepped = self._with_step_masks(mask, result.log_probs, batch)
             for row, index in enumerate(chunk):
                 old[index] = result.log_probs[row].cpu()
-                trust[index] = mask[row].cpu()
-        return OldPolicyStats(old, trust)
+                trust[index], base[index] = stepped[row].cpu(), mask[row].cpu()
+        return OldPolicyStats(old, trust, base)
+
+    def _with_step_masks(self, mask: torch.Tensor, log_probs: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        for trust_mask in self.step_masks:
+            mask = mask & trust_mask(log_probs, batch.rollout_log_probs, self.config)[0]
+        return mask
+
+    @torch.no_grad()
+    def step_trust(self, examples: Sequence[TrainExample], indices: Sequence[int], old: OldPolicyStats) -> dict[int, torch.Tensor]:
+        """The final mask of an optimizer step after the first: the update-start masks AND the
+        per-step masks (DIS) on the weights as they are now."""
+        was_training = self.model.training
+        self.model.eval()
+        trust = {}
+        for chunk, batch in self._micro_batches(examples, indices):
+            base = torch.stack([fit(old.base_trust[i], batch.action_mask.shape[1]) for i in chunk]).to(self.device)
+            stepped = self._with_step_masks(base, self._log_probs(self.model, batch).log_probs, batch)
+            trust.update({index: stepped[row].cpu() for row, index in enumerate(chunk)})
+        self.model.train(was_training)
+        return trust
 
     @torch.no_grad()
     def reference_log_probs(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -290,7 +336,9 @@ class PolicyTrainer:
                 shares = [[i for i in part.tolist() if i % world == r] for r in range(world)]
                 # Every rank runs the same number of backward passes (ZeRO-2/3 reduce in each one).
                 micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
-                metrics = self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old, prepared.ref)
+                trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(examples, shares[rank], prepared.old)
+                metrics = self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old, prepared.ref,
+                                               trust)
                 metrics.update(prepared.diagnostics)
                 metrics["train/epoch"] = epoch
                 metrics["train/step"] = step
@@ -330,21 +378,24 @@ class PolicyTrainer:
         sums["train/entropy"] += trusted_sum(forward.entropy, trust).detach().double().cpu()
         return loss
 
-    def _optimizer_step(self, examples, indices, micro_steps: int, filler: int, old: OldPolicyStats, ref) -> dict[str, float]:
+    def _optimizer_step(self, examples, indices, micro_steps: int, filler: int, old: OldPolicyStats, ref,
+                        trust_of: dict[int, torch.Tensor]) -> dict[str, float]:
         config = self.config
         self.model.train()
         started = time.perf_counter()
         counts = torch.tensor(
             [
-                sum(int(old.trust[i].sum()) for i in indices),
+                sum(int(trust_of[i].sum()) for i in indices),
                 sum(int(examples[i].action_mask.sum()) for i in indices),
             ],
             dtype=torch.float64,
         )
+        local_trusted = int(counts[0])  # (the reduction may work in place)
         trusted_total, action_total = self.backend.all_reduce_sum(counts).tolist()
         # Global over ranks and micro-batches: split-invariant gradients.
         denominator = trusted_total if config.loss_denominator == "trusted" else action_total
         sums = {name: torch.zeros((), dtype=torch.float64) for name in self.metric_names}
+        used = 0  # trusted tokens the numerators summed over
         for micro in range(micro_steps):
             chunk_idx = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
             if not chunk_idx:
@@ -356,9 +407,12 @@ class PolicyTrainer:
             batch = collate([examples[i] for i in chunk_idx], pad_token_id=self.pad_token_id, device=self.device)
             width = batch.action_mask.shape[1]
             old_lp = torch.stack([fit(old.old_log_probs[i], width) for i in chunk_idx]).to(self.device)
-            trust = torch.stack([fit(old.trust[i], width) for i in chunk_idx]).to(self.device)
+            trust = torch.stack([fit(trust_of[i], width) for i in chunk_idx]).to(self.device)
+            used += int(trust.sum())
             ref_lp = None if ref is None else torch.stack([fit(ref[i], width) for i in chunk_idx]).to(self.device)
             self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums))
+        if used != local_trusted:  # numerator and denominator must count the same final mask (ROLL#444, verl#4852)
+            raise RuntimeError(f"the loss summed {used} trusted tokens but its denominator counted {local_trusted}")
         grad_norm = self.backend.step()
         reduced = self.backend.all_reduce_sum(torch.stack([sums[name] for name in self.metric_names])).tolist()
         totals = dict(zip(self.metric_names, reduced))

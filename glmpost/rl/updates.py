@@ -21,7 +21,7 @@ from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_qua
 from glmpost.quant.spec import make_spec
 from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.batches import check_version_lags, prepare_batch, prepare_opd_batch
+from glmpost.rl.batches import check_version_lags, drop_stale, prepare_batch, prepare_opd_batch
 from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
 from glmpost.rollout.distribution import ScoredDistribution, scored_distribution
 from glmpost.rollout.engine import SamplingParams
@@ -86,6 +86,23 @@ def _lag_metrics(lags: dict[str, int]) -> dict[str, int]:
     return {f"train/version_lag/{lag}": n for lag, n in sorted(lags.items())}
 
 
+def _fresh(records: list[dict], run: TrainingRun, config, stage: str) -> tuple[list[dict], dict[str, float]]:
+    """The records ``max_staleness`` keeps (:func:`~glmpost.rl.batches.drop_stale`) and its metrics;
+    none left is an error."""
+    kept, metrics = drop_stale(records, run.plan.parent_version, config.max_staleness)
+    if records and not kept:
+        raise GlmpostError(f"{stage}: no usable records: all {len(records)} were sampled more than --max-staleness "
+                           f"{config.max_staleness} policy versions before --checkpoint's {run.plan.parent_version}")
+    return kept, metrics
+
+
+def _group_metrics(batch) -> dict[str, int]:
+    """Trained groups by their number of valid samples, and untrained records by status or reason."""
+    return {"train/excluded_small_group": batch.excluded.get("small_group", 0),
+            **{f"train/effective_group_size/{n}": count for n, count in batch.group_sizes.items()},
+            **{f"train/failed/{reason}": count for reason, count in batch.failed.items()}}
+
+
 def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
                 ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any] | None:
     """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own)."""
@@ -95,7 +112,8 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
-    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.max_version_lag, stage=stage)
+    records, stale = _fresh(records, run, config, stage)
+    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
     recorded = sampled_distribution(records, stage)
     scored = _use_distribution(config, recorded if temperature is None else sampled_distribution(records, stage, temperature=temperature))
     _validated(config)
@@ -118,11 +136,12 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "train/reward_mean": float(batch.rewards.mean()), "train/reward_std": float(batch.rewards.std()),
             "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
             "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
-            "train/policy_version": run.plan.version, **_lag_metrics(lags),
+            "train/policy_version": run.plan.version, **_lag_metrics(lags), **stale, **_group_metrics(batch),
         },
         manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
         stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags,
-                     "log_prob_distribution": scored},
+                     "log_prob_distribution": scored, "stale_dropped": int(stale.get("train/stale_dropped", 0)),
+                     "group_sizes": {str(k): v for k, v in batch.group_sizes.items()}, "failed": batch.failed},
     )
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
@@ -147,7 +166,8 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
 
     need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
     records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
-    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.max_version_lag, stage=stage)
+    records, stale = _fresh(records, run, config, stage)
+    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
     student = sampled_distribution(records, stage)
     scored = _use_distribution(config, student)
     if student != ScoredDistribution():
@@ -168,7 +188,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     step_metrics = {
         "train/records": len(batch.examples), "train/excluded_status": batch.excluded["status"],
         "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": run.plan.version,
-        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags),
+        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags), **stale,
     }
     if batch.rewards.size:
         step_metrics["train/reward_mean"] = float(batch.rewards.mean())

@@ -119,6 +119,52 @@ def rollout_record(
     }
 
 
+def trajectory_record(
+    prompt: RolloutPrompt,
+    trajectory: Any,
+    *,
+    sample_index: int,
+    params: SamplingParams,
+    policy_version: int,
+    tokenizer_revision: str,
+    engine: dict[str, Any],
+    env_name: str,
+    token_policy_version: int | None = None,
+) -> dict[str, Any]:
+    """The record of one multi-turn trajectory (:class:`glmpost.rollout.agentic.Trajectory`): the
+    model's tokens are actions with their log-probs and policy version, the environment's are
+    observations (NaN log-prob, version -1), one segment each with its turn (formats/SPEC.md §6);
+    the environment's reward, turns and per-step info go to ``extra.env``."""
+    record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
+                            policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
+    stamp = policy_version if token_policy_version is None else token_policy_version
+    ids, actions, log_probs, segments = [], [], [], []
+    for number, turn in enumerate(trajectory.turns):
+        for kind, part, lps in (("action", turn.action.token_ids, turn.action.log_probs),
+                                ("observation", turn.observation_ids, [float("nan")] * len(turn.observation_ids))):
+            if part:
+                segments.append({"start": len(ids), "end": len(ids) + len(part), "kind": kind, "turn": number})
+                ids += part
+                actions += [kind == "action"] * len(part)
+                log_probs += lps
+    action_mask = np.asarray(actions, dtype=bool)
+    record.update({
+        "prompt_token_ids": np.asarray(trajectory.prompt_ids, dtype=np.int32),
+        "response_token_ids": np.asarray(ids, dtype=np.int32),
+        "action_mask": action_mask,
+        "observation_mask": ~action_mask,
+        "rollout_log_probs": np.asarray(log_probs, dtype=np.float32),
+        "policy_versions": np.where(action_mask, stamp, -1).astype(np.int32),
+        "segments": segments,
+        "status": trajectory.status,
+    })
+    record["extra"] = {"env": {"name": env_name, "reward": trajectory.reward, "turns": len(trajectory.turns),
+                               "malformed": trajectory.malformed, "steps": [t.info for t in trajectory.turns]}}
+    if trajectory.reason:
+        record["extra"]["status_reason"] = trajectory.reason
+    return record
+
+
 def aborted_record(
     prompt: RolloutPrompt,
     reason: str,

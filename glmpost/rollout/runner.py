@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
@@ -44,7 +45,9 @@ from glmpost.rollout.engines import (
     eos_id_list,
     open_backend,
 )
-from glmpost.rollout.records import RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record
+from glmpost.rollout.agentic import MultiTurnSettings, ObservationRenderer, Trajectory, run_trajectories
+from glmpost.rollout.records import (RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record,
+                                     trajectory_record)
 from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
 
 STAGE = "rollout"
@@ -86,8 +89,30 @@ class RolloutConfig:
     server_log_prob_kind: str = setting(
         "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
+    env: Optional[str] = setting(
+        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, latency or package.module:Class. "
+        "Each turn's prompt is the exact ids before it; observations are recorded with observation_mask.")
+    env_options: str = setting("{}", "With --env: the environment's keyword arguments, a JSON object.")
+    max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
+    env_timeout: float = setting(
+        30.0, "With --env: seconds one reset() or step() may take (then the trajectory ends env_error).", min=0.001)
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
+
+    def environment(self):
+        """``(name, factory)`` of the environment of a multi-turn run, or None for single-turn
+        rollouts; an unknown one or bad options is one error naming the option."""
+        if self.env is None:
+            return None
+        from glmpost.envs import resolve_environment
+
+        try:
+            options = json.loads(self.env_options)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("{env_options} {value!r}: not JSON ({reason})", value=self.env_options, reason=exc) from None
+        if not isinstance(options, dict):
+            raise ConfigError("{env_options} {value!r}: expected a JSON object", value=self.env_options)
+        return self.env, resolve_environment(self.env, options, where="--env")
 
     def sampling_params(self) -> SamplingParams:
         """The sampling settings, checked (their stop ids are set once the model's eos ids are known)."""
@@ -220,6 +245,7 @@ class RolloutRunner:
     def __init__(self, config: RolloutConfig, *, options: dict[str, Any] | None = None):
         self.config = config
         self.options = config.as_options() if options is None else options
+        self.environment = None  # (name, factory) of a multi-turn run
 
     def run(self) -> dict[str, Any]:
         """Check, load, claim the output, write this task's missing shards; the run's summary."""
@@ -230,6 +256,10 @@ class RolloutRunner:
         device = resolve_device(config.device)
         checkpoint = PolicyCheckpoint.open(config.checkpoint)
         config.check_engine()
+        self.environment = config.environment()
+        if self.environment is not None:
+            self.renderer = ObservationRenderer(checkpoint.tokenizer)
+            self.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
         prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
         backend = open_backend(checkpoint, config, device)
         try:
@@ -286,11 +316,21 @@ class RolloutRunner:
         return totals
 
     def _generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Outcome]:
-        """``group_size`` samples of every prompt of one part, keyed ``prompt_id/sample_index``."""
+        """``group_size`` samples of every prompt of one part, keyed ``prompt_id/sample_index``
+        (multi-turn: trajectories, see :mod:`glmpost.rollout.agentic`)."""
         group_size = self.config.group_size
         keys = [f"{p.prompt_id}/{i}" for p in part for i in range(group_size)]
         sequences = [p.token_ids for p in part for _ in range(group_size)]
-        return backend.generate(sequences, keys, progress)
+        if self.environment is None:
+            return backend.generate(sequences, keys, progress)
+        settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens,
+                                     backend.model_config.max_position_embeddings, self.config.env_timeout)
+        quiet = tqdm(disable=True)  # the bar counts trajectories, not turns
+        trajectories = run_trajectories(lambda seqs, ks: backend.generate(seqs, ks, quiet), sequences, keys,
+                                        [p.task for p in part for _ in range(group_size)], self.environment[1],
+                                        self.renderer, settings, self.decode)
+        progress.update(len(trajectories))
+        return [_as_outcome(t) for t in trajectories]
 
     def _write_shard(self, path: Path, part: list[RolloutPrompt], outcomes: Sequence[Outcome], params: SamplingParams,
                      checkpoint: PolicyCheckpoint, engine_info: dict[str, Any]) -> None:
@@ -302,7 +342,10 @@ class RolloutRunner:
                 prompt = part[index // group_size]
                 common = {"sample_index": index % group_size, "params": params, "policy_version": checkpoint.policy_version,
                           "tokenizer_revision": checkpoint.revision, "engine": engine_info}
-                if completion is None:
+                if isinstance(completion, _Trajectory):
+                    writer.write(trajectory_record(prompt, completion.trajectory, env_name=self.environment[0],
+                                                   token_policy_version=as_version(version), **common))
+                elif completion is None:
                     writer.write(aborted_record(prompt, reason, **common))
                 else:
                     writer.write(rollout_record(prompt, completion, token_policy_version=as_version(version), **common))
@@ -324,6 +367,20 @@ class RolloutRunner:
             "engine": self.config.engine_name,
             "tokens_per_s": round(counts["response_tokens"] / totals.seconds, 1) if totals.seconds else 0.0,
         }
+
+
+@dataclass
+class _Trajectory(Completion):
+    """A multi-turn trajectory standing in for a completion in a shard's outcomes and totals (its
+    ``token_ids``: the whole response; ``finish_reason`` "length" when it ended truncated)."""
+
+    trajectory: Any = None
+
+
+def _as_outcome(trajectory: Trajectory) -> Outcome:
+    ids = trajectory.response_ids()
+    reason = "length" if trajectory.status == "truncated" else "stop"
+    return _Trajectory(ids, [], reason, trajectory=trajectory), trajectory.version, trajectory.reason
 
 
 def run_rollout(config: RolloutConfig, *, options: dict[str, Any] | None = None) -> dict[str, Any]:

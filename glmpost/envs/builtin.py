@@ -1,0 +1,223 @@
+"""Built-in environments, verifiable and fast on a CPU: ``calculator``, ``kv-lookup`` and ``latency``.
+
+Tool calls are tags in the model's text: ``<calc>EXPRESSION</calc>`` (calculator), ``<get>KEY</get>``
+(kv-lookup) and, in both, ``<answer>X</answer>`` to finish. A turn with neither is a malformed tool
+call: the observation says so and ``info["malformed"]`` counts it; the trajectory goes on.
+
+* ``calculator``: arithmetic the tiny model cannot do in its head (``task = {"expression", "answer"}``);
+  the tool returns the exact value; reward 1 for the right answer.
+* ``kv-lookup``: a chain of look-ups in a small key-value store (``task = {"store", "start",
+  "answer"}``): the value of ``start`` is the next key, and so on for ``hops`` look-ups, so the
+  answer depends on earlier observations; reward 1 for the last value.
+* ``latency``: any environment (``inner``) behind a long-tailed step latency, log-normal with median
+  ``median_s`` and shape ``sigma``: what the asynchronous issue measures overlap against.
+
+:func:`calculator_tasks` and :func:`kv_lookup_tasks` write prompt lines for them (``glmpost rollout``'s
+prompt format: ``id``, ``prompt``, ``domain``, ``task``).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import math
+import operator
+import random
+import re
+import threading
+import time
+from typing import Any
+
+from glmpost.envs.protocol import ENVIRONMENTS, Action, Step, resolve_environment
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def _finish(text: str, expected: str) -> Step | None:
+    """The final step when ``text`` gives an ``<answer>``: reward 1 iff it equals ``expected``."""
+    found = _ANSWER.search(text)
+    if found is None:
+        return None
+    answer = found.group(1).strip()
+    correct = answer == str(expected)
+    return Step("", 1.0 if correct else 0.0, True, {"answer": answer, "correct": correct})
+
+
+def _malformed(hint: str) -> Step:
+    return Step(f"no tool call found: write {hint}", 0.0, False, {"malformed": True})
+
+
+# --------------------------------------------------------------------------------------------
+# calculator
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+              ast.Mod: operator.mod}
+
+
+def evaluate(expression: str, *, limit: int = 10**12) -> int:
+    """The integer value of ``expression`` (integers, ``+ - * // %``, unary minus, parentheses);
+    ValueError for anything else, a division by zero or a value beyond ``limit``."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression!r}") from None
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            result = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            result = -value(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
+                raise ValueError("division by zero")
+            result = _OPERATORS[type(node.op)](left, right)
+        else:
+            raise ValueError(f"unsupported expression {ast.unparse(node)!r}")
+        if abs(result) > limit:
+            raise ValueError(f"value beyond {limit}")
+        return result
+
+    return value(tree.body)
+
+
+class ToolTask:
+    """An environment with one tool called as ``<TOOL>ARGUMENT</TOOL>`` and a final ``<answer>``:
+    subclasses name the tool, the task keys they need and what a call returns (:meth:`call`).
+    ``tool_reward`` (default 0) is added for each well-formed tool call."""
+
+    tool = ""
+    hint = ""
+    required: tuple[str, ...] = ("answer",)
+
+    def __init__(self, tool_reward: float = 0.0):
+        self.tool_reward = float(tool_reward)
+        self.task: dict[str, Any] = {}
+        self.pattern = re.compile(rf"<{self.tool}>(.*?)</{self.tool}>", re.S)
+
+    def reset(self, task: dict[str, Any]) -> str:
+        missing = [key for key in self.required if key not in task]
+        if missing:
+            raise ValueError(f"{type(self).__name__} task has no {', '.join(map(repr, missing))}")
+        self.task = task
+        return ""
+
+    def step(self, action: Action) -> Step:
+        final = _finish(action.text, self.task["answer"])
+        if final is not None:
+            return final
+        found = self.pattern.search(action.text)
+        if found is None:
+            return _malformed(self.hint)
+        observation, ok = self.call(found.group(1))
+        return Step(observation, self.tool_reward if ok else 0.0, False, {"tool": self.tool, "ok": ok})
+
+    def call(self, argument: str) -> tuple[str, bool]:
+        """The tool's answer to ``argument`` and whether the call succeeded."""
+        raise NotImplementedError
+
+
+@ENVIRONMENTS.register("calculator")
+class Calculator(ToolTask):
+    """``<calc>EXPR</calc>`` returns the value; ``<answer>N</answer>`` ends with reward 1 iff N is
+    the task's ``answer``."""
+
+    tool, hint = "calc", "<calc>EXPRESSION</calc> or <answer>NUMBER</answer>"
+
+    def call(self, argument: str) -> tuple[str, bool]:
+        try:
+            return str(evaluate(argument)), True
+        except ValueError as exc:
+            return f"error: {exc}", False
+
+
+def calculator_tasks(count: int, *, seed: int = 0, digits: int = 2) -> list[dict[str, Any]]:
+    """``count`` prompt lines of two-operand products and sums of ``digits``-digit numbers."""
+    rng = random.Random(seed)
+    lines = []
+    for index in range(count):
+        a, b = (rng.randrange(10 ** (digits - 1), 10**digits) for _ in range(2))
+        op = rng.choice("*+")
+        expression = f"{a}{op}{b}"
+        lines.append({"id": f"calc-{seed}-{index}", "domain": "calculator",
+                      "prompt": f"What is {expression}? Call <calc>{expression}</calc>, then reply <answer>VALUE</answer>.",
+                      "task": {"expression": expression, "answer": str(evaluate(expression))}})
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# kv-lookup
+
+
+@ENVIRONMENTS.register("kv-lookup")
+class KeyValueLookup(ToolTask):
+    """``<get>KEY</get>`` returns the store's value (or says the key is missing);
+    ``<answer>X</answer>`` ends with reward 1 iff X is the task's ``answer``."""
+
+    tool, hint, required = "get", "<get>KEY</get> or <answer>VALUE</answer>", ("store", "answer")
+
+    def reset(self, task: dict[str, Any]) -> str:
+        if not isinstance(task.get("store"), dict):
+            raise ValueError("kv-lookup task needs a 'store' map")
+        return super().reset(task)
+
+    def call(self, argument: str) -> tuple[str, bool]:
+        key = argument.strip()
+        store = self.task["store"]
+        return (str(store[key]), True) if key in store else (f"no key {key}", False)
+
+
+def kv_lookup_tasks(count: int, *, seed: int = 0, hops: int = 2, keys: int = 6) -> list[dict[str, Any]]:
+    """``count`` prompt lines: a store of ``keys`` two-letter keys in which ``hops`` look-ups lead from
+    the start key to the answer (each looked-up value but the last is the next key)."""
+    if hops < 1:
+        raise ValueError(f"hops must be >= 1, got {hops}")
+    rng = random.Random(seed)
+    names = ["".join(p) for p in itertools.product("abcdefgh", repeat=2)]
+    lines = []
+    for index in range(count):
+        picked = rng.sample(names, max(keys, hops))
+        chain = picked[:hops]
+        store = {k: rng.choice(names) for k in picked}
+        for key, value in zip(chain, chain[1:]):
+            store[key] = value
+        answer = store[chain[-1]] = str(rng.randrange(100, 1000))
+        lines.append({"id": f"kv-{seed}-{index}", "domain": "kv-lookup",
+                      "prompt": f"Look up {chain[0]} with <get>KEY</get>, then look up each value you get, {hops} "
+                                "look-ups in all; reply <answer>VALUE</answer> with the last value.",
+                      "task": {"store": store, "start": chain[0], "hops": hops, "answer": answer}})
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# latency
+
+
+@ENVIRONMENTS.register("latency")
+class Latency:
+    """``inner`` (a name or ``package.module:Class``, built with ``inner_options``) with each step
+    delayed by a log-normal time: median ``median_s``, shape ``sigma`` (a long tail), drawn from a
+    generator seeded with ``seed`` and the instance's number. ``info["latency_s"]`` records it."""
+
+    _instances = itertools.count()
+    _lock = threading.Lock()
+
+    def __init__(self, inner: str = "calculator", inner_options: dict[str, Any] | None = None, median_s: float = 0.05,
+                 sigma: float = 1.0, seed: int = 0):
+        if not median_s >= 0 or not sigma >= 0:
+            raise ValueError(f"median_s and sigma must be >= 0, got {median_s} and {sigma}")
+        self.inner = resolve_environment(inner, inner_options, where="latency inner")()
+        with self._lock:
+            number = next(self._instances)
+        self.rng = random.Random(seed * 1_000_003 + number)
+        self.median_s, self.sigma = float(median_s), float(sigma)
+
+    def reset(self, task: dict[str, Any]) -> str:
+        return self.inner.reset(task)
+
+    def step(self, action: Action) -> Step:
+        delay = self.median_s * math.exp(self.sigma * self.rng.gauss(0.0, 1.0)) if self.median_s > 0 else 0.0
+        time.sleep(delay)
+        answer = self.inner.step(action)
+        answer.info = {**answer.info, "latency_s": round(delay, 6)}
+        return answer

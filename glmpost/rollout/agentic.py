@@ -1,0 +1,178 @@
+"""Multi-turn rollouts against an environment, with exact token ids (TITO).
+
+Brief, "TITO：token ID 是动作事实": the model's ids are never re-tokenized. A trajectory is the prompt's
+ids, then turn after turn the model's exact ids (its action, ending with the turn marker it emitted:
+GLM has no assistant close token, ``<|observation|>`` calls the environment and ``<|endoftext|>`` /
+``<|user|>`` ends the answer; that marker is an action token and is trained) and the environment's
+answer rendered once with the chat template's observation turn (``<|observation|>\\n TEXT
+<|assistant|>\\n``, the ``<|observation|>`` left out when the model emitted it) and appended as ids.
+Each turn's prompt is exactly everything before it.
+
+Turn ``t`` of sequence ``KEY`` samples with the seed of ``KEY`` (turn 0, as a single-turn rollout) or
+``KEY#turnT``, so a trajectory's samples depend on its own seed only (:func:`turn_key`).
+
+A trajectory ends ``completed`` when the environment says done, ``truncated`` when a turn hits
+``max_new_tokens``, the turn budget runs out, or the next observation would overflow the model's
+context, ``env_error`` when the environment raised, timed out or answered malformed, and ``aborted``
+when the engine failed it (the reason is kept in each case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from glmpost.envs import Action, EnvironmentFailure, call_environment, checked_reset, checked_step
+from glmpost.rollout.engine import Completion
+
+
+@dataclass
+class Turn:
+    """One model turn and the observation appended after it (``observation_ids`` empty for the last)."""
+
+    action: Completion
+    observation: str = ""
+    observation_ids: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """A multi-turn trajectory: the reset observation's ids (before the first turn, part of the
+    prompt), the turns, how it ended and the environment's total reward."""
+
+    prompt_ids: list[int]
+    turns: list[Turn] = field(default_factory=list)
+    status: str = "truncated"
+    reason: str | None = None
+    version: Any = None  # the weight version the engine last reported
+
+    @property
+    def reward(self) -> float:
+        return float(sum(t.reward for t in self.turns))
+
+    @property
+    def malformed(self) -> int:
+        return sum(bool(t.info.get("malformed")) for t in self.turns)
+
+    def response_ids(self) -> list[int]:
+        return [i for t in self.turns for i in (*t.action.token_ids, *t.observation_ids)]
+
+    def ids(self) -> list[int]:
+        """Everything the next turn is conditioned on."""
+        return self.prompt_ids + self.response_ids()
+
+
+def turn_key(key: str, turn: int) -> str:
+    """The seed key of turn ``turn`` of sequence ``key`` (turn 0 keeps ``key``)."""
+    return key if turn == 0 else f"{key}#turn{turn}"
+
+
+class ObservationRenderer:
+    """Observation text as the exact ids the chat template gives an observation turn followed by the
+    assistant's generation prompt."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.observation_id = tokenizer.convert_tokens_to_ids("<|observation|>")
+
+    def _turn_text(self, text: str) -> str:
+        """The template's rendering of one observation turn and the generation prompt, without what
+        it puts before a conversation's first turn ([gMASK]<sop> for GLM)."""
+        rendered = self.tokenizer.apply_chat_template([{"role": "observation", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        start = rendered.find("<|observation|>")
+        return rendered[start:] if start >= 0 else rendered
+
+    def ids(self, text: str, *, after: Sequence[int]) -> list[int]:
+        """The ids of observation ``text``; without the leading ``<|observation|>`` when the action
+        ``after`` already ends with it."""
+        ids = list(self.tokenizer.encode(self._turn_text(text), add_special_tokens=False))
+        if after and after[-1] == self.observation_id and ids and ids[0] == self.observation_id:
+            ids = ids[1:]
+        return ids
+
+    def prompt_with(self, messages_ids: list[int], text: str) -> list[int]:
+        """A prompt's ids with a reset observation placed before the assistant's generation prompt."""
+        opener = list(self.tokenizer.encode("<|assistant|>\n", add_special_tokens=False))
+        base = messages_ids[: -len(opener)] if messages_ids[-len(opener):] == opener else messages_ids
+        return base + self.ids(text, after=())
+
+
+@dataclass
+class MultiTurnSettings:
+    """What bounds a trajectory: turns, tokens per turn, the model's context, the environment's time."""
+
+    max_turns: int
+    max_new_tokens: int
+    context: int
+    env_timeout: float | None
+
+
+GenerateFn = Callable[[list[list[int]], list[str]], list[tuple[Completion | None, Any, str | None]]]
+
+
+def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: Sequence[str], tasks: Sequence[dict],
+                     make_env: Callable[[], Any], renderer: ObservationRenderer, settings: MultiTurnSettings,
+                     decode: Callable[[list[int]], str]) -> list[Trajectory]:
+    """Run one trajectory per prompt, every still-active trajectory's turn in one ``generate`` call
+    (the engine's batches), each with its own fresh environment."""
+    trajectories, envs, active = [], [], []
+    for index, (prompt, task) in enumerate(zip(prompts, tasks)):
+        trajectory = Trajectory(list(prompt))
+        trajectories.append(trajectory)
+        env = None
+        try:
+            env = call_environment(make_env, timeout=settings.env_timeout, what="the environment's constructor")
+            first = checked_reset(call_environment(env.reset, task, timeout=settings.env_timeout, what="reset()"))
+            if first:
+                trajectory.prompt_ids = renderer.prompt_with(trajectory.prompt_ids, first)
+            active.append(index)
+        except EnvironmentFailure as exc:
+            trajectory.status, trajectory.reason = "env_error", str(exc)
+        envs.append(env)
+    for turn in range(settings.max_turns):
+        if not active:
+            break
+        outcomes = generate([trajectories[i].ids() for i in active], [turn_key(keys[i], turn) for i in active])
+        still = []
+        for index, (completion, version, reason) in zip(active, outcomes):
+            trajectory = trajectories[index]
+            trajectory.version = version if version is not None else trajectory.version
+            if completion is None:
+                trajectory.status, trajectory.reason = "aborted", reason
+                continue
+            if _take_turn(trajectory, completion, envs[index], renderer, settings, decode, last=turn + 1 == settings.max_turns):
+                still.append(index)
+        active = still
+    return trajectories
+
+
+def _take_turn(trajectory: Trajectory, completion: Completion, env: Any, renderer: ObservationRenderer,
+               settings: MultiTurnSettings, decode: Callable[[list[int]], str], *, last: bool) -> bool:
+    """Add one model turn and the environment's answer; True when the trajectory goes on."""
+    turn = Turn(completion)
+    trajectory.turns.append(turn)
+    if completion.finish_reason == "length":
+        trajectory.status, trajectory.reason = "truncated", "a turn reached max_new_tokens"
+        return False
+    action = Action(tuple(completion.token_ids), decode(completion.token_ids))
+    try:
+        step = checked_step(call_environment(env.step, action, timeout=settings.env_timeout, what="step()"))
+    except EnvironmentFailure as exc:
+        trajectory.status, trajectory.reason = "env_error", str(exc)
+        return False
+    turn.reward, turn.info, turn.observation = float(step.reward), dict(step.info), step.observation
+    if step.done:
+        trajectory.status = "completed"
+        return False
+    if last:
+        trajectory.status, trajectory.reason = "truncated", f"the turn budget ({settings.max_turns}) ran out"
+        return False
+    ids = renderer.ids(step.observation, after=completion.token_ids)
+    if len(trajectory.ids()) + len(ids) + settings.max_new_tokens > settings.context:
+        trajectory.status, trajectory.reason = "truncated", f"the next turn would overflow the context of {settings.context}"
+        return False
+    turn.observation_ids = ids
+    return True

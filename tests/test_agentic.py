@@ -1,0 +1,205 @@
+"""Multi-turn rollouts against environments (``rollout --env``): exact token ids across turns (TITO),
+the record layout, closure of the trainer's log-probs across observations, and failure accounting.
+
+The environments here are user classes loaded as ``test_agentic:Class`` (the tests directory is on
+the path), the way a user names theirs; the model is the session's tiny random checkpoint, stopped
+after a few tokens per turn by a wide set of stop ids so that trajectories have several turns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import torch
+
+from glmpost.checkpoints import load_model, load_tokenizer
+from glmpost.envs import Step
+from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
+from glmpost.rl.batches import prepare_batch
+from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+
+STOPS = ",".join(str(i) for i in range(0, 512, 3))  # a third of the ids end a turn: short turns
+
+
+class Countdown:
+    """Done with reward 1 after ``turns`` steps; each observation says how many are left."""
+
+    def __init__(self, turns: int = 3):
+        self.left = turns
+
+    def reset(self, task):
+        return ""
+
+    def step(self, action):
+        self.left -= 1
+        if self.left == 0:
+            return Step("", 1.0, True, {"left": 0})
+        return Step(f"tick {self.left}", 0.0, False, {"left": self.left})
+
+
+class Flaky(Countdown):
+    """Raises on the second step of every other trajectory (by task digit), sleeps on another."""
+
+    def reset(self, task):
+        self.digit = int(task.get("digit", 0))
+        return ""
+
+    def step(self, action):
+        if self.left == 2 and self.digit == 1:
+            raise RuntimeError("the tool server crashed")
+        if self.left == 2 and self.digit == 2:
+            time.sleep(2.0)
+        if self.left == 2 and self.digit == 3:
+            return {"observation": "not a Step"}
+        return super().step(action)
+
+
+def _prompts(tmp_path, count=4):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "countdown", "task": {"digit": d}}) + "\n"
+                            for d in range(count)))
+    return path
+
+
+def _rollout(glmpost_cli, checkpoint, tmp_path, env="test_agentic:Countdown", *extra, name="ro"):
+    out = tmp_path / name
+    result = glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", checkpoint, "--out", out, "--env", env,
+                         "--group-size", "2", "--max-new-tokens", "16", "--max-turns", "4", "--stop-token-ids", STOPS,
+                         "--temperature", "0.8", *extra)
+    assert result.exit_code == 0, result.stderr
+    return out, [r for p in resolve_shard_paths([out]) for r in ShardReader(p)]
+
+
+def test_trajectories_are_exact_ids_turn_after_turn(glmpost_cli, tiny_checkpoint, tmp_path):
+    _, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    tokenizer, _ = load_tokenizer(tiny_checkpoint)
+    observation_id = tokenizer.convert_tokens_to_ids("<|observation|>")
+    completed = [r for r in records if r["status"] == "completed"]
+    assert len(completed) >= 4  # most trajectories run the three turns Countdown asks for
+    for record in completed:
+        segments, ids = record["segments"], record["response_token_ids"].tolist()
+        assert [s["kind"] for s in segments] == ["action", "observation"] * 2 + ["action"]
+        assert [s["turn"] for s in segments] == [0, 0, 1, 1, 2]
+        assert segments[-1]["end"] == len(ids) and all(a["end"] == b["start"] for a, b in zip(segments, segments[1:]))
+        for s, left in zip(segments[1::2], (2, 1)):
+            observation = ids[s["start"] : s["end"]]
+            after_marker = ids[s["start"] - 1] == observation_id  # the model's turn ended by calling the tool
+            expected = ("" if after_marker else "<|observation|>") + f"\ntick {left}<|assistant|>\n"
+            assert tokenizer.decode(observation) == expected
+        actions, observations = record["action_mask"], record["observation_mask"]
+        assert not (actions & observations).any() and (actions | observations).all()
+        assert np.isnan(record["rollout_log_probs"][observations]).all()
+        assert np.isfinite(record["rollout_log_probs"][actions]).all()
+        assert (record["policy_versions"][observations] == -1).all() and (record["policy_versions"][actions] == 0).all()
+        assert record["extra"]["env"] == {"name": "test_agentic:Countdown", "reward": 1.0, "turns": 3, "malformed": 0,
+                                          "steps": [{"left": 2}, {"left": 1}, {"left": 0}]}
+    for record in records:
+        if record["status"] == "truncated":
+            assert record["extra"]["status_reason"] in ("a turn reached max_new_tokens",)
+
+
+def test_the_trainer_scores_exactly_what_the_engine_sampled_across_turns(glmpost_cli, tiny_checkpoint, tmp_path):
+    """Closure on multi-turn records: diff-logprobs (the trainer's forward) agrees with the rollout's
+    log-probs to float rounding and resamples every action token, turn by turn; train-grpo trusts
+    every action token."""
+    out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    assert sum(len(r["segments"]) > 1 for r in records) >= 4
+    diff = glmpost_cli("diff-logprobs", out, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
+    assert diff.exit_code == 0, diff.stderr
+    overall = json.loads(diff.stdout)["overall"]
+    assert overall["tokens"] == sum(int(r["action_mask"].sum()) for r in records)
+    assert overall["max_abs"] <= 1e-5 and overall["sample_agreement"] == 1.0
+
+    judged = tmp_path / "judged"
+    judged.mkdir()
+    for path in resolve_shard_paths([out]):
+        reader = ShardReader(path)
+        with ShardWriter(judged / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+            for index, record in enumerate(reader):
+                reward = record["extra"]["env"]["reward"] + 0.1 * (index % 3)
+                writer.write({**record, "reward": reward, "rewards": {"env": reward}, "reward_info": {}})
+    train = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
+    assert train.exit_code == 0, train.stderr
+    assert json.loads(train.stdout)["trusted_fraction"] == 1.0
+
+
+def test_observation_tokens_never_receive_gradient(glmpost_cli, tiny_checkpoint, tmp_path):
+    """The gradient reaching the last hidden state at a position that predicts an observation token
+    is exactly zero; at positions predicting action tokens it is not."""
+    _, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    tokenizer, _ = load_tokenizer(tiny_checkpoint)
+    for index, record in enumerate(records):
+        record["reward"] = float(index % 2)
+    examples = prepare_batch(records).examples
+    model = load_model(tiny_checkpoint)
+    captured = []
+
+    def keep(_module, _args, kwargs, out):
+        if out.last_hidden_state.requires_grad:  # the training forward (old log-probs run without grad)
+            out.last_hidden_state.retain_grad()
+            captured.append((kwargs["input_ids"], out.last_hidden_state))
+
+    model.model.register_forward_hook(keep, with_kwargs=True)
+    trainer = PolicyTrainer(model, GRPOConfig(lr=1e-3, micro_batch_size=len(examples)), pad_token_id=tokenizer.pad_token_id)
+    trainer.train(examples)
+    ((input_ids, hidden),) = captured  # one epoch, one mini-batch, one micro-batch (rows shuffled)
+    rows = {tuple(row.tolist()): i for i, row in enumerate(input_ids)}
+    moved = still = 0
+    for record in records:
+        ids = record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist()
+        row = next(r for key, r in rows.items() if list(key[: len(ids)]) == ids)
+        start = len(record["prompt_token_ids"]) - 1  # position t predicts token t + 1
+        grads = hidden.grad[row, start : start + len(record["response_token_ids"])].abs().sum(-1)
+        obs = torch.from_numpy(record["observation_mask"])
+        assert torch.all(grads[obs] == 0), record["id"]
+        moved += int((grads[~obs] > 0).sum())
+        still += int(obs.sum())
+    assert moved > 0 and still > 0
+
+
+def test_environment_failures_end_one_trajectory_each_with_the_reason(glmpost_cli, tiny_checkpoint, tmp_path):
+    _, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "test_agentic:Flaky", "--env-timeout", "0.5")
+    by_digit = {}
+    for record in records:
+        by_digit.setdefault(record["task"]["digit"], []).append(record)
+    reasons = {d: {r["extra"].get("status_reason") for r in rs if r["status"] == "env_error"} for d, rs in by_digit.items()}
+    reached = {d: [r for r in rs if len(r["segments"]) >= 3 or r["status"] == "env_error"] for d, rs in by_digit.items()}
+    if reached[1]:
+        assert reasons[1] == {"step() raised RuntimeError: the tool server crashed"}
+    if reached[2]:
+        assert reasons[2] == {"step() took longer than --env-timeout 0.5 s"}
+    if reached[3]:
+        assert reasons[3] == {"step() returned dict, not a Step"}
+    assert sum(bool(reached[d]) for d in (1, 2, 3)) >= 2
+    assert all(r["status"] in ("completed", "truncated") for r in by_digit[0])  # the others are unaffected
+
+
+def test_an_environment_that_is_not_one_is_a_one_line_error(glmpost_cli, tiny_checkpoint, tmp_path):
+    cases = {("--env", "calculater"): "--env: unknown environment 'calculater'",
+             ("--env", "test_agentic:Step"): "is not an environment: it lacks reset() and step()",
+             ("--env", "calculator", "--env-options", "[1]"): "--env-options '[1]': expected a JSON object",
+             ("--env", "calculator", "--env-options", '{"size": 2}'): "--env: calculator cannot be built with options {'size': 2}"}
+    for args, message in cases.items():
+        result = glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", tiny_checkpoint, "--out", tmp_path / "bad", *args)
+        assert result.exit_code == 2 and message in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_judge_env_verifier_takes_the_environments_reward(glmpost_cli, tiny_checkpoint, tmp_path):
+    out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    judged = glmpost_cli("judge", out, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "judged", "--default-verifier", "env")
+    assert judged.exit_code == 0, judged.stderr
+    scored = {r["id"]: r for p in resolve_shard_paths([tmp_path / "judged"]) for r in ShardReader(p)}
+    for record in records:
+        assert scored[record["id"]]["reward"] == record["extra"]["env"]["reward"]
+        assert scored[record["id"]]["reward_info"]["components"]["correct"]["turns"] == record["extra"]["env"]["turns"]
+    single = tmp_path / "single"
+    assert glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", tiny_checkpoint, "--out", single,
+                       "--max-new-tokens", "3").exit_code == 0
+    plain = glmpost_cli("judge", single, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "j2", "--default-verifier", "env",
+                        "--json")
+    assert plain.exit_code == 0 and json.loads(plain.stdout)["failures"] > 0
+    failed = next(r for p in resolve_shard_paths([tmp_path / "j2"]) for r in ShardReader(p))
+    assert np.isnan(failed["reward"]) and "no extra.env.reward" in json.dumps(failed["reward_info"])

@@ -1,0 +1,159 @@
+"""Environments of agentic rollouts (glmpost.envs): the protocol's checks and the built-in ones on
+hand-computed cases."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+
+from glmpost.envs import (
+    ENVIRONMENTS,
+    Action,
+    EnvironmentFailure,
+    Step,
+    calculator_tasks,
+    call_environment,
+    checked_reset,
+    checked_step,
+    kv_lookup_tasks,
+    resolve_environment,
+)
+from glmpost.envs.builtin import evaluate
+from glmpost.errors import UsageError
+
+
+def act(text: str) -> Action:
+    return Action((1, 2, 3), text)
+
+
+@pytest.mark.parametrize("expression, value", [("37*91", 3367), ("-(2+3)*4", -20), ("17//5", 3), ("17 % 5", 2),
+                                               (" 12 + 30 ", 42)])
+def test_evaluate_hand_computed(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression, message", [("7//0", "division by zero"), ("2**3", "unsupported"),
+                                                 ("__import__('os')", "unsupported"), ("1.5*2", "unsupported"),
+                                                 ("3 +", "cannot parse"), ("10**6*10**7", "unsupported")])
+def test_evaluate_refuses_everything_else(expression, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate(expression)
+
+
+def test_calculator_tool_call_answer_and_malformed_turns():
+    env = resolve_environment("calculator", {"tool_reward": 0.25})()
+    assert env.reset({"expression": "37*91", "answer": "3367"}) == ""
+    tool = env.step(act("let me compute <calc>37*91</calc>"))
+    assert (tool.observation, tool.reward, tool.done, tool.info) == ("3367", 0.25, False, {"tool": "calc", "ok": True})
+    broken = env.step(act("<calc>37/0</calc>"))
+    assert broken.observation.startswith("error: unsupported") and broken.info["ok"] is False and broken.reward == 0.0
+    lost = env.step(act("I think it is big"))
+    assert lost.info == {"malformed": True} and not lost.done and "<calc>EXPRESSION</calc>" in lost.observation
+    wrong = resolve_environment("calculator")()
+    wrong.reset({"answer": "3367"})
+    assert wrong.step(act("<answer>3366</answer>")) == Step("", 0.0, True, {"answer": "3366", "correct": False})
+    assert env.step(act("<answer> 3367 </answer>")) == Step("", 1.0, True, {"answer": "3367", "correct": True})
+
+
+def test_calculator_tasks_are_answered_by_their_own_tool():
+    for line in calculator_tasks(20, seed=3):
+        env = ENVIRONMENTS["calculator"]()
+        env.reset(line["task"])
+        value = env.step(act(f"<calc>{line['task']['expression']}</calc>")).observation
+        assert value == line["task"]["answer"] and line["task"]["expression"] in line["prompt"]
+        assert env.step(act(f"<answer>{value}</answer>")).reward == 1.0
+
+
+@pytest.mark.parametrize("hops", [1, 2, 4])
+def test_kv_lookup_chains_lead_to_the_answer_in_exactly_hops_look_ups(hops):
+    for line in kv_lookup_tasks(25, seed=hops, hops=hops, keys=6):
+        task = line["task"]
+        env = ENVIRONMENTS["kv-lookup"]()
+        env.reset(task)
+        key = task["start"]
+        for _ in range(hops):
+            step = env.step(act(f"<get>{key}</get>"))
+            assert step.info == {"tool": "get", "ok": True} and not step.done
+            key = step.observation
+        assert key == task["answer"] and key not in task["store"]  # the last value is no key: the chain ends
+        assert env.step(act(f"<answer>{key}</answer>")).reward == 1.0
+    missing = ENVIRONMENTS["kv-lookup"]()
+    missing.reset({"store": {"ab": "1"}, "answer": "1"})
+    assert missing.step(act("<get>zz</get>")) == Step("no key zz", 0.0, False, {"tool": "get", "ok": False})
+
+
+def test_latency_delays_each_step_and_passes_the_inner_answer_through():
+    env = resolve_environment("latency", {"inner": "calculator", "median_s": 0.02, "sigma": 0.0})()
+    env.reset({"answer": "5"})
+    started = time.perf_counter()
+    step = env.step(act("<calc>2+3</calc>"))
+    assert time.perf_counter() - started >= 0.02
+    assert step.observation == "5" and step.info == {"tool": "calc", "ok": True, "latency_s": 0.02}
+    tailed = [resolve_environment("latency", {"median_s": 0.001, "sigma": 1.0, "seed": 7})() for _ in range(6)]
+    for env in tailed:
+        env.reset({"answer": "1"})
+    delays = {env.step(act("<answer>1</answer>")).info["latency_s"] for env in tailed}
+    assert len(delays) == 6  # every instance draws its own delay
+
+
+class NoStep:
+    def reset(self, task):
+        return ""
+
+
+class NeedsOption:
+    def __init__(self, size):
+        self.size = size
+
+    def reset(self, task):
+        return ""
+
+    def step(self, action):
+        return Step()
+
+
+@pytest.fixture
+def user_module():
+    module = types.ModuleType("glmpost_test_user_envs")
+    module.NoStep, module.NeedsOption = NoStep, NeedsOption
+    sys.modules[module.__name__] = module
+    yield module.__name__
+    del sys.modules[module.__name__]
+
+
+def test_specs_that_are_no_environment_are_one_line_errors(user_module):
+    cases = {
+        "calculater": "--env: unknown environment 'calculater' (built in: calculator, kv-lookup, latency;",
+        f"{user_module}:Missing": f"--env: {user_module} has no attribute 'Missing'",
+        f"{user_module}:NoStep": f"--env: {user_module}:NoStep is not an environment: it lacks step()",
+        f"{user_module}:NeedsOption": f"--env: {user_module}:NeedsOption cannot be built with options {{}}",
+        "no_such_package.envs:Env": "--env: cannot import no_such_package.envs",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(UsageError) as raised:
+            resolve_environment(spec)
+        assert str(raised.value).startswith(message) and "\n" not in str(raised.value), spec
+    made = resolve_environment(f"{user_module}:NeedsOption", {"size": 3})
+    assert made().size == 3 and made() is not made()  # a fresh instance per trajectory
+
+
+def test_failures_of_an_environment_become_reasons_not_crashes():
+    def boom(_):
+        raise KeyError("store")
+
+    with pytest.raises(EnvironmentFailure, match=r"step\(\) raised KeyError: 'store'"):
+        call_environment(boom, act("x"), timeout=None, what="step()")
+    with pytest.raises(EnvironmentFailure, match=r"step\(\) took longer than --env-timeout 0.05 s"):
+        call_environment(time.sleep, 1.0, timeout=0.05, what="step()")
+    assert call_environment(lambda a: a.text, act("ok"), timeout=5.0, what="step()") == "ok"
+    for answer, message in [(None, "returned NoneType, not a Step"), (Step(observation=3), "observation is int"),
+                            (Step(reward=float("nan")), "reward nan is not a finite number"),
+                            (Step(done=1), "done 1 is not a bool"), (Step(info=[]), "info is list")]:
+        with pytest.raises(EnvironmentFailure, match=message):
+            checked_step(answer)
+    assert checked_step(Step("obs", 1, True)).reward == 1
+    with pytest.raises(EnvironmentFailure, match="reset\\(\\) returned dict"):
+        checked_reset({})
