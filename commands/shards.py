@@ -83,6 +83,9 @@ class DatasetStats:
             observation=int(record["observation_mask"].sum()),
         )
         self.status[record["status"]] += 1
+        env = (record.get("extra") or {}).get("env")
+        if isinstance(env, dict):  # a multi-turn record: the drift ledger (rollout --env)
+            self.tokens.update(multi_turn=1, retokenize_drift=int(env.get("retokenize_drift") or 0))
         if "reward" in record:
             self.rewards.append(record["reward"])
         if "policy_versions" in record and action.any():
@@ -110,7 +113,8 @@ class DatasetStats:
             "shards": self.shards,
             "records": self.records,
             "fields": {name: self.fields[name] for name in FIELDS if name in self.fields},
-            "tokens": {k: self.tokens[k] for k in ("prompt", "response", "action", "observation")},
+            "tokens": {k: self.tokens[k] for k in ("prompt", "response", "action", "observation")
+                       + (("retokenize_drift",) if self.tokens["multi_turn"] else ())},
             "status": dict(sorted(self.status.items())),
             "reward": self.reward_summary(),
             "policy_versions": versions,
@@ -130,7 +134,8 @@ def _human_inspect(stats: dict[str, Any]) -> str:
         f"  tokenizer:   {', '.join(stats['tokenizer_revisions'])}",
         f"  fields:      {', '.join(everywhere) or '-'}" + (f"; partly: {', '.join(some)}" if some else ""),
         f"  tokens:      prompt {tokens['prompt']}, response {tokens['response']} "
-        f"(action {tokens['action']}, observation {tokens['observation']})",
+        f"(action {tokens['action']}, observation {tokens['observation']})"
+        + (f"; {tokens['retokenize_drift']} action tokens a text round trip would change" if "retokenize_drift" in tokens else ""),
         f"  status:      {_counts(stats['status']) or '-'}",
     ]
     reward = stats["reward"]
@@ -154,7 +159,8 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help='Print {"datasets": [...]} as JSON instead of text.'),
 ) -> None:
     """Summarise each PATH as a dataset: shards, records, fields present, token counts
-    (prompt/response/action/observation), status counts, reward mean/std/min/max, policy-version
+    (prompt/response/action/observation; for multi-turn records the action tokens naive
+    re-tokenization would change), status counts, reward mean/std/min/max, policy-version
     range of action tokens, tokenizer revisions and producing stages. Reads (and so verifies)
     every record."""
     datasets = []

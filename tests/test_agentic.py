@@ -93,8 +93,10 @@ def test_trajectories_are_exact_ids_turn_after_turn(glmpost_cli, tiny_checkpoint
         assert np.isnan(record["rollout_log_probs"][observations]).all()
         assert np.isfinite(record["rollout_log_probs"][actions]).all()
         assert (record["policy_versions"][observations] == -1).all() and (record["policy_versions"][actions] == 0).all()
-        assert record["extra"]["env"] == {"name": "test_agentic:Countdown", "reward": 1.0, "turns": 3, "malformed": 0,
-                                          "steps": [{"left": 2}, {"left": 1}, {"left": 0}]}
+        env = dict(record["extra"]["env"])
+        assert isinstance(env.pop("retokenize_drift"), int)
+        assert env == {"name": "test_agentic:Countdown", "reward": 1.0, "turns": 3, "malformed": 0,
+                       "steps": [{"left": 2}, {"left": 1}, {"left": 0}]}
     for record in records:
         if record["status"] == "truncated":
             assert record["extra"]["status_reason"] in ("a turn reached max_new_tokens",)
@@ -203,3 +205,57 @@ def test_judge_env_verifier_takes_the_environments_reward(glmpost_cli, tiny_chec
     assert plain.exit_code == 0 and json.loads(plain.stdout)["failures"] > 0
     failed = next(r for p in resolve_shard_paths([tmp_path / "j2"]) for r in ShardReader(p))
     assert np.isnan(failed["reward"]) and "no extra.env.reward" in json.dumps(failed["reward_info"])
+
+
+def test_rollout_metrics_count_turns_observations_and_statuses(glmpost_cli, tiny_checkpoint, tmp_path):
+    out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert line["rollout/turns_mean"] == np.mean([r["extra"]["env"]["turns"] for r in records])
+    assert line["rollout/observation_tokens"] == sum(int(r["observation_mask"].sum()) for r in records)
+    assert line["rollout/env_reward_mean"] == np.mean([r["extra"]["env"]["reward"] for r in records])
+    statuses = {}
+    for record in records:
+        statuses[record["status"]] = statuses.get(record["status"], 0) + 1
+    assert {k.split("/")[-1]: v for k, v in line.items() if k.startswith("rollout/status/")} == statuses
+
+
+def test_the_drift_ledger_counts_what_retokenizing_would_change(glmpost_cli, tiny_checkpoint, tmp_path):
+    """A tool call the model spelled one byte-token at a time: decoding and re-encoding merges it,
+    so naive re-tokenization would change those action tokens; the record keeps (and train-grpo
+    scores) the exact ids."""
+    from glmpost.rl.batches import train_example
+    from glmpost.rollout.agentic import retokenize_drift
+
+    tokenizer, _ = load_tokenizer(tiny_checkpoint)
+    text = "<calc>count: 12+30</calc>"
+    spelled = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+    merged = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(spelled) == text and len(merged) < len(spelled)
+    observation = tokenizer.encode("<|observation|>\n42<|assistant|>\n", add_special_tokens=False)
+    response = spelled + observation
+    actions = [True] * len(spelled) + [False] * len(observation)
+    drift = retokenize_drift(tokenizer, response, actions)
+    assert 0 < drift <= len(spelled)
+    assert retokenize_drift(tokenizer, merged + observation, [True] * len(merged) + [False] * len(observation)) == 0
+    record = {"prompt_token_ids": np.array([5, 6]), "response_token_ids": np.array(response), "group_id": "g",
+              "action_mask": np.array(actions), "observation_mask": ~np.array(actions),
+              "rollout_log_probs": np.zeros(len(response), dtype=np.float32)}
+    assert train_example(record, 1.0).input_ids == [5, 6] + response  # the exact ids, never re-encoded
+
+    out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert line["rollout/retokenize_drift_tokens"] == sum(r["extra"]["env"]["retokenize_drift"] for r in records)
+    for record in records:
+        actions = record["action_mask"].tolist()
+        assert record["extra"]["env"]["retokenize_drift"] == retokenize_drift(tokenizer, record["response_token_ids"], actions)
+
+
+def test_shards_inspect_reports_the_drift_ledger(glmpost_cli, tiny_checkpoint, tmp_path):
+    out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path)
+    result = glmpost_cli("shards", "inspect", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    (dataset,) = json.loads(result.stdout)["datasets"]
+    assert dataset["tokens"]["retokenize_drift"] == sum(r["extra"]["env"]["retokenize_drift"] for r in records)
+    assert dataset["tokens"]["observation"] == sum(int(r["observation_mask"].sum()) for r in records)
+    text = glmpost_cli("shards", "inspect", out)
+    assert "action tokens a text round trip would change" in text.stdout

@@ -100,5 +100,12 @@ def test_bad_options_are_one_line_errors(glmpost_cli, tmp_path):
     malformed = glmpost_cli("init-model", "--out", tmp_path / "z", "--set", "hidden_size")
     assert malformed.exit_code == 2 and "expected KEY=VALUE" in malformed.stderr
     preset = glmpost_cli("init-model", "--out", tmp_path / "w", "--preset", "huge")
-    assert preset.exit_code == 2 and "--preset 'huge': unknown preset (known: tiny-glm5)" in preset.stderr
+    assert preset.exit_code == 2 and "--preset 'huge': unknown preset (known: tiny-glm5, tiny-glm5-agentic)" in preset.stderr
     assert not any((tmp_path / n).exists() for n in "xyzw")
+
+
+def test_the_agentic_preset_has_a_longer_context(glmpost_cli, tmp_path):
+    result = glmpost_cli("init-model", "--out", tmp_path / "a", "--preset", "tiny-glm5-agentic")
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096

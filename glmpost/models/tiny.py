@@ -49,7 +49,11 @@ TINY_GLM5: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny-glm5": TINY_GLM5}
+# Agentic recipes: multi-turn trajectories (turns plus observations) need a longer context; the
+# same weights' shapes otherwise (rope positions are not parameters).
+TINY_GLM5_AGENTIC: dict[str, Any] = {**TINY_GLM5, "max_position_embeddings": 4096}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny-glm5": TINY_GLM5, "tiny-glm5-agentic": TINY_GLM5_AGENTIC}
 DTYPES = ("float32", "bfloat16")
 STAGE = "init-model"
 

@@ -19,6 +19,7 @@ when the engine failed it (the reason is kept in each case).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,7 @@ class Trajectory:
     status: str = "truncated"
     reason: str | None = None
     version: Any = None  # the weight version the engine last reported
+    drift: int | None = None  # action tokens a text round trip would change (retokenize_drift)
 
     @property
     def reward(self) -> float:
@@ -58,6 +60,10 @@ class Trajectory:
 
     def response_ids(self) -> list[int]:
         return [i for t in self.turns for i in (*t.action.token_ids, *t.observation_ids)]
+
+    def action_flags(self) -> list[bool]:
+        """Per response token: True for the model's, False for the environment's."""
+        return [flag for t in self.turns for flag in [True] * len(t.action.token_ids) + [False] * len(t.observation_ids)]
 
     def ids(self) -> list[int]:
         """Everything the next turn is conditioned on."""
@@ -176,3 +182,18 @@ def _take_turn(trajectory: Trajectory, completion: Completion, env: Any, rendere
         return False
     turn.observation_ids = ids
     return True
+
+
+def retokenize_drift(tokenizer, response_ids: Sequence[int], action_mask: Sequence[bool]) -> int:
+    """How many action tokens a text round trip would change (the drift ledger): the response
+    decoded (special tokens kept) and encoded again, aligned with the exact ids
+    (``difflib.SequenceMatcher``); an action position outside every matching run counts. 0 means
+    re-tokenizing would have been harmless for this record; TITO never does it either way."""
+    ids = [int(i) for i in response_ids]
+    again = list(tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False), add_special_tokens=False))
+    if again == ids:
+        return 0
+    kept = [False] * len(ids)
+    for block in difflib.SequenceMatcher(None, ids, again, autojunk=False).get_matching_blocks():
+        kept[block.a : block.a + block.size] = [True] * block.size
+    return sum(1 for action, same in zip(action_mask, kept) if action and not same)

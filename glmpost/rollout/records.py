@@ -130,11 +130,13 @@ def trajectory_record(
     engine: dict[str, Any],
     env_name: str,
     token_policy_version: int | None = None,
+    drift: int | None = None,
 ) -> dict[str, Any]:
     """The record of one multi-turn trajectory (:class:`glmpost.rollout.agentic.Trajectory`): the
     model's tokens are actions with their log-probs and policy version, the environment's are
     observations (NaN log-prob, version -1), one segment each with its turn (formats/SPEC.md §6);
-    the environment's reward, turns and per-step info go to ``extra.env``."""
+    the environment's reward, turns and per-step info go to ``extra.env`` (with ``drift``, the
+    action tokens a text round trip would have changed: :func:`glmpost.rollout.agentic.retokenize_drift`)."""
     record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
                             policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
     stamp = policy_version if token_policy_version is None else token_policy_version
@@ -160,6 +162,8 @@ def trajectory_record(
     })
     record["extra"] = {"env": {"name": env_name, "reward": trajectory.reward, "turns": len(trajectory.turns),
                                "malformed": trajectory.malformed, "steps": [t.info for t in trajectory.turns]}}
+    if drift is not None:
+        record["extra"]["env"]["retokenize_drift"] = drift
     if trajectory.reason:
         record["extra"]["status_reason"] = trajectory.reason
     return record

@@ -45,7 +45,7 @@ from glmpost.rollout.engines import (
     eos_id_list,
     open_backend,
 )
-from glmpost.rollout.agentic import MultiTurnSettings, ObservationRenderer, Trajectory, run_trajectories
+from glmpost.rollout.agentic import MultiTurnSettings, ObservationRenderer, Trajectory, retokenize_drift, run_trajectories
 from glmpost.rollout.records import (RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record,
                                      trajectory_record)
 from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
@@ -311,7 +311,8 @@ class RolloutRunner:
                 if aborted:
                     log(f"{path.name}: {aborted} of {len(outcomes)} sequences aborted: {next(r for _, _, r in outcomes if r)}")
                 metrics.write(**shard_metrics(path.name, completions, aborted=aborted, seconds=seconds,
-                                              policy_version=checkpoint.policy_version))
+                                              policy_version=checkpoint.policy_version),
+                              **trajectory_metrics([c.trajectory for c in completions if isinstance(c, _Trajectory)]))
                 totals.add(len(outcomes), completions, seconds)
         return totals
 
@@ -343,8 +344,10 @@ class RolloutRunner:
                 common = {"sample_index": index % group_size, "params": params, "policy_version": checkpoint.policy_version,
                           "tokenizer_revision": checkpoint.revision, "engine": engine_info}
                 if isinstance(completion, _Trajectory):
-                    writer.write(trajectory_record(prompt, completion.trajectory, env_name=self.environment[0],
-                                                   token_policy_version=as_version(version), **common))
+                    trajectory = completion.trajectory
+                    trajectory.drift = retokenize_drift(checkpoint.tokenizer, trajectory.response_ids(), trajectory.action_flags())
+                    writer.write(trajectory_record(prompt, trajectory, env_name=self.environment[0],
+                                                   token_policy_version=as_version(version), drift=trajectory.drift, **common))
                 elif completion is None:
                     writer.write(aborted_record(prompt, reason, **common))
                 else:
@@ -375,6 +378,22 @@ class _Trajectory(Completion):
     ``token_ids``: the whole response; ``finish_reason`` "length" when it ended truncated)."""
 
     trajectory: Any = None
+
+
+def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
+    """The multi-turn part of a shard's metrics line (none for single-turn rollouts): turns,
+    observation tokens, the environment's reward, malformed tool calls, and trajectories by status."""
+    if not trajectories:
+        return {}
+    statuses = Counter(t.status for t in trajectories)
+    return {
+        "rollout/turns_mean": float(np.mean([len(t.turns) for t in trajectories])),
+        "rollout/observation_tokens": sum(len(turn.observation_ids) for t in trajectories for turn in t.turns),
+        "rollout/env_reward_mean": float(np.mean([t.reward for t in trajectories])),
+        "rollout/malformed_tool_calls": sum(t.malformed for t in trajectories),
+        "rollout/retokenize_drift_tokens": sum(t.drift or 0 for t in trajectories),
+        **{f"rollout/status/{status}": count for status, count in sorted(statuses.items())},
+    }
 
 
 def _as_outcome(trajectory: Trajectory) -> Outcome:
