@@ -31,7 +31,11 @@ policy version -1; segments record each part with its turn; extra.env the enviro
 turns, malformed tool calls and per-step info. A trajectory ends "completed" when the environment
 says done, "truncated" at --max-turns, a turn at --max-new-tokens, or a context overflow, and
 "env_error" (the reason in extra.status_reason; the run goes on) when the environment raises, takes
-longer than --env-timeout or answers malformed.
+longer than --env-timeout or answers malformed. With several --server URLs every turn of a
+trajectory goes to the same server (a stable hash of its key: its prefix cache holds the history);
+when that server fails, the trajectory continues on the next one with its exact ids and
+extra.env.server_moves records the move. extra.env.retokenize_drift (and the shard's
+rollout/retokenize_drift_tokens metric) counts the action tokens a text round trip would change.
 
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
 --prompts-per-shard prompts; a rerun writes only the parts that are missing. The same seed gives

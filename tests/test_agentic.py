@@ -9,6 +9,8 @@ after a few tokens per turn by a wide set of stop ids so that trajectories have 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import numpy as np
@@ -20,7 +22,8 @@ from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 from glmpost.rl.batches import prepare_batch
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 
-STOPS = ",".join(str(i) for i in range(0, 512, 3))  # a third of the ids end a turn: short turns
+# A third of the ids end a turn (short turns), the model's eos ids among them (SGLang always stops there).
+STOPS = ",".join(str(i) for i in sorted(set(range(0, 512, 3)) | {0, 4, 6}))
 
 
 class Countdown:
@@ -53,6 +56,21 @@ class Flaky(Countdown):
             time.sleep(2.0)
         if self.left == 2 and self.digit == 3:
             return {"observation": "not a Step"}
+        return super().step(action)
+
+
+class KillOnFirstStep(Countdown):
+    """Countdown that kills process ``pid`` (a server) when the first trajectory takes its first step."""
+
+    def __init__(self, turns: int = 3, pid: int = 0):
+        super().__init__(turns)
+        self.pid = pid
+
+    def step(self, action):
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         return super().step(action)
 
 
@@ -259,3 +277,31 @@ def test_shards_inspect_reports_the_drift_ledger(glmpost_cli, tiny_checkpoint, t
     assert dataset["tokens"]["observation"] == sum(int(r["observation_mask"].sum()) for r in records)
     text = glmpost_cli("shards", "inspect", out)
     assert "action tokens a text round trip would change" in text.stdout
+
+
+def test_trajectories_stay_on_their_server_and_move_with_their_ids_when_it_dies(glmpost_cli, tiny_checkpoint, tmp_path):
+    """Two servers: every turn of a trajectory goes to its home server (its prefix cache), both
+    servers get trajectories, and the tokens equal the local engine's; when one server dies between
+    turns, its trajectories continue on the other with their exact ids, and the move is recorded."""
+    from serve_process import start_server, stop_server
+
+    first, url_a = start_server(tiny_checkpoint, "--batch-size", "16")
+    second, url_b = start_server(tiny_checkpoint, "--batch-size", "16")
+    try:
+        servers = ("--engine", "sglang", "--server", f"{url_a},{url_b}", "--retries", "0", "--batch-size", "16")
+        _, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "test_agentic:Countdown", *servers, name="both")
+        _, local = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "test_agentic:Countdown", "--batch-size", "16", name="local")
+        assert {r["extra"]["env"]["server"] for r in records} == {url_a, url_b}
+        assert all(r["extra"]["env"]["server_moves"] == [] for r in records)
+        assert [r["response_token_ids"].tolist() for r in records] == [r["response_token_ids"].tolist() for r in local]
+
+        options = json.dumps({"pid": first.pid})
+        _, moved = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "test_agentic:KillOnFirstStep", "--env-options", options,
+                            *servers, name="moved")
+        homed_a = [r for r in moved if r["extra"]["env"]["server"] == url_a and r["extra"]["env"]["turns"] > 1]
+        assert homed_a and all(r["extra"]["env"]["server_moves"] == [{"turn": 1, "from": url_a, "to": url_b}] for r in homed_a)
+        assert all(r["status"] in ("completed", "truncated") for r in moved)  # nobody aborted, nothing lost
+        assert [r["response_token_ids"].tolist() for r in moved] == [r["response_token_ids"].tolist() for r in local]
+    finally:
+        stop_server(first)
+        stop_server(second)

@@ -20,6 +20,7 @@ when the engine failed it (the reason is kept in each case).
 from __future__ import annotations
 
 import difflib
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,7 @@ class Turn:
     observation_ids: list[int] = field(default_factory=list)
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    server: str | None = None  # the server that sampled it (None: in this process)
 
 
 @dataclass
@@ -61,6 +63,13 @@ class Trajectory:
     def response_ids(self) -> list[int]:
         return [i for t in self.turns for i in (*t.action.token_ids, *t.observation_ids)]
 
+    def server_moves(self) -> list[dict[str, Any]]:
+        """Each turn sampled on another server than the turn before (its home failed): the
+        trajectory moved there with its exact ids."""
+        return [{"turn": number, "from": before.server, "to": turn.server}
+                for number, (before, turn) in enumerate(zip(self.turns, self.turns[1:]), start=1)
+                if before.server and turn.server and before.server != turn.server]
+
     def action_flags(self) -> list[bool]:
         """Per response token: True for the model's, False for the environment's."""
         return [flag for t in self.turns for flag in [True] * len(t.action.token_ids) + [False] * len(t.observation_ids)]
@@ -73,6 +82,13 @@ class Trajectory:
 def turn_key(key: str, turn: int) -> str:
     """The seed key of turn ``turn`` of sequence ``key`` (turn 0 keeps ``key``)."""
     return key if turn == 0 else f"{key}#turn{turn}"
+
+
+def home_server(key: str, servers: int) -> int:
+    """The server every turn of sequence ``key`` (or of its turn key) goes to first: a stable hash
+    of the sequence's key, so a trajectory's prefix stays in one server's cache."""
+    base = key.split("#turn", 1)[0]
+    return int.from_bytes(hashlib.blake2b(base.encode(), digest_size=8).digest(), "little") % max(servers, 1)
 
 
 class ObservationRenderer:
@@ -121,9 +137,11 @@ GenerateFn = Callable[[list[list[int]], list[str]], list[tuple[Completion | None
 
 def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: Sequence[str], tasks: Sequence[dict],
                      make_env: Callable[[], Any], renderer: ObservationRenderer, settings: MultiTurnSettings,
-                     decode: Callable[[list[int]], str]) -> list[Trajectory]:
+                     decode: Callable[[list[int]], str], served: Callable[[str], str | None] = lambda key: None
+                     ) -> list[Trajectory]:
     """Run one trajectory per prompt, every still-active trajectory's turn in one ``generate`` call
-    (the engine's batches), each with its own fresh environment."""
+    (the engine's batches), each with its own fresh environment; ``served(turn key)`` names the
+    server that sampled a turn (kept per turn: a move to another server is recorded)."""
     trajectories, envs, active = [], [], []
     for index, (prompt, task) in enumerate(zip(prompts, tasks)):
         trajectory = Trajectory(list(prompt))
@@ -149,16 +167,17 @@ def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: S
             if completion is None:
                 trajectory.status, trajectory.reason = "aborted", reason
                 continue
-            if _take_turn(trajectory, completion, envs[index], renderer, settings, decode, last=turn + 1 == settings.max_turns):
+            if _take_turn(trajectory, Turn(completion, server=served(turn_key(keys[index], turn))), envs[index], renderer,
+                          settings, decode, last=turn + 1 == settings.max_turns):
                 still.append(index)
         active = still
     return trajectories
 
 
-def _take_turn(trajectory: Trajectory, completion: Completion, env: Any, renderer: ObservationRenderer,
+def _take_turn(trajectory: Trajectory, turn: Turn, env: Any, renderer: ObservationRenderer,
                settings: MultiTurnSettings, decode: Callable[[list[int]], str], *, last: bool) -> bool:
     """Add one model turn and the environment's answer; True when the trajectory goes on."""
-    turn = Turn(completion)
+    completion = turn.action
     trajectory.turns.append(turn)
     if completion.finish_reason == "length":
         trajectory.status, trajectory.reason = "truncated", "a turn reached max_new_tokens"

@@ -101,14 +101,20 @@ class LocalBackend:
         """The name stamped in each record's engine map."""
         return LocalEngine.name
 
-    def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm) -> list[Outcome]:
-        """Sample every sequence, ``batch_size`` at a time; none is ever aborted."""
+    def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
+                 homes: Optional[list[int]] = None) -> list[Outcome]:
+        """Sample every sequence, ``batch_size`` at a time; none is ever aborted (``homes``: no servers
+        here, ignored)."""
         completions: list[Completion] = []
         for start in range(0, len(sequences), self.batch_size):
             batch = sequences[start : start + self.batch_size]
             completions += self.engine.generate(batch, keys[start : start + self.batch_size], self.params)
             progress.update(len(batch))
         return [(c, None, None) for c in completions]
+
+    def served(self, key: str) -> Optional[str]:
+        """No server answers a local sequence."""
+        return None
 
     def close(self) -> None:
         """Nothing to release."""
@@ -135,6 +141,7 @@ class SGLangBackend:
         self.seed_reproducible = bool(self.settings) and all(s.seed_reproducible for s in self.settings)
         self.params: SamplingParams | None = None
         self.sglang_params: dict[str, Any] = {}
+        self._served: dict[str, str] = {}
 
     @classmethod
     def open(cls, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any = None) -> "SGLangBackend":
@@ -233,31 +240,51 @@ class SGLangBackend:
         """The name stamped in each record's engine map."""
         return "sglang"
 
-    def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm) -> list[Outcome]:
+    def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
+                 homes: Optional[list[int]] = None) -> list[Outcome]:
         """One /generate batch request per ``batch_size`` chunk (the local engine's batches), in
         parallel; a chunk whose request finally failed comes back aborted with the reason, unless
-        every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run)."""
+        every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run).
+
+        ``homes`` (a server index per sequence) keeps every turn of a multi-turn trajectory on its
+        server, whose prefix cache holds its history (the brief's DP-aware routing): chunks never
+        mix homes and go to their home first, failing over to the next server only when it fails;
+        :meth:`served` says which server answered each key."""
         from glmpost.serving.sglang_client import ServerError
 
-        futures = [(chunk, self._submit(number, chunk, sequences, keys))
-                   for number, chunk in enumerate(_chunks(len(sequences), self.batch_size))]
-        outcomes: list[Outcome] = []
+        everything = list(range(len(sequences)))
+        groups = [everything] if homes is None else [[i for i in everything if homes[i] == h] for h in sorted(set(homes))]
+        futures = []
+        for group in groups:
+            for part in _chunks(len(group), self.batch_size):
+                chunk = [group[j] for j in part]
+                index = len(futures) if homes is None else homes[chunk[0]]
+                futures.append((chunk, self._submit(index, chunk, sequences, keys)))
+        outcomes: list[Optional[Outcome]] = [None] * len(sequences)
         for chunk, future in futures:
             try:
-                outcomes += self._answers(future.result(), len(chunk))
+                url, answers = future.result()
+                for i, outcome in zip(chunk, self._answers(answers, len(chunk))):
+                    outcomes[i], self._served[keys[i]] = outcome, url
             except ServerError as exc:
                 fatal = self._run_error(exc)
                 if fatal is not None:
                     raise fatal from None
-                outcomes += [(None, None, str(exc))] * len(chunk)
+                for i in chunk:
+                    outcomes[i] = (None, None, str(exc))
             progress.update(len(chunk))
-        return outcomes
+        return outcomes  # type: ignore[return-value]
+
+    def served(self, key: str) -> Optional[str]:
+        """The URL of the server that answered sequence ``key`` (None before it was sampled)."""
+        return self._served.get(key)
 
     def _submit(self, number: int, chunk: list[int], sequences: list[list[int]], keys: list[str]) -> Any:
-        """Queue the request of one chunk, each sequence with its own ``sampling_seed``."""
+        """Queue the request of one chunk on server ``number`` (mod n), each sequence with its own
+        ``sampling_seed``; the future gives ``(url of the server that answered, answers)``."""
         per_seq = [{**self.sglang_params, "sampling_seed": sequence_seed(self.params.seed, keys[i])} for i in chunk]
         ids = [sequences[i] for i in chunk]
-        return self.pool.submit(number, lambda c, ids=ids, sp=per_seq: c.generate(ids, sp, return_logprob=True))
+        return self.pool.submit(number, lambda c, ids=ids, sp=per_seq: (c.url, c.generate(ids, sp, return_logprob=True)))
 
     def _answers(self, answers: Any, expected: int) -> list[Outcome]:
         """A chunk's answers as outcomes; the wrong number of answers is a failed request."""

@@ -164,6 +164,10 @@ def trajectory_record(
                                "malformed": trajectory.malformed, "steps": [t.info for t in trajectory.turns]}}
     if drift is not None:
         record["extra"]["env"]["retokenize_drift"] = drift
+    servers = [t.server for t in trajectory.turns if t.server]
+    if servers:  # sampled by servers: where it lived, and every move to another one
+        record["extra"]["env"]["server"] = servers[0]
+        record["extra"]["env"]["server_moves"] = trajectory.server_moves()
     if trajectory.reason:
         record["extra"]["status_reason"] = trajectory.reason
     return record

@@ -45,7 +45,8 @@ from glmpost.rollout.engines import (
     eos_id_list,
     open_backend,
 )
-from glmpost.rollout.agentic import MultiTurnSettings, ObservationRenderer, Trajectory, retokenize_drift, run_trajectories
+from glmpost.rollout.agentic import (MultiTurnSettings, ObservationRenderer, Trajectory, home_server, retokenize_drift,
+                                     run_trajectories)
 from glmpost.rollout.records import (RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record,
                                      trajectory_record)
 from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
@@ -327,9 +328,14 @@ class RolloutRunner:
         settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens,
                                      backend.model_config.max_position_embeddings, self.config.env_timeout)
         quiet = tqdm(disable=True)  # the bar counts trajectories, not turns
-        trajectories = run_trajectories(lambda seqs, ks: backend.generate(seqs, ks, quiet), sequences, keys,
-                                        [p.task for p in part for _ in range(group_size)], self.environment[1],
-                                        self.renderer, settings, self.decode)
+        servers = len(backend.pool.clients) if isinstance(backend, SGLangBackend) else 1
+
+        def generate(seqs: list[list[int]], turn_keys: list[str]) -> list[Outcome]:
+            homes = [home_server(k, servers) for k in turn_keys] if servers > 1 else None
+            return backend.generate(seqs, turn_keys, quiet, homes=homes)
+
+        trajectories = run_trajectories(generate, sequences, keys, [p.task for p in part for _ in range(group_size)],
+                                        self.environment[1], self.renderer, settings, self.decode, served=backend.served)
         progress.update(len(trajectories))
         return [_as_outcome(t) for t in trajectories]
 
