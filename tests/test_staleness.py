@@ -127,3 +127,35 @@ def test_train_grpo_drops_stale_records_and_trains_the_rest_with_dis(glmpost_cli
     assert lines[0]["train/effective_group_size/4"] == 4
     stage = json.loads((tmp_path / "policy" / "v000002" / "stage.json").read_text())
     assert stage["options"]["max_staleness"] == 1 and stage["group_sizes"] == {"4": 4}
+
+
+def test_dis_on_two_zero3_ranks_with_uneven_shares_matches_one_process(glmpost_cli, tiny_checkpoint, tmp_path):
+    """DIS re-scores each later mini-batch on its ranks; with mini-batches whose shares differ in
+    size (6, 5, 5 records over 2 ranks) every rank still runs the same number of forwards (ZeRO-3
+    gathers in each), and the result equals one process."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    from tests.test_train_grpo import _free_port, _judged
+
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    common = [str(judged), "--checkpoint", str(tiny_checkpoint), "--lr", "1e-2", "--mini-batches", "3",
+              "--micro-batch-size", "2", "--trust-mask", "dis", "--json"]
+    single = glmpost_cli("train-grpo", *common, "--out", tmp_path / "single")
+    assert single.exit_code == 0, single.stderr
+    # One thread per rank: gloo ranks starved of CPU have aborted (SIGABRT) on this 2-core machine.
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    result = subprocess.run(torchrun + ["-m", "glmpost.commands.app", "train-grpo", *common, "--out", str(tmp_path / "zero3"),
+                                        "--zero-stage", "3"], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads(result.stdout.strip().splitlines()[-1])
+    assert ranks["world_size"] == 2
+    assert ranks["loss"] == pytest.approx(json.loads(single.stdout)["loss"], rel=1e-4, abs=1e-6)
+    one = load_file(tmp_path / "single" / "v000001" / "model.safetensors")
+    two = load_file(tmp_path / "zero3" / "v000001" / "model.safetensors")
+    for key in one:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)

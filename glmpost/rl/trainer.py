@@ -269,16 +269,22 @@ class PolicyTrainer:
         return mask
 
     @torch.no_grad()
-    def step_trust(self, examples: Sequence[TrainExample], indices: Sequence[int], old: OldPolicyStats) -> dict[int, torch.Tensor]:
+    def step_trust(self, examples: Sequence[TrainExample], indices: Sequence[int], old: OldPolicyStats, *,
+                   passes: int = 0, filler: int = 0) -> dict[int, torch.Tensor]:
         """The final mask of an optimizer step after the first: the update-start masks AND the
-        per-step masks (DIS) on the weights as they are now."""
+        per-step masks (DIS) on the weights as they are now. Runs at least ``passes`` forwards (a
+        rank whose share ran out scores ``examples[filler]`` and drops it), so ZeRO-3's gathers line
+        up across ranks."""
         was_training = self.model.training
         self.model.eval()
-        trust = {}
+        trust, done = {}, 0
         for chunk, batch in self._micro_batches(examples, indices):
             base = torch.stack([fit(old.base_trust[i], batch.action_mask.shape[1]) for i in chunk]).to(self.device)
             stepped = self._with_step_masks(base, self._log_probs(self.model, batch).log_probs, batch)
             trust.update({index: stepped[row].cpu() for row, index in enumerate(chunk)})
+            done += 1
+        for _ in range(done, passes):
+            self._log_probs(self.model, collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device))
         self.model.train(was_training)
         return trust
 
@@ -336,7 +342,8 @@ class PolicyTrainer:
                 shares = [[i for i in part.tolist() if i % world == r] for r in range(world)]
                 # Every rank runs the same number of backward passes (ZeRO-2/3 reduce in each one).
                 micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
-                trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(examples, shares[rank], prepared.old)
+                trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(
+                    examples, shares[rank], prepared.old, passes=micro_steps, filler=int(part[0]))
                 metrics = self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old, prepared.ref,
                                                trust)
                 metrics.update(prepared.diagnostics)
