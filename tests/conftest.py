@@ -53,3 +53,23 @@ def wide_checkpoint(tmp_path_factory) -> Path:
     result = run_glmpost("init-model", "--out", out, "--seed", "0", "--index-topk", "64")
     assert result.exit_code == 0, result.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    """A real ``glmpost serve`` of the tiny checkpoint (batch size 8) for one test module; its URL."""
+    from serve_process import start_server, stop_server
+
+    proc, url = start_server(tiny_checkpoint, "--batch-size", "8")
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    """The in-process engine the ``server`` fixture serves (batch size 8)."""
+    from glmpost.checkpoints import load_model
+    from glmpost.rollout.engine import LocalEngine
+
+    return LocalEngine(load_model(tiny_checkpoint), batch_size=8, pad_token_id=0)

@@ -18,8 +18,7 @@ import pytest
 import torch
 from serve_process import start_server, stop_server
 
-from glmpost.checkpoints import load_model
-from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.rollout.engine import SamplingParams
 from glmpost.formats import ShardReader, resolve_shard_paths
 from glmpost.serving.sglang_client import (
     ServerError,
@@ -27,19 +26,6 @@ from glmpost.serving.sglang_client import (
     SGLangPool,
     parse_server_urls,
 )
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    proc, url = start_server(tiny_checkpoint, "--batch-size", "8")
-    yield url
-    stop_server(proc)
-    assert proc.returncode == 0  # SIGTERM is a clean shutdown
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    return LocalEngine(load_model(tiny_checkpoint), batch_size=8, pad_token_id=0)
 
 
 def free_port() -> int:

@@ -16,36 +16,14 @@ import pytest
 import torch
 from serve_process import start_server, stop_server
 
-from glmpost.checkpoints import load_model
-from glmpost.rollout.engine import LocalEngine, SamplingParams
-from glmpost.formats import ShardReader, resolve_shard_paths
+from glmpost.rollout.engine import SamplingParams
 from glmpost.serving.sglang_client import (
     ServerError,
     SGLangClient,
 )
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    proc, url = start_server(tiny_checkpoint, "--batch-size", "8")
-    yield url
-    stop_server(proc)
-    assert proc.returncode == 0  # SIGTERM is a clean shutdown
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    return LocalEngine(load_model(tiny_checkpoint), batch_size=8, pad_token_id=0)
-
-
-def _prompts(tmp_path, count=4):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "count"}) + "\n" for d in range(count)))
-    return path
-
-
-def _records(directory):
-    return [r for p in resolve_shard_paths([directory]) for r in ShardReader(p)]
+from test_serve import _prompts, _records
 
 
 API_KEY = "k3y-Of-The-Test_42"

@@ -242,6 +242,21 @@ def _rewrite_sampling(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
+def _trusted_and_closed(glmpost_cli, judged, checkpoint, tmp_path, distribution) -> dict:
+    """train-grpo on ``judged`` trusts >= 99% of the action tokens under ``distribution`` (as its
+    stage.json records it), and diff-logprobs agrees with the rollout to 1e-5; returns its report."""
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", checkpoint, "--out", tmp_path / "policy", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["trusted_fraction"] >= 0.99
+    stage = json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())
+    assert stage["log_prob_distribution"] == distribution
+    diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
+    assert diff.exit_code == 0, diff.stderr
+    report = json.loads(diff.stdout)
+    assert report["overall"]["max_abs"] <= 1e-5
+    return report
+
+
 def test_truncated_sampling_round_trip_trusts_every_token_it_should(glmpost_cli, tiny_checkpoint, tmp_path):
     """Top-k 20 / top-p 0.9 / T 0.7: the trainer recomputes the truncated, renormalised distribution
     the engine sampled from, so IcePop trusts (nearly) every token and diff-logprobs agrees to 1e-5;
@@ -249,16 +264,8 @@ def test_truncated_sampling_round_trip_trusts_every_token_it_should(glmpost_cli,
     judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path, rollout_args=TRUNCATED)
     record = next(iter(ShardReader(resolve_shard_paths([judged])[0])))
     assert record["sampling"]["log_prob_kind"] == "sampled" and record["sampling"]["top_k"] == 20
-    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
-    assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["trusted_fraction"] >= 0.99
-    stage = json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())
-    assert stage["log_prob_distribution"] == {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
-
-    diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
-    assert diff.exit_code == 0, diff.stderr
-    report = json.loads(diff.stdout)
-    assert report["overall"]["max_abs"] <= 1e-5 and report["overall"]["sample_agreement"] == 1.0
+    report = _trusted_and_closed(glmpost_cli, judged, tiny_checkpoint, tmp_path, {"temperature": 0.7, "top_k": 20, "top_p": 0.9})
+    assert report["overall"]["sample_agreement"] == 1.0
     assert (report["top_k"], report["top_p"], report["log_prob_kind"]) == (20, 0.9, "sampled")
 
     ignored = _rewrite_sampling(judged, tmp_path / "ignored", top_k=0, top_p=1.0)
@@ -316,14 +323,7 @@ def test_sglang_pre_filter_log_probs_train_under_the_tempered_distribution(glmpo
         stop_server(proc)
     record = next(iter(ShardReader(resolve_shard_paths([judged])[0])))
     assert record["sampling"]["log_prob_kind"] == "tempered" and record["sampling"]["top_k"] == 20
-    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
-    assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["trusted_fraction"] >= 0.99
-    stage = json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())
-    assert stage["log_prob_distribution"] == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
-    diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
-    assert diff.exit_code == 0, diff.stderr
-    assert json.loads(diff.stdout)["overall"]["max_abs"] <= 1e-5
+    _trusted_and_closed(glmpost_cli, judged, tiny_checkpoint, tmp_path, {"temperature": 0.7, "top_k": 0, "top_p": 1.0})
 
     misread = _rewrite_sampling(judged, tmp_path / "misread", log_prob_kind="sampled")
     wrong = glmpost_cli("train-grpo", misread, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "wrong", "--json")

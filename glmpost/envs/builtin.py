@@ -18,6 +18,7 @@ prompt format: ``id``, ``prompt``, ``domain``, ``task``).
 
 from __future__ import annotations
 
+import abc
 import ast
 import itertools
 import math
@@ -81,7 +82,7 @@ def evaluate(expression: str, *, limit: int = 10**12) -> int:
     return value(tree.body)
 
 
-class ToolTask:
+class ToolTask(abc.ABC):
     """An environment with one tool called as ``<TOOL>ARGUMENT</TOOL>`` and a final ``<answer>``:
     subclasses name the tool, the task keys they need and what a call returns (:meth:`call`).
     ``tool_reward`` (default 0) is added for each well-formed tool call."""
@@ -112,9 +113,9 @@ class ToolTask:
         observation, ok = self.call(found.group(1))
         return Step(observation, self.tool_reward if ok else 0.0, False, {"tool": self.tool, "ok": ok})
 
+    @abc.abstractmethod
     def call(self, argument: str) -> tuple[str, bool]:
         """The tool's answer to ``argument`` and whether the call succeeded."""
-        raise NotImplementedError
 
 
 @ENVIRONMENTS.register("calculator")
