@@ -36,6 +36,11 @@ trajectory goes to the same server (a stable hash of its key: its prefix cache h
 when that server fails, the trajectory continues on the next one with its exact ids and
 extra.env.server_moves records the move. extra.env.retokenize_drift (and the shard's
 rollout/retokenize_drift_tokens metric) counts the action tokens a text round trip would change.
+--engine local keeps each trajectory's KV cache between its turns: a turn prefills only what the
+last turn and its observation added. --refill-rounds N resamples the failed samples (env_error,
+aborted) of every group whose valid samples are more than half of it, up to N rounds (GLM-5's rule;
+groups with half or fewer are left to the trainer, which drops them): a refill takes the prompt's
+next sample index, records extra.refill {replaces, round}, and the failed sample stays recorded.
 
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
 --prompts-per-shard prompts; a rerun writes only the parts that are missing. The same seed gives
@@ -85,6 +90,7 @@ def rollout(
     env_options: str = option(RolloutConfig, "env_options"),
     max_turns: int = option(RolloutConfig, "max_turns"),
     env_timeout: float = option(RolloutConfig, "env_timeout"),
+    refill_rounds: int = option(RolloutConfig, "refill_rounds"),
     zstd_level: int = option(RolloutConfig, "zstd_level"),
     overwrite: bool = option(RolloutConfig, "overwrite"),
     as_json: bool = json_option(),

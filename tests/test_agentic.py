@@ -74,6 +74,23 @@ class KillOnFirstStep(Countdown):
         return super().step(action)
 
 
+class FailingResets(Countdown):
+    """Countdown whose first ``fails[digit]`` resets of a task with that digit raise (counted per ``run``)."""
+
+    started: dict = {}
+
+    def __init__(self, fails: dict, run: str, turns: int = 2):
+        super().__init__(turns)
+        self.fails, self.run = fails, run
+
+    def reset(self, task):
+        key = (self.run, str(task["digit"]))
+        FailingResets.started[key] = FailingResets.started.get(key, 0) + 1
+        if FailingResets.started[key] <= int(self.fails.get(str(task["digit"]), 0)):
+            raise RuntimeError("the sandbox did not start")
+        return ""
+
+
 def _prompts(tmp_path, count=4):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "countdown", "task": {"digit": d}}) + "\n"
@@ -305,3 +322,27 @@ def test_trajectories_stay_on_their_server_and_move_with_their_ids_when_it_dies(
     finally:
         stop_server(first)
         stop_server(second)
+
+
+def test_groups_more_than_half_valid_are_refilled_to_full_size(glmpost_cli, tiny_checkpoint, tmp_path):
+    """GLM-5's rule at rollout time (--refill-rounds): q1 loses 1 of 4 samples and gets one refill
+    (the next sample index, extra.refill naming the sample it replaces); q2 loses 2 of 4, is not
+    refilled, and the trainer drops it; every failure stays recorded."""
+    options = json.dumps({"fails": {"1": 1, "2": 2}, "run": str(tmp_path)})
+    out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "test_agentic:FailingResets", "--env-options", options,
+                            "--group-size", "4", "--refill-rounds", "2")
+    by_prompt = {}
+    for record in records:
+        by_prompt.setdefault(record["prompt_id"], []).append(record)
+    assert {p: len(rs) for p, rs in by_prompt.items()} == {"q0": 4, "q1": 5, "q2": 4, "q3": 4}
+    refill = [r for r in records if "refill" in (r.get("extra") or {})]
+    assert len(refill) == 1 and refill[0]["prompt_id"] == "q1" and refill[0]["id"].endswith("/4")
+    failed = [r for r in by_prompt["q1"] if r["status"] == "env_error"]
+    assert refill[0]["extra"]["refill"] == {"replaces": failed[0]["id"], "round": 1}
+    assert refill[0]["status"] == "completed" and refill[0]["group_id"] == failed[0]["group_id"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m.get("rollout/refilled", 0) for m in metrics) == 1 == sum(m.get("rollout/refill_valid", 0) for m in metrics)
+    for record in records:
+        record["reward"] = 1.0 if record["status"] == "completed" else 0.0
+    batch = prepare_batch(records)
+    assert batch.group_sizes == {4: 3} and batch.failed == {"env_error": 3} and batch.excluded["small_group"] == 2

@@ -15,6 +15,7 @@ from glmpost.checkpoints import load_model, load_tokenizer
 from glmpost.rl.batches import drop_stale, failure_counts, prepare_batch, whole_groups
 from glmpost.rl.losses import dis_policy_loss
 from glmpost.rl.masks import dis_mask
+from glmpost.rollout.refill import refill_slots
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 
 
@@ -70,6 +71,29 @@ def test_groups_keep_their_valid_samples_only_when_more_than_half_are_valid():
     kept, dropped, sizes = whole_groups(records, usable)
     assert [r["id"] for r in kept] == ["a0", "a1", "d1", "d2"] and dropped == 3 and sizes == {2: 2}
     assert failure_counts(records) == {"aborted": 1, "env_error": 1, "nan_reward": 1}
+
+
+def test_only_groups_more_than_half_valid_are_refilled():
+    # failed flags per slot: 3 of 4 valid -> its failed slot; 2 of 4, 1 of 3, all valid, none valid -> nothing
+    groups = [[False, True, False, False], [True, False, True, False], [True, True, False], [False, False], [True]]
+    assert refill_slots(groups) == [(0, 1)]
+    assert refill_slots([[False, True, False], [True, False, False, True, False]]) == [(0, 1), (1, 0), (1, 3)]
+
+
+def test_a_refill_takes_the_slot_of_the_sample_it_replaces():
+    """Group of 4: one sample failed, its refill failed, the second refill failed too. Three valid of
+    four slots (the refills are not slots): kept. Counted as six slots it would be dropped."""
+    records = [rec("g/0", "g", size=4), rec("g/1", "g", size=4), rec("g/2", "g", size=4),
+               rec("g/3", "g", size=4, status="env_error"), rec("g/4", "g", size=4, status="env_error"),
+               rec("g/5", "g", size=4, status="aborted")]
+    records[4]["extra"] = {"refill": {"replaces": "g/3", "round": 1}}
+    records[5]["extra"] = {"refill": {"replaces": "g/4", "round": 2}}
+    usable = records[:3]
+    kept, dropped, sizes = whole_groups(records, usable)
+    assert [r["id"] for r in kept] == ["g/0", "g/1", "g/2"] and dropped == 0 and sizes == {3: 1}
+    for record in records[4:]:
+        del record["extra"]
+    assert whole_groups(records, usable)[0] == []
 
 
 def test_the_baseline_of_a_refilled_group_is_its_valid_samples(tiny_checkpoint):

@@ -143,12 +143,14 @@ def whole_groups(records: Sequence[dict[str, Any]], usable: list[dict[str, Any]]
     """GLM-5's rule for failed samples (brief, same section): a group with more than half of its
     samples valid (trainable status, finite reward) keeps them, and its baseline is theirs alone;
     a group with half or fewer is dropped whole. A group's size is ``sampling.group_size`` or the
-    number of its records, whichever is larger. Returns the kept records, how many valid records
-    were dropped with their group, and the kept groups by their number of valid samples."""
+    number of its slots, whichever is larger: every record is a slot but a refill (``extra.refill``,
+    :mod:`glmpost.rollout.refill`), which takes the slot of the failed sample it replaces. Returns the
+    kept records, how many valid records were dropped with their group, and the kept groups by their
+    number of valid samples."""
     size: dict[str, int] = {}
     for record in records:
         group = record["group_id"]
-        size[group] = size.get(group, 0) + 1
+        size[group] = size.get(group, 0) + (0 if "refill" in (record.get("extra") or {}) else 1)
     for record in records:
         declared = (record.get("sampling") or {}).get("group_size")
         if isinstance(declared, int):

@@ -132,7 +132,8 @@ class MultiTurnSettings:
     env_timeout: float | None
 
 
-GenerateFn = Callable[[list[list[int]], list[str]], list[tuple[Completion | None, Any, str | None]]]
+# (prompts, turn keys, trajectory keys) -> one (completion or None, weight version, failure reason) per prompt
+GenerateFn = Callable[[list[list[int]], list[str], list[str]], list[tuple[Completion | None, Any, str | None]]]
 
 
 def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: Sequence[str], tasks: Sequence[dict],
@@ -140,8 +141,9 @@ def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: S
                      decode: Callable[[list[int]], str], served: Callable[[str], str | None] = lambda key: None
                      ) -> list[Trajectory]:
     """Run one trajectory per prompt, every still-active trajectory's turn in one ``generate`` call
-    (the engine's batches), each with its own fresh environment; ``served(turn key)`` names the
-    server that sampled a turn (kept per turn: a move to another server is recorded)."""
+    (the engine's batches; the trajectory keys let an engine keep each trajectory's KV cache between
+    its turns), each with its own fresh environment; ``served(turn key)`` names the server that
+    sampled a turn (kept per turn: a move to another server is recorded)."""
     trajectories, envs, active = [], [], []
     for index, (prompt, task) in enumerate(zip(prompts, tasks)):
         trajectory = Trajectory(list(prompt))
@@ -159,7 +161,8 @@ def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: S
     for turn in range(settings.max_turns):
         if not active:
             break
-        outcomes = generate([trajectories[i].ids() for i in active], [turn_key(keys[i], turn) for i in active])
+        outcomes = generate([trajectories[i].ids() for i in active], [turn_key(keys[i], turn) for i in active],
+                            [keys[i] for i in active])
         still = []
         for index, (completion, version, reason) in zip(active, outcomes):
             trajectory = trajectories[index]

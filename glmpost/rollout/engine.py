@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from glmpost.rollout.continuation import CachedBatch, TurnCaches
 from glmpost.rollout.distribution import (DEFAULT_LOG_PROB_KIND, check_log_prob_kind, distribution_log_softmax,
                                           filter_logits, scored_distribution)
 
@@ -150,11 +151,17 @@ class LocalEngine:
         *,
         seeds: Sequence[int] | None = None,
         top_logprobs_num: int = 0,
+        sessions: Sequence[str] | None = None,
+        caches: TurnCaches | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt, in batches of ``batch_size``.
 
         Each sequence's generator is seeded with ``seeds[i]`` when given, else with
         ``sequence_seed(params.seed, keys[i])`` (``keys`` unique per sequence).
+
+        With ``caches`` (and one ``sessions`` name per prompt: a trajectory's turns share it), each
+        batch's KV cache is kept in ``caches`` after the call, and a prompt that extends its session's
+        cached ids prefills only the new tokens (:mod:`glmpost.rollout.continuation`).
         """
         params.validate()
         if seeds is None:
@@ -163,10 +170,22 @@ class LocalEngine:
             seeds = [sequence_seed(params.seed, k) for k in keys]
         elif len(seeds) != len(prompts):
             raise ValueError("one seed per prompt")
-        results: list[Completion] = []
-        for start in range(0, len(prompts), self.batch_size):
-            end = start + self.batch_size
-            results.extend(self._generate_batch(prompts[start:end], seeds[start:end], params, top_logprobs_num))
+        if caches is None:
+            plan = [(None, list(range(start, min(start + self.batch_size, len(prompts)))), [])
+                    for start in range(0, len(prompts), self.batch_size)]
+        elif sessions is None or len(sessions) != len(prompts):
+            raise ValueError("one session per prompt")
+        else:
+            plan = caches.plan(prompts, sessions, self.batch_size)
+        results: list[Completion | None] = [None] * len(prompts)
+        for cached, indices, rows in plan:
+            batch_prompts = [prompts[i] for i in indices]
+            completions, state = self._generate_batch(batch_prompts, [seeds[i] for i in indices], params,
+                                                      top_logprobs_num, cached=cached, rows=rows, caches=caches)
+            if caches is not None:
+                caches.keep(CachedBatch([sessions[i] for i in indices], *state))
+            for index, completion in zip(indices, completions):
+                results[index] = completion
         return results
 
     @torch.no_grad()
@@ -211,18 +230,41 @@ class LocalEngine:
                 ))
         return results
 
-    @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams,
-                        top_logprobs_num: int = 0) -> list[Completion]:
-        device = self.device
-        batch = len(prompts)
+    def _start(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh batch: the prompts left padded (every row's next token is at the end) and their mask."""
         width = max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding: every row's next token is at the end
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
             attention[row, width - len(prompt) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
+        return input_ids.to(self.device), attention.to(self.device)
+
+    def _resume(self, cached: CachedBatch, rows: list[int], prompts: Sequence[Sequence[int]]):
+        """A batch continuing ``cached``'s ``rows``: their caches and masks, and what each prompt adds to
+        the ids its cache covers, left padded as a fresh batch is."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cached.cache.batch_select_indices(index)
+        suffix_ids, suffix_mask = self._start([prompt[len(cached.ids[row]) :] for row, prompt in zip(rows, prompts)])
+        return suffix_ids, torch.cat([cached.attention[index], suffix_mask], dim=-1), cached.cache
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams,
+                        top_logprobs_num: int = 0, *, cached: CachedBatch | None = None, rows: Sequence[int] = (),
+                        caches: TurnCaches | None = None) -> tuple[list[Completion], tuple]:
+        """Sample one batch; also returns ``(ids, cache, attention)``: what its cache covers per row."""
+        device = self.device
+        batch = len(prompts)
+        if cached is None:
+            step_ids, attention = self._start(prompts)
+            cache = None
+        else:
+            step_ids, attention, cache = self._resume(cached, list(rows), prompts)
+        if caches is not None:
+            prefilled = int(attention[:, -step_ids.shape[1] :].sum())
+            caches.prefilled_tokens += prefilled
+            caches.reused_tokens += sum(len(p) for p in prompts) - prefilled
+        cache_attention = attention
         # One uniform number per sequence and step, drawn up front from the sequence's own generator:
         # a sequence's sample depends on its seed and key only, never on its batch neighbours.
         uniforms = torch.stack([
@@ -233,9 +275,7 @@ class LocalEngine:
 
         chosen_steps, log_prob_steps, top_steps = [], [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        cache = None
-        step_ids = input_ids
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
         for step in range(params.max_new_tokens):
             outputs = self.model(
                 input_ids=step_ids,
@@ -252,12 +292,13 @@ class LocalEngine:
             chosen_steps.append(torch.where(finished, -1, chosen))
             log_prob_steps.append(chosen_log_probs)
             finished |= torch.isin(chosen, stops)
-            if bool(finished.all()):
+            if bool(finished.all()) or step + 1 == params.max_new_tokens:
                 break
             step_ids = chosen.unsqueeze(-1)
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=-1)
             positions = positions[:, -1:] + 1
-        tokens = torch.stack(chosen_steps, dim=1).cpu().tolist()
+        recorded = torch.stack(chosen_steps, dim=1)
+        tokens = recorded.cpu().tolist()
         log_probs = torch.stack(log_prob_steps, dim=1).cpu().tolist()
         top_ids = top_values = None
         if top_logprobs_num > 0:
@@ -274,7 +315,14 @@ class LocalEngine:
                 top_ids[row][:length] if top_ids is not None else None,
                 top_values[row][:length] if top_values is not None else None,
             ))
-        return results
+        if caches is None:
+            return results, ()
+        # The cache holds every token fed after the first forward (all chosen ones but the last); a
+        # row attends to those it chose before it stopped.
+        fed = recorded[:, :-1]
+        cache_attention = torch.cat([cache_attention, (fed >= 0).to(cache_attention.dtype)], dim=-1)
+        ids = [list(prompt) + result.token_ids[: fed.shape[1]] for prompt, result in zip(prompts, results)]
+        return results, (ids, cache, cache_attention)
 
     @staticmethod
     def _sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, top_logprobs_num: int = 0):

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from glmpost import __version__
 from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
 from glmpost.config import ConfigError
+from glmpost.rollout.continuation import TurnCaches
 from glmpost.rollout.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
 from glmpost.stage import log
@@ -85,6 +86,7 @@ class LocalBackend:
         self.pad_token_id = pad_token_id
         self.engine: LocalEngine | None = None
         self.params: SamplingParams | None = None
+        self.turn_caches = TurnCaches()
 
     @classmethod
     def open(cls, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> "LocalBackend":
@@ -102,9 +104,14 @@ class LocalBackend:
         return LocalEngine.name
 
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
-                 homes: Optional[list[int]] = None) -> list[Outcome]:
+                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None) -> list[Outcome]:
         """Sample every sequence, ``batch_size`` at a time; none is ever aborted (``homes``: no servers
-        here, ignored)."""
+        here, ignored). With ``sessions`` (one trajectory key per sequence), every batch keeps its KV
+        cache for the trajectories' next turn, which then prefills only its new tokens."""
+        if sessions is not None:
+            completions = self.engine.generate(sequences, keys, self.params, sessions=sessions, caches=self.turn_caches)
+            progress.update(len(sequences))
+            return [(c, None, None) for c in completions]
         completions: list[Completion] = []
         for start in range(0, len(sequences), self.batch_size):
             batch = sequences[start : start + self.batch_size]
@@ -117,7 +124,8 @@ class LocalBackend:
         return None
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Release the trajectories' KV caches."""
+        self.turn_caches.clear()
 
 
 class SGLangBackend:
@@ -241,7 +249,7 @@ class SGLangBackend:
         return "sglang"
 
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
-                 homes: Optional[list[int]] = None) -> list[Outcome]:
+                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None) -> list[Outcome]:
         """One /generate batch request per ``batch_size`` chunk (the local engine's batches), in
         parallel; a chunk whose request finally failed comes back aborted with the reason, unless
         every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run).
@@ -249,7 +257,8 @@ class SGLangBackend:
         ``homes`` (a server index per sequence) keeps every turn of a multi-turn trajectory on its
         server, whose prefix cache holds its history (the brief's DP-aware routing): chunks never
         mix homes and go to their home first, failing over to the next server only when it fails;
-        :meth:`served` says which server answered each key."""
+        :meth:`served` says which server answered each key. ``sessions``: the server's prefix cache
+        finds each trajectory's history by its ids, nothing to name."""
         from glmpost.serving.sglang_client import ServerError
 
         everything = list(range(len(sequences)))

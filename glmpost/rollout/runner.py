@@ -47,6 +47,7 @@ from glmpost.rollout.engines import (
 )
 from glmpost.rollout.agentic import (MultiTurnSettings, ObservationRenderer, Trajectory, home_server, retokenize_drift,
                                      run_trajectories)
+from glmpost.rollout.refill import Sample, next_round, refill_metrics
 from glmpost.rollout.records import (RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record,
                                      trajectory_record)
 from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
@@ -97,6 +98,9 @@ class RolloutConfig:
     max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
     env_timeout: float = setting(
         30.0, "With --env: seconds one reset() or step() may take (then the trajectory ends env_error).", min=0.001)
+    refill_rounds: int = setting(
+        0, "Rounds of resampling the failed samples (env_error, aborted) of groups with more than half valid, to "
+        "full size (GLM-5); refills get the next sample indices and extra.refill. 0 = off.", min=0)
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
 
@@ -304,60 +308,85 @@ class RolloutRunner:
             for part_index, path in plan.todo:
                 part = plan.parts[part_index]
                 started = time.perf_counter()
-                outcomes = self._generate(part, backend, progress)
+                samples = self._generate(part, backend, progress)
+                outcomes = [s.outcome for s in samples]
                 seconds = time.perf_counter() - started
-                self._write_shard(path, part, outcomes, params, checkpoint, engine_info)
+                self._write_shard(path, samples, params, checkpoint, engine_info)
                 completions = [c for c, _, _ in outcomes if c is not None]
                 aborted = len(outcomes) - len(completions)
                 if aborted:
                     log(f"{path.name}: {aborted} of {len(outcomes)} sequences aborted: {next(r for _, _, r in outcomes if r)}")
                 metrics.write(**shard_metrics(path.name, completions, aborted=aborted, seconds=seconds,
                                               policy_version=checkpoint.policy_version),
-                              **trajectory_metrics([c.trajectory for c in completions if isinstance(c, _Trajectory)]))
+                              **trajectory_metrics([c.trajectory for c in completions if isinstance(c, _Trajectory)]),
+                              **refill_metrics(samples))
                 totals.add(len(outcomes), completions, seconds)
         return totals
 
-    def _generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Outcome]:
+    def _generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Sample]:
         """``group_size`` samples of every prompt of one part, keyed ``prompt_id/sample_index``
-        (multi-turn: trajectories, see :mod:`glmpost.rollout.agentic`)."""
-        group_size = self.config.group_size
-        keys = [f"{p.prompt_id}/{i}" for p in part for i in range(group_size)]
-        sequences = [p.token_ids for p in part for _ in range(group_size)]
+        (multi-turn: trajectories, see :mod:`glmpost.rollout.agentic`), then up to ``refill_rounds``
+        rounds of refills (:mod:`glmpost.rollout.refill`)."""
+        groups = [[Sample(p, i) for i in range(self.config.group_size)] for p in part]
+        self._sample([s for group in groups for s in group], backend, progress)
+        occupants = [list(group) for group in groups]
+        for round_number in range(1, self.config.refill_rounds + 1):
+            refills = next_round(groups, occupants, round_number)
+            if not refills:
+                break
+            progress.total += len(refills)
+            self._sample(refills, backend, progress)
+        return [s for group in groups for s in group]
+
+    def _sample(self, samples: list[Sample], backend: LocalBackend | SGLangBackend, progress: tqdm) -> None:
+        """Give every sample its outcome: one engine call (single-turn) or one set of trajectories."""
+        keys = [s.key for s in samples]
+        sequences = [s.prompt.token_ids for s in samples]
         if self.environment is None:
-            return backend.generate(sequences, keys, progress)
+            outcomes = backend.generate(sequences, keys, progress)
+        else:
+            outcomes = self._trajectories(sequences, keys, [s.prompt.task for s in samples], backend)
+            progress.update(len(samples))
+        for sample, outcome in zip(samples, outcomes):
+            sample.outcome = outcome
+
+    def _trajectories(self, sequences: list[list[int]], keys: list[str], tasks: list[dict],
+                      backend: LocalBackend | SGLangBackend) -> list[Outcome]:
         settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens,
                                      backend.model_config.max_position_embeddings, self.config.env_timeout)
         quiet = tqdm(disable=True)  # the bar counts trajectories, not turns
         servers = len(backend.pool.clients) if isinstance(backend, SGLangBackend) else 1
 
-        def generate(seqs: list[list[int]], turn_keys: list[str]) -> list[Outcome]:
+        def generate(seqs: list[list[int]], turn_keys: list[str], sessions: list[str]) -> list[Outcome]:
             homes = [home_server(k, servers) for k in turn_keys] if servers > 1 else None
-            return backend.generate(seqs, turn_keys, quiet, homes=homes)
+            return backend.generate(seqs, turn_keys, quiet, homes=homes, sessions=sessions)
 
-        trajectories = run_trajectories(generate, sequences, keys, [p.task for p in part for _ in range(group_size)],
-                                        self.environment[1], self.renderer, settings, self.decode, served=backend.served)
-        progress.update(len(trajectories))
+        trajectories = run_trajectories(generate, sequences, keys, tasks, self.environment[1], self.renderer, settings,
+                                        self.decode, served=backend.served)
         return [_as_outcome(t) for t in trajectories]
 
-    def _write_shard(self, path: Path, part: list[RolloutPrompt], outcomes: Sequence[Outcome], params: SamplingParams,
+    def _write_shard(self, path: Path, samples: Sequence[Sample], params: SamplingParams,
                      checkpoint: PolicyCheckpoint, engine_info: dict[str, Any]) -> None:
         """One shard: a rollout record per delivered sequence, an aborted record per failed one."""
-        group_size = self.config.group_size
         with ShardWriter(path, stage=STAGE, options=self.options, tokenizer_revision=checkpoint.revision,
                          level=self.config.zstd_level) as writer:
-            for index, (completion, version, reason) in enumerate(outcomes):
-                prompt = part[index // group_size]
-                common = {"sample_index": index % group_size, "params": params, "policy_version": checkpoint.policy_version,
+            for sample in samples:
+                prompt, (completion, version, reason) = sample.prompt, sample.outcome
+                common = {"sample_index": sample.index, "params": params, "policy_version": checkpoint.policy_version,
                           "tokenizer_revision": checkpoint.revision, "engine": engine_info}
                 if isinstance(completion, _Trajectory):
                     trajectory = completion.trajectory
                     trajectory.drift = retokenize_drift(checkpoint.tokenizer, trajectory.response_ids(), trajectory.action_flags())
-                    writer.write(trajectory_record(prompt, trajectory, env_name=self.environment[0],
-                                                   token_policy_version=as_version(version), drift=trajectory.drift, **common))
+                    record = trajectory_record(prompt, trajectory, env_name=self.environment[0],
+                                               token_policy_version=as_version(version), drift=trajectory.drift, **common)
                 elif completion is None:
-                    writer.write(aborted_record(prompt, reason, **common))
+                    record = aborted_record(prompt, reason, **common)
                 else:
-                    writer.write(rollout_record(prompt, completion, token_policy_version=as_version(version), **common))
+                    record = rollout_record(prompt, completion, token_policy_version=as_version(version), **common)
+                if sample.replaces is not None:
+                    group = record["group_id"]
+                    record.setdefault("extra", {})["refill"] = {"replaces": f"{group}/{sample.replaces}", "round": sample.round}
+                writer.write(record)
 
     def _summary(self, prompts: list[RolloutPrompt], plan: ShardPlan, totals: RolloutTotals,
                  checkpoint: PolicyCheckpoint) -> dict[str, Any]:
