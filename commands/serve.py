@@ -14,7 +14,7 @@ checkpoint of another architecture or tokenizer revision, or with missing tensor
 the old weights stay), GET /get_weight_version, GET /model_info (model path, weight version,
 tokenizer revision), GET /health, GET /server_info (also /get_server_info: the model info,
 enable_deterministic_inference true, log_prob_kind, version, and counters since start: requests,
-engine batches, sequences, generated tokens, seconds the engine was busy).
+engine batches, sequences, generated tokens, cached tokens, seconds the engine was busy).
 Answers are shaped as SGLang shapes them, so `rollout --engine sglang`, `score-teacher` and
 `sync-weights` work against this server and real SGLang servers alike.
 
@@ -26,11 +26,15 @@ logged.
 
 One engine thread runs the model: concurrent requests are batched (up to --batch-size); a batch
 request runs exactly as the in-process engine runs the same list, so with the same seeds the server
-reproduces `rollout --engine local` bit for bit. Listens on loopback by default; --port 0 picks a
+reproduces `rollout --engine local` bit for bit. The KV caches of the last --prefix-cache-batches
+engine batches are kept: a request whose input_ids extend a cached sequence (the next turn of a
+multi-turn trajectory) prefills only its new tokens, as SGLang's radix cache does, and its
+meta_info.cached_tokens says how many it read (same tokens; log-probs within float rounding of a
+full prefill). Listens on loopback by default; --port 0 picks a
 free port. When ready it prints one line `glmpost serve: listening on http://HOST:PORT` to stdout.
 SIGTERM or SIGINT stops it cleanly (queued requests are answered with HTTP 503). --metrics FILE
 appends the counters as JSONL (serve/requests, serve/batches, serve/sequences,
-serve/generated_tokens, serve/engine_busy_s, serve/tokens_per_s over the interval,
+serve/generated_tokens, serve/cached_tokens, serve/engine_busy_s, serve/tokens_per_s over the interval,
 serve/weight_version, serve/uptime_s) every --metrics-interval seconds and once at stop.
 """
 
@@ -56,6 +60,7 @@ def serve(
     port: int = option(ServeConfig, "port"),
     device: str = option(ServeConfig, "device"),
     batch_size: int = option(ServeConfig, "batch_size"),
+    prefix_cache_batches: int = option(ServeConfig, "prefix_cache_batches"),
     batch_wait_ms: float = option(ServeConfig, "batch_wait_ms"),
     weight_version: Optional[str] = option(ServeConfig, "weight_version"),
     log_prob_kind: str = option(ServeConfig, "log_prob_kind"),

@@ -91,3 +91,22 @@ def test_sessions_must_match_the_prompts(engine):
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(ValueError, match="one session per prompt"):
         engine.generate([[30, 31]], ["a"], params, sessions=[], caches=TurnCaches())
+
+
+def test_prefix_lookups_keep_the_rows_a_call_did_not_continue(engine):
+    """Without sessions (glmpost serve), a prompt finds the row whose ids it extends; rows of the
+    same batch that a later call continues are still cached then, and each reads its own prefix."""
+    caches = TurnCaches(retain=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=2, stop_token_ids=[])
+    prompts = [[90, 91, 92], [93, 94], [95, 96, 97, 98]]
+    first = engine.generate(prompts, ["a", "b", "c"], params, caches=caches)
+    extended = [p + c.token_ids + [99, 100] for p, c in zip(prompts, first)]
+    one = engine.generate([extended[1]], ["b1"], params, caches=caches)
+    assert caches.last_reused == [len(prompts[1]) + 4]  # its prompt and the 4 fed tokens
+    rest = engine.generate([extended[2], extended[0]], ["c1", "a1"], params, caches=caches)
+    assert caches.last_reused == [len(prompts[2]) + 4, len(prompts[0]) + 4]
+    scores = engine.score([extended[1] + one[0].token_ids, extended[2] + rest[0].token_ids, extended[0] + rest[1].token_ids],
+                          [len(extended[1]), len(extended[2]), len(extended[0])])
+    for completion, score in zip(one + rest, scores):
+        assert max(abs(a - b) for a, b in zip(completion.log_probs, score.log_probs)) <= 1e-5
+    assert len(caches.batches) <= 4

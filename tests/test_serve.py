@@ -114,6 +114,25 @@ def test_concurrent_requests_are_batched_and_counted(server, engine):
     assert delta["engine_busy_s"] > 0 and after["weight_version"] == "0" and after["batch_size"] == 8
 
 
+def test_a_request_extending_a_cached_sequence_prefills_only_its_new_tokens(server, engine):
+    """The next turn of a trajectory (input_ids = the last prompt, its output, an observation) reads
+    the cached part from the server's prefix cache (meta_info.cached_tokens: every id the engine fed,
+    i.e. all but the last output token) and samples what a full prefill samples."""
+    client = SGLangClient(server, retries=0)
+    sampling = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    first_prompt = [31, 32, 33, 34, 35, 36, 37]
+    first = client.generate(first_prompt, {**sampling, "sampling_seed": 7})
+    assert first["meta_info"]["cached_tokens"] == 0
+    second_prompt = first_prompt + first["output_ids"] + [40, 41, 42]
+    before = client.request("GET", "/get_server_info")["stats"]["cached_tokens"]
+    second = client.generate(second_prompt, {**sampling, "sampling_seed": 8})
+    assert second["meta_info"]["cached_tokens"] == len(first_prompt) + len(first["output_ids"]) - 1
+    assert client.request("GET", "/get_server_info")["stats"]["cached_tokens"] - before == second["meta_info"]["cached_tokens"]
+    fresh = engine.generate([second_prompt], None, SamplingParams(temperature=1.0, max_new_tokens=6), seeds=[8])[0]
+    assert second["output_ids"] == fresh.token_ids
+    np.testing.assert_allclose([e[0] for e in second["meta_info"]["output_token_logprobs"]], fresh.log_probs, atol=1e-5)
+
+
 def test_metrics_file_gets_the_counters_periodically_and_at_stop(tiny_checkpoint, tmp_path):
     metrics = tmp_path / "serve-metrics.jsonl"
     proc, url = start_server(tiny_checkpoint, "--metrics", metrics, "--metrics-interval", "0.2")

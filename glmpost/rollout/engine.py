@@ -159,9 +159,10 @@ class LocalEngine:
         Each sequence's generator is seeded with ``seeds[i]`` when given, else with
         ``sequence_seed(params.seed, keys[i])`` (``keys`` unique per sequence).
 
-        With ``caches`` (and one ``sessions`` name per prompt: a trajectory's turns share it), each
-        batch's KV cache is kept in ``caches`` after the call, and a prompt that extends its session's
-        cached ids prefills only the new tokens (:mod:`glmpost.rollout.continuation`).
+        With ``caches``, each batch's KV cache is kept in ``caches`` after the call, and a prompt that
+        extends the ids a cached row covers prefills only the new tokens: the row of its session (one
+        ``sessions`` name per prompt: a trajectory's turns share it) or, without ``sessions``, the row
+        with the longest such prefix (:mod:`glmpost.rollout.continuation`).
         """
         params.validate()
         if seeds is None:
@@ -173,7 +174,7 @@ class LocalEngine:
         if caches is None:
             plan = [(None, list(range(start, min(start + self.batch_size, len(prompts)))), [])
                     for start in range(0, len(prompts), self.batch_size)]
-        elif sessions is None or len(sessions) != len(prompts):
+        elif sessions is not None and len(sessions) != len(prompts):
             raise ValueError("one session per prompt")
         else:
             plan = caches.plan(prompts, sessions, self.batch_size)
@@ -183,7 +184,7 @@ class LocalEngine:
             completions, state = self._generate_batch(batch_prompts, [seeds[i] for i in indices], params,
                                                       top_logprobs_num, cached=cached, rows=rows, caches=caches)
             if caches is not None:
-                caches.keep(CachedBatch([sessions[i] for i in indices], *state))
+                caches.keep(CachedBatch([sessions[i] if sessions is not None else "" for i in indices], *state))
             for index, completion in zip(indices, completions):
                 results[index] = completion
         return results

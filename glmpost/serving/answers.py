@@ -68,10 +68,11 @@ def response_text(token_ids: list[int], finish: dict, tokenizer, *, no_stop_trim
 
 
 def sequence_answer(item: _Item, completion: Completion | None, scores: Scores | None, *, tokenizer,
-                    weight_version: str, latency: float) -> dict[str, Any]:
+                    weight_version: str, latency: float, cached_tokens: int = 0) -> dict[str, Any]:
     """``{"text", "output_ids", "meta_info"}`` of one sequence: ``completion`` is None for a
     prefill-only one (max_new_tokens 0); ``scores`` its input log-probs (None when not asked for,
-    or when the window holds only the first, ``None``, entry)."""
+    or when the window holds only the first, ``None``, entry); ``cached_tokens`` the prompt tokens
+    read from the prefix cache (SGLang's ``meta_info.cached_tokens``)."""
     finish: dict[str, Any]
     if completion is not None:
         cut = stop_string_cut(completion.token_ids, item.stop_strs, tokenizer,
@@ -87,7 +88,7 @@ def sequence_answer(item: _Item, completion: Completion | None, scores: Scores |
         finish = {"type": "length", "length": 0}
     out_ids = completion.token_ids if completion is not None else []
     meta: dict[str, Any] = {"id": item.rid if item.rid is not None else uuid.uuid4().hex, "finish_reason": finish,
-                            "prompt_tokens": len(item.prompt), "completion_tokens": len(out_ids), "cached_tokens": 0,
+                            "prompt_tokens": len(item.prompt), "completion_tokens": len(out_ids), "cached_tokens": cached_tokens,
                             "weight_version": weight_version, "e2e_latency": round(latency, 6)}
     if item.return_logprob:
         meta.update(_log_prob_meta(item, completion, scores, tokenizer))

@@ -168,6 +168,10 @@ class ServeConfig:
     port: int = setting(30000, "TCP port; 0 picks a free one (printed when ready).", min=0, max=65535)
     device: str = shared("device")
     batch_size: int = setting(32, "Most sequences decoded together in one engine batch.", min=1)
+    prefix_cache_batches: int = setting(
+        8, "Engine batches whose KV caches are kept for requests that extend their ids (a multi-turn trajectory's "
+        "next turn prefills only its new tokens, as with SGLang's radix cache; meta_info.cached_tokens); 0 = off.",
+        min=0)
     batch_wait_ms: float = setting(
         50.0, "Most time the engine waits for as many single requests as its last batch had before it starts a batch.", min=0.0)
     weight_version: Optional[str] = setting(None, "Initial weight_version reported; default: the checkpoint's policy version.")
@@ -238,7 +242,8 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
         device = resolve_device(config.device)
         engine = EngineServer(config.checkpoint, device=device, batch_size=config.batch_size,
                               deterministic_topk=config.deterministic_topk, weight_version=config.weight_version,
-                              batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind)
+                              batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind,
+                              prefix_cache_batches=config.prefix_cache_batches)
         try:
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key)
         except OSError as exc:

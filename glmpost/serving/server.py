@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from glmpost.rollout.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
+from glmpost.rollout.continuation import TurnCaches
 from glmpost.rollout.engine import LocalEngine, Scores
 from glmpost.errors import GlmpostError
 from glmpost.serving.answers import input_start, sequence_answer
@@ -86,6 +87,7 @@ class _Loaded:
     policy_version: int | None
     config: dict
     tensors: dict[str, tuple[int, ...]]
+    caches: TurnCaches | None = None  # KV caches of these weights that later requests may extend
 
 
 def model_tensors(model) -> dict[str, tuple[int, ...]]:
@@ -94,8 +96,10 @@ def model_tensors(model) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, deterministic_topk: bool) -> _Loaded:
-    """Model, tokenizer and identity of a checkpoint root or version directory."""
+def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, deterministic_topk: bool,
+                    prefix_cache_batches: int = 0) -> _Loaded:
+    """Model, tokenizer and identity of a checkpoint root or version directory, with a prefix cache
+    of ``prefix_cache_batches`` engine batches (0: none)."""
     from glmpost.checkpoints import (
         CheckpointError,
         load_model,
@@ -118,7 +122,8 @@ def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, det
     tensors = model_tensors(model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine = LocalEngine(model, batch_size=batch_size, pad_token_id=pad)
-    return _Loaded(engine, tokenizer, version_dir, revision, policy_version, config, tensors)
+    caches = TurnCaches(retain=prefix_cache_batches) if prefix_cache_batches else None
+    return _Loaded(engine, tokenizer, version_dir, revision, policy_version, config, tensors, caches)
 
 
 # A pause between requests this long ends a burst of clients sending their next request.
@@ -129,13 +134,16 @@ class EngineServer:
     """The worker that owns the engine, and the request handling behind the HTTP routes."""
 
     def __init__(self, checkpoint: str | Path, *, device: Any = "cpu", batch_size: int = 32, deterministic_topk: bool = True,
-                 weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND):
+                 weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND,
+                 prefix_cache_batches: int = 0):
         self.device = device
         self.log_prob_kind = check_log_prob_kind(log_prob_kind)
         self.batch_size = batch_size
         self.deterministic_topk = deterministic_topk
         self.batch_wait_s = batch_wait_s
-        self.loaded = load_checkpoint(checkpoint, device=device, batch_size=batch_size, deterministic_topk=deterministic_topk)
+        self.prefix_cache_batches = prefix_cache_batches
+        self.loaded = load_checkpoint(checkpoint, device=device, batch_size=batch_size, deterministic_topk=deterministic_topk,
+                                      prefix_cache_batches=prefix_cache_batches)
         self.weight_version = weight_version if weight_version is not None else (
             str(self.loaded.policy_version) if self.loaded.policy_version is not None else "default")
         self._queue: deque[_Job] = deque()
@@ -150,8 +158,10 @@ class EngineServer:
         self._last_arrival = 0.0
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
         # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
-        # and tokens generated, and the seconds the engine spent running batches.
-        self.stats = {"requests": 0, "batches": 0, "sequences": 0, "generated_tokens": 0, "engine_busy_s": 0.0}
+        # and tokens generated, prompt tokens read from the prefix cache, and the seconds the engine
+        # spent running batches.
+        self.stats = {"requests": 0, "batches": 0, "sequences": 0, "generated_tokens": 0, "cached_tokens": 0,
+                      "engine_busy_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -326,17 +336,20 @@ class EngineServer:
                 key = (p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop_token_ids), p.log_prob_kind,
                        it.top_logprobs_num)
                 groups.setdefault(key, []).append(i)
-        completions = {}
+        completions, cached = {}, {}
         for key, idx in groups.items():
             outs = engine.generate([items[i].prompt for i in idx], None, items[idx[0]].params,
-                                   seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1])
+                                   seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1], caches=loaded.caches)
             completions.update(zip(idx, outs))
+            if loaded.caches is not None:
+                cached.update(zip(idx, loaded.caches.last_reused))
         latency = time.perf_counter() - started
         for i, it in enumerate(items):
             it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
-                                        weight_version=self.weight_version, latency=latency)
+                                        weight_version=self.weight_version, latency=latency, cached_tokens=cached.get(i, 0))
             out_ids = it.result["output_ids"]
             self.stats["generated_tokens"] += len(out_ids)
+            self.stats["cached_tokens"] += cached.get(i, 0)
         self.stats["batches"] += 1
         self.stats["sequences"] += len(items)
         self.stats["engine_busy_s"] += time.perf_counter() - started
@@ -360,7 +373,8 @@ class EngineServer:
             if revision != old.revision:
                 return refuse(f"{target}: tokenizer revision {revision} differs from the served {old.revision}")
             # load_model refuses a checkpoint that lacks a tensor; shapes must match the served model's.
-            new = load_checkpoint(target, device=self.device, batch_size=self.batch_size, deterministic_topk=self.deterministic_topk)
+            new = load_checkpoint(target, device=self.device, batch_size=self.batch_size, deterministic_topk=self.deterministic_topk,
+                                  prefix_cache_batches=self.prefix_cache_batches)
             bad = sorted(n for n in old.tensors if new.tensors.get(n) != old.tensors[n])
             if bad:
                 return refuse(f"{target}: tensor {bad[0]} has shape {list(new.tensors.get(bad[0], ()))}, the served one {list(old.tensors[bad[0]])}")
