@@ -1,5 +1,5 @@
-"""Agentic RL learns tool use: after a weak SFT warm start, rollout -> judge -> train-grpo iterations
-in the calculator environment (recipes/tiny-agentic.toml) raise the held-out tool-use reward.
+"""Agentic RL learns tool use: after a weak SFT warm start, three rollout -> judge -> train-grpo
+iterations in the calculator environment (recipes/tiny-agentic.toml) raise the held-out tool-use reward.
 
 The real CLI stages run in this process (the ``glmpost_cli`` fixture). The tiny model never copies
 the observation into ``<answer>``, so the reward it can reach is the recipe's ``tool_reward`` (1 per
@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-agentic.toml"
 DATA = ROOT / "recipes" / "data"
-ITERATIONS = 6
+ITERATIONS = 3
 
 
 @pytest.fixture(autouse=True)
