@@ -346,3 +346,22 @@ def test_groups_more_than_half_valid_are_refilled_to_full_size(glmpost_cli, tiny
         record["reward"] = 1.0 if record["status"] == "completed" else 0.0
     batch = prepare_batch(records)
     assert batch.group_sizes == {4: 3} and batch.failed == {"env_error": 3} and batch.excluded["small_group"] == 2
+
+
+def test_trajectories_a_lost_server_ends_are_counted_aborted(glmpost_cli, tiny_checkpoint, tmp_path):
+    """One server, killed after the first turn: the trajectories it served end aborted with the
+    reason, and the shards' metrics count them (not only sequences the engine never started)."""
+    from serve_process import start_server, stop_server
+
+    proc, url = start_server(tiny_checkpoint, "--batch-size", "16")
+    try:
+        options = json.dumps({"pid": proc.pid})
+        out, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "test_agentic:KillOnFirstStep", "--env-options",
+                                options, "--engine", "sglang", "--server", url, "--retries", "0", "--batch-size", "16")
+    finally:
+        stop_server(proc)
+    aborted = [r for r in records if r["status"] == "aborted"]
+    assert aborted and all(r["extra"]["status_reason"] for r in aborted)
+    assert all(len(r["segments"]) >= 1 for r in aborted)  # the first turn is kept
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["rollout/aborted"] for m in metrics if "rollout/aborted" in m) == len(aborted)

@@ -33,12 +33,16 @@ class Sample:
     def key(self) -> str:
         return f"{self.prompt.prompt_id}/{self.index}"
 
-    def failed(self) -> bool:
+    def status(self) -> str | None:
+        """``aborted`` when the engine delivered nothing, a trajectory's status, else None."""
         completion = self.outcome[0]
         if completion is None:
-            return True
+            return "aborted"
         trajectory = getattr(completion, "trajectory", None)
-        return trajectory is not None and trajectory.status in FAILED_STATUSES
+        return trajectory.status if trajectory is not None else None
+
+    def failed(self) -> bool:
+        return self.status() in FAILED_STATUSES
 
 
 def refill_slots(failed: Sequence[Sequence[bool]]) -> list[tuple[int, int]]:

@@ -206,9 +206,10 @@ class RolloutTotals:
     counts: Counter = field(default_factory=Counter)
     seconds: float = 0.0
 
-    def add(self, outcomes: int, completions: list[Completion], seconds: float) -> None:
-        """Count one written shard of ``outcomes`` records, ``completions`` of them delivered."""
-        self.counts.update(shards=1, records=outcomes, aborted=outcomes - len(completions),
+    def add(self, outcomes: int, completions: list[Completion], seconds: float, *, aborted: int) -> None:
+        """Count one written shard of ``outcomes`` records, ``completions`` of them delivered and
+        ``aborted`` of them aborted."""
+        self.counts.update(shards=1, records=outcomes, aborted=aborted,
                            response_tokens=int(_lengths(completions).sum()), truncated=_truncated(completions))
         self.seconds += seconds
 
@@ -313,14 +314,15 @@ class RolloutRunner:
                 seconds = time.perf_counter() - started
                 self._write_shard(path, samples, params, checkpoint, engine_info)
                 completions = [c for c, _, _ in outcomes if c is not None]
-                aborted = len(outcomes) - len(completions)
+                aborted = sum(s.status() == "aborted" for s in samples)  # by the engine, or a trajectory's server
                 if aborted:
-                    log(f"{path.name}: {aborted} of {len(outcomes)} sequences aborted: {next(r for _, _, r in outcomes if r)}")
+                    reason = next(s.outcome[2] for s in samples if s.status() == "aborted")
+                    log(f"{path.name}: {aborted} of {len(outcomes)} sequences aborted: {reason}")
                 metrics.write(**shard_metrics(path.name, completions, aborted=aborted, seconds=seconds,
                                               policy_version=checkpoint.policy_version),
                               **trajectory_metrics([c.trajectory for c in completions if isinstance(c, _Trajectory)]),
                               **refill_metrics(samples))
-                totals.add(len(outcomes), completions, seconds)
+                totals.add(len(outcomes), completions, seconds, aborted=aborted)
         return totals
 
     def _generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Sample]:
