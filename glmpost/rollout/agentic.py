@@ -85,10 +85,9 @@ def turn_key(key: str, turn: int) -> str:
 
 
 def home_server(key: str, servers: int) -> int:
-    """The server every turn of sequence ``key`` (or of its turn key) goes to first: a stable hash
-    of the sequence's key, so a trajectory's prefix stays in one server's cache."""
-    base = key.split("#turn", 1)[0]
-    return int.from_bytes(hashlib.blake2b(base.encode(), digest_size=8).digest(), "little") % max(servers, 1)
+    """The server every turn of trajectory ``key`` goes to first: a stable hash of the key, so a
+    trajectory's prefix stays in one server's cache."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % max(servers, 1)
 
 
 class ObservationRenderer:

@@ -75,6 +75,8 @@ class TurnCaches:
             entry[1].append(index)
             entry[2].append(row)
             self.last_reused[index] = len(batch.ids[row])
+        self.reused_tokens += sum(self.last_reused)
+        self.prefilled_tokens += sum(len(p) for p in prompts) - sum(self.last_reused)
         if sessions is not None:
             self.batches = []
         else:

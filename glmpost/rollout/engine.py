@@ -182,7 +182,8 @@ class LocalEngine:
         for cached, indices, rows in plan:
             batch_prompts = [prompts[i] for i in indices]
             completions, state = self._generate_batch(batch_prompts, [seeds[i] for i in indices], params,
-                                                      top_logprobs_num, cached=cached, rows=rows, caches=caches)
+                                                      top_logprobs_num, cached=cached, rows=rows,
+                                                      keep_cache=caches is not None)
             if caches is not None:
                 caches.keep(CachedBatch([sessions[i] if sessions is not None else "" for i in indices], *state))
             for index, completion in zip(indices, completions):
@@ -252,8 +253,9 @@ class LocalEngine:
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams,
                         top_logprobs_num: int = 0, *, cached: CachedBatch | None = None, rows: Sequence[int] = (),
-                        caches: TurnCaches | None = None) -> tuple[list[Completion], tuple]:
-        """Sample one batch; also returns ``(ids, cache, attention)``: what its cache covers per row."""
+                        keep_cache: bool = False) -> tuple[list[Completion], tuple]:
+        """Sample one batch; with ``keep_cache`` also returns ``(ids, cache, attention)``: what its
+        cache covers per row (else ``()``)."""
         device = self.device
         batch = len(prompts)
         if cached is None:
@@ -261,10 +263,6 @@ class LocalEngine:
             cache = None
         else:
             step_ids, attention, cache = self._resume(cached, list(rows), prompts)
-        if caches is not None:
-            prefilled = int(attention[:, -step_ids.shape[1] :].sum())
-            caches.prefilled_tokens += prefilled
-            caches.reused_tokens += sum(len(p) for p in prompts) - prefilled
         cache_attention = attention
         # One uniform number per sequence and step, drawn up front from the sequence's own generator:
         # a sequence's sample depends on its seed and key only, never on its batch neighbours.
@@ -316,7 +314,7 @@ class LocalEngine:
                 top_ids[row][:length] if top_ids is not None else None,
                 top_values[row][:length] if top_values is not None else None,
             ))
-        if caches is None:
+        if not keep_cache:
             return results, ()
         # The cache holds every token fed after the first forward (all chosen ones but the last); a
         # row attends to those it chose before it stopped.

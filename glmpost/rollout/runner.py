@@ -360,7 +360,7 @@ class RolloutRunner:
         servers = len(backend.pool.clients) if isinstance(backend, SGLangBackend) else 1
 
         def generate(seqs: list[list[int]], turn_keys: list[str], sessions: list[str]) -> list[Outcome]:
-            homes = [home_server(k, servers) for k in turn_keys] if servers > 1 else None
+            homes = [home_server(session, servers) for session in sessions] if servers > 1 else None
             return backend.generate(seqs, turn_keys, quiet, homes=homes, sessions=sessions)
 
         trajectories = run_trajectories(generate, sequences, keys, tasks, self.environment[1], self.renderer, settings,
