@@ -1,15 +1,16 @@
 """Measure how far two numerical paths' log-probs are apart on the same action tokens.
 
 Path A is always the trainer's forward of --checkpoint (in --dtype, on --device, with its DSA
-top-k rule). Path B is, by what you pass:
+top-k rule and --attention). Path B is, by what you pass:
 
 \b
   (shards only)    the rollout_log_probs the engine recorded (the IcePop view);
   --against CKPT   another checkpoint, e.g. the FP8 / W4A16 rollout checkpoint
                    (dequantized);
-  --against-dtype, --against-device, --against-topk, --against-batch-size
+  --against-dtype, --against-device, --against-topk, --against-attention,
+  --against-batch-size
                    the same checkpoint in another dtype, device, DSA top-k
-                   rule or batch size;
+                   rule, GLM-5 attention (native / reference) or batch size;
   --against-server URL
                    a `glmpost serve` / SGLang server (prefill log-probs;
                    --api-key KEY if it wants one, never recorded).
@@ -58,6 +59,8 @@ def diff_logprobs(
     against_device: str | None = option(DiffConfig, "against_device"),
     deterministic_topk: bool = option(DiffConfig, "deterministic_topk"),
     against_topk: str | None = option(DiffConfig, "against_topk"),
+    attention: str = option(DiffConfig, "attention"),
+    against_attention: str | None = option(DiffConfig, "against_attention"),
     batch_size: int = option(DiffConfig, "batch_size"),
     against_batch_size: int | None = option(DiffConfig, "against_batch_size"),
     indexer: bool = option(DiffConfig, "indexer"),

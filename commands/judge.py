@@ -34,8 +34,9 @@ from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_s
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "
     "[verifier=math|pkg.mod:fn], format pattern=REGEX, length max_tokens=N [ramp_tokens=N], truncated, "
-    "orm checkpoint=DIR [activation=sigmoid|none, batch_size=N], judge checkpoint=DIR [template=TEXT, "
-    "max_new_tokens=N, score_pattern=REGEX, max_score=X, batch_size=N]. Repeatable; recipe: [[judge.{table}]]."
+    "orm checkpoint=DIR [activation=sigmoid|none, batch_size=N, attention=native|reference], judge checkpoint=DIR "
+    "[template=TEXT, max_new_tokens=N, score_pattern=REGEX, max_score=X, batch_size=N, attention=native|reference]. "
+    "Repeatable; recipe: [[judge.{table}]]."
 )
 
 

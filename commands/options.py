@@ -110,4 +110,5 @@ def with_options(cls: type, names: tuple[str, ...]):
     return wrap
 
 
-TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "deterministic", "save_every", "resume", "overwrite")
+TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "deterministic", "attention", "save_every", "resume",
+                        "overwrite")

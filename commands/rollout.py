@@ -79,6 +79,7 @@ def rollout(
     num_shards: int = option(RolloutConfig, "num_shards"),
     device: str = option(RolloutConfig, "device"),
     deterministic_topk: bool = option(RolloutConfig, "deterministic_topk"),
+    attention: str = option(RolloutConfig, "attention"),
     engine_name: str = option(RolloutConfig, "engine_name"),
     server: Optional[str] = option(RolloutConfig, "server"),
     concurrency: int = option(RolloutConfig, "concurrency"),

@@ -53,6 +53,7 @@ def score_teacher(
     batch_size: int = option(ScoreTeacherConfig, "batch_size"),
     chunk_size: int = option(ScoreTeacherConfig, "chunk_size"),
     device: str = option(ScoreTeacherConfig, "device"),
+    attention: str = option(ScoreTeacherConfig, "attention"),
     shard_index: int = option(ScoreTeacherConfig, "shard_index"),
     num_shards: int = option(ScoreTeacherConfig, "num_shards"),
     zstd_level: int = option(ScoreTeacherConfig, "zstd_level"),

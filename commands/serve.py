@@ -66,6 +66,7 @@ def serve(
     log_prob_kind: str = option(ServeConfig, "log_prob_kind"),
     api_key: Optional[str] = option(ServeConfig, "api_key", show_default=False),
     deterministic_topk: bool = option(ServeConfig, "deterministic_topk"),
+    attention: str = option(ServeConfig, "attention"),
     log_requests: bool = option(ServeConfig, "log_requests"),
     metrics: Optional[Path] = option(ServeConfig, "metrics", dir_okay=False),
     metrics_interval: float = option(ServeConfig, "metrics_interval"),

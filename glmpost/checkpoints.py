@@ -209,7 +209,8 @@ def load_tokenizer(checkpoint: Path | str):
     return tokenizer, revision
 
 
-def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True):
+def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True,
+               attention: str = "native"):
     """``AutoModelForCausalLM`` from a root or version directory, in eval mode.
 
     A quantized checkpoint (``glmpost quantize`` / ``sync-weights --quantize`` output: a
@@ -220,7 +221,9 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
 
     With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
     :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
-    and the trainer attend to the same keys for the same tokens.
+    and the trainer attend to the same keys for the same tokens. ``attention`` ``native`` (the
+    default) runs GLM-5 attention through :mod:`glmpost.models.native_attention`, ``reference``
+    through transformers' modules (ConfigError naming ``attention`` for anything else).
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -257,7 +260,20 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
         from glmpost.npu.topk import install_deterministic_topk
 
         install_deterministic_topk(model)
+    apply_attention(model, attention)
     return model.to(device).eval()
+
+
+def apply_attention(model, attention: str) -> int:
+    """Run ``model``'s GLM-5 attention ``native`` or ``reference``
+    (:func:`glmpost.models.native_attention.set_attention`); an unknown name is a ConfigError naming
+    the ``attention`` field. Returns the number of attention layers switched."""
+    from glmpost.config import ConfigError
+    from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
+
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigError("{attention} {value!r}: expected native or reference", value=attention)
+    return set_attention(model, attention)
 
 
 def model_skeleton(config_dir: Path):

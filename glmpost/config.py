@@ -4,7 +4,7 @@ command-line option of a stage is derived from it (``glmpost.commands.options``)
 ``setting(default, help)`` is ``dataclasses.field`` with that metadata; ``flag`` spells the option
 when it is not ``--field-name`` (``--deepspeed``, ``--icepop/--no-icepop``); ``min`` / ``max``
 bound it on the command line. ``shared(name)`` is one of the settings several stages have
-(``device``, ``overwrite``, ``deterministic_topk``, ``zstd_level``, ``shard_index``, ``num_shards``),
+(``device``, ``overwrite``, ``deterministic_topk``, ``attention``, ``zstd_level``, ``shard_index``, ``num_shards``),
 declared once here.
 
 Library errors name config fields, not flags: :class:`SettingError` (``lr = 0 is out of range``)
@@ -41,6 +41,9 @@ SHARED_SETTINGS: dict[str, dict[str, Any]] = {
     "deterministic_topk": dict(default=True, flag="--deterministic-topk/--torch-topk", help="DSA indexer top-k with "
                                "ties to the lower position (the same keys in rollout and training); --torch-topk "
                                "keeps torch.topk's tie order."),
+    "attention": dict(default="native", help="GLM-5 attention implementation: native (glmpost's MLA over the "
+                      "compressed KV cache, attention over the DSA top-k keys only: linear in context) or reference "
+                      "(transformers' modules, dense masks); the same weights and checkpoints."),
     "zstd_level": dict(default=3, help="zstd compression level of the output shards.", min=1, max=22),
     "shard_index": dict(default=0, help="This task's index among --num-shards (a Slurm array task id).", min=0),
     "num_shards": dict(default=1, help="Tasks splitting this stage's work (a Slurm array's size); each writes "

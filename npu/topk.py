@@ -28,7 +28,57 @@ import torch
 
 
 def deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices ``[..., k]`` (int32) of the ``k`` largest entries of the last dim, ties to the lower index."""
+    """Indices ``[..., k]`` (int32) of the ``k`` largest entries of the last dim, ties to the lower index.
+
+    The rule of :func:`sorted_deterministic_topk` (its definition: one stable descending sort, NaN
+    last), computed without sorting every row. Floating scores (float32, bfloat16, float16) go
+    through ``torch.topk``: a row whose ``k + 1`` largest values are all distinct has no tie that
+    could change its selection or its order, so ``torch.topk``'s answer is the rule's; the other rows
+    (a tie, a NaN, or ``-0.0`` beside ``0.0``) and large ``k`` (``k >= L / 8``, where ``topk`` costs
+    what one pass more does) take :func:`composite_topk`: one ``topk`` over int64 keys that order by
+    score, then by position, so no two keys tie. Other dtypes take the sort.
+    """
+    length = scores.shape[-1]
+    if k < 0 or k > length:
+        raise ValueError(f"k = {k} out of range for a last dimension of {length}")
+    if scores.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return sorted_deterministic_topk(scores, k)
+    if k == 0 or scores.numel() == 0:
+        return torch.empty((*scores.shape[:-1], k), dtype=torch.int32, device=scores.device)
+    if 8 * k >= length:
+        return composite_topk(scores, k)
+    top = _original_topk(scores, k + 1, dim=-1)
+    values = top.values
+    distinct = (values[..., :-1] > values[..., 1:]).all(-1)
+    indices = top.indices[..., :k]
+    if not bool(distinct.all()):
+        rows = indices.reshape(-1, k).clone()
+        tied = (~distinct).reshape(-1).nonzero().squeeze(-1)
+        rows[tied] = composite_topk(scores.reshape(-1, length)[tied], k).long()
+        indices = rows.view(indices.shape)
+    return indices.to(torch.int32)
+
+
+def composite_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`deterministic_topk` of floating ``scores`` by one ``topk`` over int64 keys (int32 ``[..., k]``).
+
+    Key = (the score's float32 bits mapped to an int32 whose order is the float order; NaN below
+    ``-inf``) * 2**32 + (2**32 - 1 - position): larger score first, then lower position, and no
+    two keys equal. ``-0.0`` is made ``0.0`` first (the sort calls them equal). Positions must be
+    below 2**32.
+    """
+    values = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
+    bits = values.view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    ordered = ordered.masked_fill(values.isnan(), torch.iinfo(torch.int32).min)
+    positions = torch.arange(values.shape[-1], dtype=torch.int64, device=values.device)
+    keys = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - positions)
+    return _original_topk(keys, k, dim=-1).indices.to(torch.int32)
+
+
+def sorted_deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k rule's definition: one stable descending sort per row, NaN moved behind every number,
+    the first ``k`` positions (int32). :func:`deterministic_topk` gives the same, faster."""
     if k < 0 or k > scores.shape[-1]:
         raise ValueError(f"k = {k} out of range for a last dimension of {scores.shape[-1]}")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices

@@ -65,6 +65,8 @@ class DiffConfig:
     deterministic_topk: bool = setting(True, "Path A DSA indexer top-k rule (see `glmpost rollout --help`).",
                                        flag="--deterministic-topk/--torch-topk")
     against_topk: Optional[str] = setting(None, "Path B DSA indexer top-k rule: deterministic or torch (default: path A's).")
+    attention: str = setting("native", "Path A GLM-5 attention: native or reference (see `glmpost rollout --help`).")
+    against_attention: Optional[str] = setting(None, "Path B GLM-5 attention: native or reference (default: path A's).")
     batch_size: int = setting(8, "Path A trajectories per forward pass.", min=1)
     against_batch_size: Optional[int] = setting(None, "Path B trajectories per forward pass (default: path A's).", min=1)
     indexer: bool = setting(False, "Also compare the DSA indexer's selected top-k key sets (two local paths).")
@@ -81,7 +83,8 @@ class DiffConfig:
     def local_b(self) -> bool:
         """Whether path B is a local model (another checkpoint, or path A's with other settings)."""
         return self.against is not None or any(
-            v is not None for v in (self.against_dtype, self.against_device, self.against_topk, self.against_batch_size))
+            v is not None for v in (self.against_dtype, self.against_device, self.against_topk, self.against_batch_size,
+                                    self.against_attention))
 
     @property
     def mode(self) -> str:
@@ -98,16 +101,20 @@ class DiffConfig:
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
                 raise ConfigError("{%s} {value!r}: expected one of {known}" % name, value=value, known=", ".join(DTYPES))
+        for name in ("attention", "against_attention"):
+            value = getattr(self, name)
+            if value is not None and value not in ("native", "reference"):
+                raise ConfigError("{%s} {value!r}: expected native or reference" % name, value=value)
         if self.against_topk not in (None, "deterministic", "torch"):
             raise ConfigError("{against_topk} {value!r}: expected deterministic or torch", value=self.against_topk)
         if self.against is not None and self.against_server is not None:
             raise ConfigError("{against} and {against_server} both name path B; pass one")
         if self.against_server is not None and self.local_b:
             raise ConfigError("{against_server} compares with the server as it runs; drop "
-                              "{against_dtype}/{against_device}/{against_topk}/{against_batch_size}")
+                              "{against_dtype}/{against_device}/{against_topk}/{against_batch_size}/{against_attention}")
         if self.indexer and not self.local_b:
             raise ConfigError("{indexer} compares two local paths: add {against}, {against_dtype}, {against_device}, "
-                              "{against_topk} or {against_batch_size}")
+                              "{against_topk}, {against_attention} or {against_batch_size}")
         if "indexer_differing_sets" in gates and not self.indexer:
             raise ConfigError("{fail_above} indexer_differing_sets: not measured in this comparison (add {indexer})")
         return gates
@@ -115,24 +122,28 @@ class DiffConfig:
 
 @dataclass
 class LocalSide:
-    """One local path: a checkpoint's model in ``dtype`` on ``device`` with a DSA top-k rule, scoring
-    ``batch_size`` trajectories per forward pass."""
+    """One local path: a checkpoint's model in ``dtype`` on ``device`` with a DSA top-k rule and a
+    GLM-5 attention implementation, scoring ``batch_size`` trajectories per forward pass."""
 
     checkpoint: Path
     dtype: str
     device: Any
     deterministic_topk: bool
     batch_size: int
+    attention: str = "native"
 
     def load(self):
         """The model of this path (:func:`~glmpost.closure.mismatch.load_path_model`)."""
-        return load_path_model(self.checkpoint, dtype=self.dtype, device=self.device, deterministic_topk=self.deterministic_topk)
+        return load_path_model(self.checkpoint, dtype=self.dtype, device=self.device, deterministic_topk=self.deterministic_topk,
+                               attention=self.attention)
 
     def adopt(self, model):
-        """Another path's model (same weights, dtype and device), switched to this path's top-k rule."""
+        """Another path's model (same weights, dtype and device), switched to this path's top-k rule and attention."""
+        from glmpost.models.native_attention import set_attention
         from glmpost.npu.topk import set_indexer_topk
 
         set_indexer_topk(model, deterministic=self.deterministic_topk)
+        set_attention(model, self.attention)
         return model
 
     def score(self, model, records, *, distribution: ScoredDistribution, label: str, indexer: bool, progress: Callable) -> PathScores:
@@ -143,7 +154,8 @@ class LocalSide:
     def describe(self) -> dict[str, Any]:
         """The path as the report names it."""
         return {"kind": "checkpoint", "checkpoint": str(self.checkpoint), "dtype": self.dtype, "device": str(self.device),
-                "topk": "deterministic" if self.deterministic_topk else "torch", "batch_size": self.batch_size}
+                "topk": "deterministic" if self.deterministic_topk else "torch", "attention": self.attention,
+                "batch_size": self.batch_size}
 
 
 def resolve_field_checkpoint(name: str, path: Path) -> Path:
@@ -291,7 +303,7 @@ class LogprobDiff:
     def _score(self, records, *, distribution: ScoredDistribution, revision: str, engines: set[str], against_dir: Path):
         """``(path_a, path_b, description_a, description_b)``, with a progress bar over both."""
         c = self.config
-        side_a = LocalSide(self.version_dir, c.dtype, resolve_device(c.device), c.deterministic_topk, c.batch_size)
+        side_a = LocalSide(self.version_dir, c.dtype, resolve_device(c.device), c.deterministic_topk, c.batch_size, c.attention)
         progress = tqdm(total=len(records) * 2, desc=STAGE, unit="traj", leave=False, disable=None)
         with progress:
             model_a = side_a.load()
@@ -320,7 +332,7 @@ class LogprobDiff:
         return LocalSide(against_dir, c.against_dtype or c.dtype,
                          resolve_device(c.against_device) if c.against_device is not None else side_a.device,
                          side_a.deterministic_topk if c.against_topk is None else c.against_topk == "deterministic",
-                         c.against_batch_size or c.batch_size)
+                         c.against_batch_size or c.batch_size, c.against_attention or c.attention)
 
     def write(self, staging: Path, options: dict[str, Any]) -> None:
         """Write the plots (with ``plots``), ``report.json``, ``metrics.jsonl`` and ``stage.json``

@@ -472,15 +472,17 @@ def mismatch_report(deltas: TokenDeltas, *, worst: int = 10, context: Callable[[
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_path_model(version_dir, *, dtype: str = "auto", device: Any = "cpu", deterministic_topk: bool = True):
+def load_path_model(version_dir, *, dtype: str = "auto", device: Any = "cpu", deterministic_topk: bool = True,
+                    attention: str = "native"):
     """A checkpoint's model for one path, as :func:`glmpost.checkpoints.load_model` loads it (a
     quantized checkpoint dequantized: the weights a rollout engine computes with), with the DSA
-    indexer's top-k rule set either way. ``dtype`` is a key of ``DTYPES`` (``auto``: the checkpoint's)."""
+    indexer's top-k rule set either way and GLM-5 attention ``attention``. ``dtype`` is a key of ``DTYPES`` (``auto``: the checkpoint's)."""
     from glmpost.checkpoints import load_model
     from glmpost.npu.topk import set_indexer_topk
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    model = load_model(version_dir, device=device, dtype=DTYPES[dtype], deterministic_topk=deterministic_topk)
+    model = load_model(version_dir, device=device, dtype=DTYPES[dtype], deterministic_topk=deterministic_topk,
+                       attention=attention)
     set_indexer_topk(model, deterministic=deterministic_topk)
     return model

@@ -74,6 +74,7 @@ class ScoreTeacherConfig:
     batch_size: int = setting(8, "Records per teacher forward (local engine) or requests in flight (sglang).", min=1)
     chunk_size: int = setting(512, "Positions per chunk of the teacher's LM head (bounds [chunk, V] memory).", min=1)
     device: str = shared("device")
+    attention: str = shared("attention")
     shard_index: int = shared("shard_index")
     num_shards: int = shared("num_shards")
     zstd_level: int = shared("zstd_level")
@@ -184,7 +185,7 @@ class ScoreTeacherRun:
         c = self.config
         pool = None
         if c.engine == "local":
-            _load_teachers(_unique(self.teachers), c.device)
+            _load_teachers(_unique(self.teachers), c.device, c.attention)
         else:
             pool = _sglang_pool(c.server, _unique(self.teachers)[0], c.batch_size, api_key=c.api_key)
         c.out.mkdir(parents=True, exist_ok=True)
@@ -302,14 +303,14 @@ def _open_teacher(checkpoint: str) -> Teacher:
     return Teacher(path, name, revision, vocab, version)
 
 
-def _load_teachers(teachers: list[Teacher], device: str) -> None:
-    """Load each teacher's model onto ``device`` for the local engine."""
+def _load_teachers(teachers: list[Teacher], device: str, attention: str = "native") -> None:
+    """Load each teacher's model onto ``device`` for the local engine, its GLM-5 attention ``attention``."""
     from glmpost.npu import resolve_device
 
     torch_device = resolve_device(device)
     for t in teachers:
         try:
-            t.model = load_model(t.path, device=torch_device)
+            t.model = load_model(t.path, device=torch_device, attention=attention)
         except GlmpostError:
             raise
         except Exception as exc:  # e.g. a corrupt safetensors file: one line naming the teacher

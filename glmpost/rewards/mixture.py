@@ -13,9 +13,9 @@ Sources (and their options):
 - ``length`` — ``clip((A - max_tokens) / ramp_tokens, 0, 1)`` over the A action tokens
   (``ramp_tokens`` defaults to ``max_tokens``).
 - ``truncated`` — 1 when the rollout's ``status`` is ``truncated``.
-- ``orm`` — an Outcome Reward Model (``checkpoint``, ``activation``, ``batch_size``).
+- ``orm`` — an Outcome Reward Model (``checkpoint``, ``activation``, ``batch_size``, ``attention``).
 - ``judge`` — a generative judge (``checkpoint``, ``template``, ``max_new_tokens``,
-  ``score_pattern``, ``max_score``, ``batch_size``).
+  ``score_pattern``, ``max_score``, ``batch_size``, ``attention``: ``native`` or ``reference`` GLM-5 attention).
 
 A component that fails on a record stores NaN in ``rewards[name]``, and the record's ``reward`` is
 NaN with ``reward_info["failure"]`` naming the component and the reason; nothing is silently 0.
@@ -52,7 +52,7 @@ SOURCES: dict[str, dict[str, tuple[type, bool]]] = {
     "format": {"pattern": (str, True)},
     "length": {"max_tokens": (int, True), "ramp_tokens": (int, False)},
     "truncated": {},
-    "orm": {"checkpoint": (str, True), "activation": (str, False), "batch_size": (int, False)},
+    "orm": {"checkpoint": (str, True), "activation": (str, False), "batch_size": (int, False), "attention": (str, False)},
     "judge": {
         "checkpoint": (str, True),
         "template": (str, False),
@@ -60,6 +60,7 @@ SOURCES: dict[str, dict[str, tuple[type, bool]]] = {
         "score_pattern": (str, False),
         "max_score": (float, False),
         "batch_size": (int, False),
+        "attention": (str, False),
     },
 }
 MODEL_SOURCES = ("orm", "judge")
@@ -179,6 +180,8 @@ def _check_options(spec: ComponentSpec) -> None:
     elif spec.source in MODEL_SOURCES:
         if o.get("batch_size", 1) < 1:
             raise ValueError(f"component {name!r}: batch_size must be >= 1")
+        if o.get("attention", "native") not in ("native", "reference"):
+            raise ValueError(f"component {name!r}: attention must be native or reference, got {o['attention']!r}")
         if spec.source == "orm" and o.get("activation", "sigmoid") not in ("sigmoid", "none"):
             raise ValueError(f"component {name!r}: activation must be sigmoid or none, got {o['activation']!r}")
         if spec.source == "judge":

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, resolve_checkpoint, tokenizer_revision
+from glmpost.checkpoints import (CheckpointError, apply_attention, load_model, load_tokenizer, resolve_checkpoint,
+                                 tokenizer_revision)
 from glmpost.errors import GlmpostError
 
 ACTIVATIONS = ("sigmoid", "none")
@@ -63,11 +64,12 @@ def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
 class OrmConfig:
     """``checkpoint``: a sequence-classification checkpoint with ``num_labels = 1``;
     ``activation``: ``sigmoid`` (reward in (0, 1)) or ``none`` (the logit); ``batch_size``: records
-    per forward pass."""
+    per forward pass; ``attention``: ``native`` or ``reference`` GLM-5 attention."""
 
     checkpoint: str
     activation: str = "sigmoid"
     batch_size: int = 8
+    attention: str = "native"  # a GLM-5 classifier's attention (glmpost.models.native_attention)
 
 
 class OutcomeRewardModel:
@@ -102,6 +104,7 @@ class OutcomeRewardModel:
         self.config = config
         self.directory = directory
         self.revision = revision
+        apply_attention(model, config.attention)
         self.model = model.to(device).eval()
         text_config = model.config.get_text_config()
         self.pad_token_id = text_config.pad_token_id
@@ -169,7 +172,7 @@ class JudgeConfig:
     """``checkpoint``: a causal LM; ``template``: the rubric (``{prompt}``, ``{response}``,
     ``{max_score}``); ``max_new_tokens``: greedy decoding budget; ``score_pattern``: a regex whose
     first group is the score (the last match counts); ``max_score``: the score that maps to 1.0;
-    ``batch_size``: prompts decoded together."""
+    ``batch_size``: prompts decoded together; ``attention``: ``native`` or ``reference`` GLM-5 attention."""
 
     checkpoint: str
     template: str = DEFAULT_RUBRIC
@@ -177,6 +180,7 @@ class JudgeConfig:
     score_pattern: str = DEFAULT_SCORE_PATTERN
     max_score: float = 10.0
     batch_size: int = 8
+    attention: str = "native"
 
 
 def check_judge_config(config: JudgeConfig) -> re.Pattern[str]:
@@ -232,7 +236,7 @@ class GenerativeJudge:
         self.pattern = check_judge_config(config)
         self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
         self.directory = resolve_checkpoint(config.checkpoint)
-        model = load_model(config.checkpoint, device=device)
+        model = load_model(config.checkpoint, device=device, attention=config.attention)
         from glmpost.rollout.engine import LocalEngine
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

@@ -44,6 +44,7 @@ class RunOptions:
     deepspeed_config: Path | None = setting(
         None, "DeepSpeed JSON config (its optimizer, ZeRO and clipping settings are used).", flag="--deepspeed")
     deterministic_topk: bool = shared("deterministic_topk")
+    attention: str = shared("attention")
     save_every: int = setting(0, "Save resumable training state every N optimizer steps (0 = only at the end).", min=0)
     resume: bool = setting(False, "Continue an interrupted run from its saved state without repeating a step.")
     overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
@@ -127,7 +128,8 @@ class TrainingRun:
         """A model on this rank's device: the one trained holds float32 master weights on a CPU; another
         (a KL reference) keeps the checkpoint's dtype."""
         dtype = "float32" if trained and session.device.type == "cpu" else None
-        return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=self.options.deterministic_topk)
+        return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=self.options.deterministic_topk,
+                          attention=self.options.attention)
 
     def run(self, job: TrainingJob, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
         """Train ``job`` and publish; the result on rank 0, None on the other ranks."""

@@ -91,7 +91,8 @@ class LocalBackend:
     @classmethod
     def open(cls, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> "LocalBackend":
         """Load the model on ``device`` (``config.device`` resolved)."""
-        model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk)
+        model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
+                           attention=config.attention)
         return cls(model, batch_size=config.batch_size, pad_token_id=checkpoint.tokenizer.pad_token_id)
 
     def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:

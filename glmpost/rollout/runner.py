@@ -81,6 +81,7 @@ class RolloutConfig:
     num_shards: int = shared("num_shards")
     device: str = shared("device")
     deterministic_topk: bool = shared("deterministic_topk")
+    attention: str = shared("attention")
     engine_name: str = setting("local", "local (in-process torch) or sglang (HTTP: --server).", flag="--engine")
     server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
     concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)

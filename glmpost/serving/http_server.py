@@ -181,6 +181,7 @@ class ServeConfig:
         DEFAULT_LOG_PROB_KIND, "What output log-probs are log-probs of (reported in /server_info; greedy requests "
         "are always raw): " + "; ".join(f"{kind}: {what}" for kind, what in LOG_PROB_KINDS.items()) + ".")
     deterministic_topk: bool = shared("deterministic_topk")
+    attention: str = shared("attention")
     log_requests: bool = setting(False, "Log every HTTP request to stderr.")
     metrics: Optional[Path] = setting(
         None, "Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.")
@@ -241,7 +242,8 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
     try:
         device = resolve_device(config.device)
         engine = EngineServer(config.checkpoint, device=device, batch_size=config.batch_size,
-                              deterministic_topk=config.deterministic_topk, weight_version=config.weight_version,
+                              deterministic_topk=config.deterministic_topk, attention=config.attention,
+                              weight_version=config.weight_version,
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind,
                               prefix_cache_batches=config.prefix_cache_batches)
         try:

@@ -97,7 +97,7 @@ def model_tensors(model) -> dict[str, tuple[int, ...]]:
 
 
 def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, deterministic_topk: bool,
-                    prefix_cache_batches: int = 0) -> _Loaded:
+                    prefix_cache_batches: int = 0, attention: str = "native") -> _Loaded:
     """Model, tokenizer and identity of a checkpoint root or version directory, with a prefix cache
     of ``prefix_cache_batches`` engine batches (0: none)."""
     from glmpost.checkpoints import (
@@ -118,7 +118,7 @@ def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, det
         config = json.loads((version_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise GlmpostError(f"{version_dir}/config.json: unreadable ({exc})") from None
-    model = load_model(version_dir, device=device, deterministic_topk=deterministic_topk)
+    model = load_model(version_dir, device=device, deterministic_topk=deterministic_topk, attention=attention)
     tensors = model_tensors(model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine = LocalEngine(model, batch_size=batch_size, pad_token_id=pad)
@@ -135,15 +135,16 @@ class EngineServer:
 
     def __init__(self, checkpoint: str | Path, *, device: Any = "cpu", batch_size: int = 32, deterministic_topk: bool = True,
                  weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND,
-                 prefix_cache_batches: int = 0):
+                 prefix_cache_batches: int = 0, attention: str = "native"):
         self.device = device
+        self.attention = attention
         self.log_prob_kind = check_log_prob_kind(log_prob_kind)
         self.batch_size = batch_size
         self.deterministic_topk = deterministic_topk
         self.batch_wait_s = batch_wait_s
         self.prefix_cache_batches = prefix_cache_batches
         self.loaded = load_checkpoint(checkpoint, device=device, batch_size=batch_size, deterministic_topk=deterministic_topk,
-                                      prefix_cache_batches=prefix_cache_batches)
+                                      prefix_cache_batches=prefix_cache_batches, attention=attention)
         self.weight_version = weight_version if weight_version is not None else (
             str(self.loaded.policy_version) if self.loaded.policy_version is not None else "default")
         self._queue: deque[_Job] = deque()
@@ -374,7 +375,7 @@ class EngineServer:
                 return refuse(f"{target}: tokenizer revision {revision} differs from the served {old.revision}")
             # load_model refuses a checkpoint that lacks a tensor; shapes must match the served model's.
             new = load_checkpoint(target, device=self.device, batch_size=self.batch_size, deterministic_topk=self.deterministic_topk,
-                                  prefix_cache_batches=self.prefix_cache_batches)
+                                  prefix_cache_batches=self.prefix_cache_batches, attention=self.attention)
             bad = sorted(n for n in old.tensors if new.tensors.get(n) != old.tensors[n])
             if bad:
                 return refuse(f"{target}: tensor {bad[0]} has shape {list(new.tensors.get(bad[0], ()))}, the served one {list(old.tensors[bad[0]])}")
