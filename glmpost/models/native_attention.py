@@ -38,9 +38,8 @@ import torch.nn.functional as F
 
 ATTENTION_CHOICES = ("native", "reference")
 DEFAULT_ATTENTION = "native"
-# Indexer scores held at once per layer (float32 [B, chunk, index_heads, keys]): 4 Mi entries = 16 MiB.
-INDEXER_CHUNK_ELEMENTS = 1 << 22
-# A [B, T] key mask travels to the attention modules in place of transformers' 4-D causal mask.
+# Indexer scores held at once per layer (float32 [B, chunk, index_heads, keys]): 1 Mi entries = 4 MiB.
+INDEXER_CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass
@@ -132,10 +131,9 @@ def indexer_queries(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor,
 def index_scores(indexer, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``Σ_h w_h · relu(scale · q_h·k)`` ``[B, C, K]`` for queries ``[B, C, H, D]`` and keys ``[B, K, D]``,
     ``-inf`` where ``allowed`` (bool ``[B, C, K]``) is False (the reference indexer's formula and op order)."""
-    scores = torch.matmul(queries, keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale
-    scores = F.relu(scores)
+    scores = torch.matmul(queries, keys.transpose(-1, -2).float().unsqueeze(1)).mul_(indexer.softmax_scale).relu_()
     scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-    return scores.masked_fill(~allowed, float("-inf"))
+    return scores.masked_fill_(~allowed, float("-inf"))
 
 
 def select_topk(indexer, scores: torch.Tensor, k: int) -> torch.Tensor:
