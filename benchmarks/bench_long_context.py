@@ -8,12 +8,16 @@ weights: ``native`` (:func:`glmpost.models.native_attention.set_attention`) and 
   prompts of each ``--prompt-lengths`` length; sides: glmpost's ``LocalEngine`` on the native model,
   the same engine on the reference model, and HF ``model.generate(..., do_sample=False,
   min_new_tokens=N)`` on the reference model (tokens only). Reported: generated tokens/s of the
-  whole rollout (prefill included) and the decode cost per generated token, ``(t(N) - t(1)) /
-  (N - 1)`` per batch step (the prefill cancels); the reference sides only up to
+  whole rollout (prefill included), and for the two glmpost sides the decode cost per step: after
+  one prefill, ``--decode-steps`` one-token forwards timed as the engine makes them (mask and
+  positions grown per step, the cache passed back); the reference sides only up to
   ``--reference-max-prompt`` (they take minutes beyond).
 * ``train``: forward + backward of one sequence through the trainer's log-prob path
   (:func:`glmpost.closure.logprobs.sequence_log_probs`) at each ``--train-lengths`` length: tokens/s
-  and the peak memory above the start (:class:`memory.PeakMemory`: sampled RSS on CPU).
+  (best of ``--repeats``) and the peak memory of the step above its start, measured in a child
+  process per side and length (the kernel's high-water mark, :class:`memory.PeakMemory`, of the
+  first step after a 64-token warm-up, with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` so that every
+  tensor above 64 KiB is returned to the OS when freed and RSS follows the tensors alive).
 * ``topk``: :func:`glmpost.npu.topk.deterministic_topk` vs ``torch.topk`` at ``[16, 8192]``,
   ``k = 2048``, on distinct scores and on indexer-like relu scores (many exact zeros).
 
@@ -32,7 +36,10 @@ import copy
 import gc
 import json
 import logging
+import os
 import platform
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -71,6 +78,24 @@ def time_engine(model, batch_prompts, new_tokens: int) -> tuple[float, list[list
 
 
 @torch.no_grad()
+def decode_ms_per_step(model, batch_prompts, steps: int) -> float:
+    ids = torch.tensor(batch_prompts)
+    mask = torch.ones_like(ids)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+    cache, positions, step_ids = out.cache, torch.full((len(batch_prompts), 1), ids.shape[1] - 1), ids[:, -1:]
+    started = None
+    for step in range(steps + 2):  # two warm-up steps
+        if step == 2:
+            started = time.perf_counter()
+        mask = torch.cat([mask, torch.ones((len(batch_prompts), 1), dtype=mask.dtype)], dim=-1)
+        positions = positions + 1
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        cache, step_ids = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+@torch.no_grad()
 def time_hf(model, batch_prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
     ids = torch.tensor(batch_prompts)
     started = time.perf_counter()
@@ -83,19 +108,19 @@ def rollout_rows(native, reference, args) -> list[dict]:
     rows = []
     for length in args.prompt_lengths:
         batch_prompts = prompts(args.rollout_batch, length, native.config.vocab_size)
-        sides = [("native", lambda n: time_engine(native, batch_prompts, n))]
+        sides = [("native", native, lambda n: time_engine(native, batch_prompts, n))]
         if length <= args.reference_max_prompt:
-            sides += [("reference", lambda n: time_engine(reference, batch_prompts, n)),
-                      ("hf_generate", lambda n: time_hf(reference, batch_prompts, n))]
+            sides += [("reference", reference, lambda n: time_engine(reference, batch_prompts, n)),
+                      ("hf_generate", None, lambda n: time_hf(reference, batch_prompts, n))]
         row = {"prompt_tokens": length, "batch": args.rollout_batch, "new_tokens": args.new_tokens}
         tokens = {}
-        for name, run in sides:
+        for name, model, run in sides:
             gc.collect()
-            first, _ = run(1)
             whole, tokens[name] = run(args.new_tokens)
             row[f"{name}_tokens_per_s"] = round(args.rollout_batch * args.new_tokens / whole, 1)
-            row[f"{name}_decode_ms_per_step"] = round((whole - first) / (args.new_tokens - 1) * 1e3, 3)
-            print(f"rollout {length}: {name} {row[f'{name}_tokens_per_s']} tok/s, decode {row[f'{name}_decode_ms_per_step']} ms/step",
+            if model is not None:
+                row[f"{name}_decode_ms_per_step"] = round(decode_ms_per_step(model, batch_prompts, args.decode_steps), 3)
+            print(f"rollout {length}: {name} {row[f'{name}_tokens_per_s']} tok/s, decode {row.get(f'{name}_decode_ms_per_step')} ms/step",
                   flush=True)
         for name in tokens:
             row[f"{name}_same_tokens"] = sum(a == b for x, y in zip(tokens[name], tokens["native"]) for a, b in zip(x, y)) / (
@@ -122,13 +147,12 @@ def train_rows(native, reference, args) -> list[dict]:
             gc.collect()
             best = float("inf")
             for _ in range(args.repeats):
-                with PeakMemory() as peak:
-                    started = time.perf_counter()
-                    sequence_log_probs(model, ids).log_probs.sum().backward()
-                    best = min(best, time.perf_counter() - started)
+                started = time.perf_counter()
+                sequence_log_probs(model, ids).log_probs.sum().backward()
+                best = min(best, time.perf_counter() - started)
                 model.zero_grad(set_to_none=True)
             row[f"{name}_tokens_per_s"] = round(length / best)
-            row[f"{name}_peak_mib"] = round(peak.peak_bytes / 2**20, 1)
+            row[f"{name}_peak_mib"] = round(child_peak_bytes(name, length, args.threads) / 2**20, 1)
             print(f"train {length}: {name} {row[f'{name}_tokens_per_s']} tok/s, peak {row[f'{name}_peak_mib']} MiB", flush=True)
         if "reference_tokens_per_s" in row:
             row["native_vs_reference"] = round(row["native_tokens_per_s"] / row["reference_tokens_per_s"], 2)
@@ -138,6 +162,25 @@ def train_rows(native, reference, args) -> list[dict]:
         if half is not None:
             row["native_peak_vs_half_length"] = round(row["native_peak_mib"] / half["native_peak_mib"], 2)
     return rows
+
+
+def child_peak_bytes(side: str, length: int, threads: int) -> int:
+    """Peak bytes of one training step of ``side`` at ``length`` tokens, measured in a fresh process."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, __file__, "--peak-child", side, str(length), "--threads", str(threads)],
+                         env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def peak_child(side: str, length: int) -> None:
+    native, reference = models()
+    model = (native if side == "native" else reference).train()
+    sequence_log_probs(model, torch.randint(8, 500, (1, 64))).log_probs.sum().backward()  # first-touch allocations
+    model.zero_grad(set_to_none=True)
+    ids = torch.randint(8, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+    with PeakMemory() as peak:
+        sequence_log_probs(model, ids).log_probs.sum().backward()
+    print(peak.hwm_bytes if peak.hwm_bytes is not None else peak.peak_bytes)
 
 
 def topk_rows(args) -> list[dict]:
@@ -169,6 +212,7 @@ def main() -> None:
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[1024, 2048, 8192])
     parser.add_argument("--rollout-batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--reference-max-prompt", type=int, default=2048)
     parser.add_argument("--train-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--reference-max-train", type=int, default=4096)
@@ -177,8 +221,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", choices=("rollout", "train", "topk"), action="append")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--peak-child", nargs=2, metavar=("SIDE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.peak_child:
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        return peak_child(args.peak_child[0], int(args.peak_child[1]))
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     only = set(args.only or ("topk", "train", "rollout"))

@@ -8,7 +8,8 @@ their sum as the role's peak. Roles the recipe does not use read '-'. Settings c
 recipe's stage sections (micro-batch, chunk size, ZeRO stage, group size, max-new-tokens, rollout
 batch, teacher payload, weight-sync quantization) and the model config (--model: a preset, a
 config.json or a checkpoint). Options of this command can also be set in the recipe's [plan]
-section (flags win). Model-state and KV-cache bytes are exact; activations and workspace are
+section (flags win). Each object is then described: its layout, producer, consumer, owner and lifetime.
+Model-state and KV-cache bytes are exact; activations and workspace are
 estimates (see glmpost/memory_plan.py); the allocator's fragmentation is not modelled (--margin).
 """
 
@@ -23,7 +24,8 @@ import typer
 from glmpost.commands.common import print_summary
 from glmpost.commands.options import json_option
 from glmpost.errors import UsageError
-from glmpost.memory_plan import ModelShape, format_bytes, format_table, plan_memory
+from glmpost.memory_plan import ModelShape
+from glmpost.memory_roles import format_bytes, format_objects, format_table, memory_objects, plan_memory
 from glmpost.memory_recipe import model_config, workload_from_recipe
 
 PLAN_DEFAULTS: dict[str, Any] = {
@@ -31,7 +33,7 @@ PLAN_DEFAULTS: dict[str, Any] = {
     "prompt_tokens": 256,
     "dtype": "bfloat16",
     "ranks": 1,
-    "attention": "math",
+    "attention": None,
     "margin": 0.0,
 }
 
@@ -44,7 +46,9 @@ def plan(
     dtype: str | None = typer.Option(None, "--dtype", help="Weight / activation dtype: bfloat16, float16 or float32. Default: bfloat16."),
     ranks: int | None = typer.Option(None, "--ranks", min=1, help="Data-parallel training ranks (ZeRO divides states by this). Default: [pipeline] train-ranks x train-nodes, else 1."),
     attention: str | None = typer.Option(
-        None, "--attention", help="Attention kernel: math (torch SDPA math path, CPU), eager, or fused (flash / memory-efficient). Default: math."),
+        None, "--attention", help="Attention path: native (glmpost's GLM-5 attention over the DSA top-k keys), or transformers' "
+        "reference with its kernel: math (torch SDPA math path, CPU), eager, or fused (flash / memory-efficient). Default: the "
+        "training stage's --attention (native; reference plans as math)."),
     margin: float | None = typer.Option(None, "--margin", min=0.0, help="Runtime margin as a fraction of each role's sum (the brief's M_runtime_margin). Default: 0."),
     as_json: bool = json_option("the plan"),
 ) -> None:
@@ -58,8 +62,8 @@ def plan(
     defaults = {**PLAN_DEFAULTS, "ranks": report.pipeline.world_size if report.pipeline is not None else 1}
     settings = {k: given[k] if given[k] is not None else recipe_plan.get(k) if recipe_plan.get(k) is not None else defaults[k]
                 for k in PLAN_DEFAULTS}
-    if settings["attention"] not in ("math", "eager", "fused"):
-        raise UsageError(f"--attention {settings['attention']!r}: expected math, eager or fused")
+    if settings["attention"] not in (None, "native", "math", "eager", "fused"):
+        raise UsageError(f"--attention {settings['attention']!r}: expected native, math, eager or fused")
     if settings["dtype"] not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype {settings['dtype']!r}: expected bfloat16, float16 or float32")
     description, config = model_config(str(settings["model"]))
@@ -82,6 +86,7 @@ def plan(
         "roles": {row.role: row.to_dict() for row in rows},
         "colocated_peak": sum(row.peak for row in rows if row.used),
         "not_modelled": "allocator fragmentation (M_allocator)",
+        "objects": {role: asdict(facts) for role, facts in memory_objects(workload.attention).items()},
     }
     human = "\n".join([
         (f"{recipe}: peak memory per role (brief: 内存不是“参数量乘位宽”), model {description}: "
@@ -95,5 +100,7 @@ def plan(
         "",
         (f"exact: model state, KV cache, indexer cache; estimated: activations, workspace, buffers; "
         f"not modelled: allocator fragmentation. Co-located peak {format_bytes(summary['colocated_peak'])}."),
+        "",
+        format_objects(memory_objects(workload.attention)),
     ])
     print_summary(summary, as_json=as_json, human=human)

@@ -41,7 +41,7 @@ Estimated terms (within the tolerance stated in ``tests/test_plan.py``):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 GIB = 2**30
@@ -214,6 +214,8 @@ def saved_activation_terms(
     RMSNorm(d) keeps its float32 input, rsqrt and the normalised output: N*d*(4 + a) + 4N; a linear
     keeps its input; MLA keeps the norm output (q_a/kv_a input), q_a-normed (q_b input), kv_a-normed
     (kv_b input), query and key [N, heads, qk_head], value and o_proj input [N, heads, v_head];
+    attention "native" (glmpost's, the default) keeps [N, k] selected keys instead of any [S, S]
+    term (:func:`glmpost.memory_native.native_attention_saved_bytes`);
     attention "math" (torch SDPA math path, CPU) keeps probabilities [B, heads, S, S] in a,
     "eager" also their float32 softmax, "fused" (flash / memory-efficient) only a float32
     logsumexp [B, heads, S]; the DSA indexer runs under no_grad and keeps nothing. A dense MLP keeps
@@ -245,8 +247,8 @@ def saved_activation_terms(
         scores = qkv * a + batch * heads * seq * seq * (a + 4)
     elif attention == "fused":  # flash / memory-efficient: q, k, v, output and a float32 logsumexp
         scores = qkv * a + n * heads * shape.v_head_dim * a + batch * heads * seq * 4
-    else:
-        raise ValueError(f"attention must be math, eager or fused; got {attention!r}")
+    elif attention != "native":
+        raise ValueError(f"attention must be native, math, eager or fused; got {attention!r}")
     rope = 2 * seq * shape.qk_rope_head_dim * a  # cos, sin halves for q and k
     norms = 2 * rms(h)
     dense_mlp = n * h * a + 4 * n * shape.intermediate * a
@@ -259,11 +261,17 @@ def saved_activation_terms(
     shared = 4 * n * im * shape.shared_experts * a
     scored = n - batch if scored_tokens is None else scored_tokens
     head = scored * (h * a + 8) + batch * (seq - 1) + rms(h)  # rows, targets, mask, final norm
+    if attention == "native":  # glmpost's MLA over the selected keys: no [S, S] term (glmpost.memory_native)
+        from glmpost.memory_native import native_attention_saved_bytes
+
+        attention_bytes, scores_bytes = native_attention_saved_bytes(shape, batch=batch, seq=seq, dtype=dtype), 0
+    else:
+        attention_bytes, scores_bytes = shape.layers * (attn_layer + rope), shape.layers * scores
     return {
         "embedding_ids": n * 8,
         "norms": shape.layers * norms,
-        "attention": shape.layers * (attn_layer + rope),
-        "attention_scores": shape.layers * scores,
+        "attention": attention_bytes,
+        "attention_scores": scores_bytes,
         "dense_mlp": shape.dense_layers * dense_mlp,
         "moe": shape.moe_layers * (router + experts + shared),
         "head": head,
@@ -284,9 +292,14 @@ def indexer_cache_bytes(shape: ModelShape, *, batch: int, seq: int, dtype: str) 
     return batch * seq * shape.indexer_layers * shape.index_head_dim * dtype_bytes(dtype)
 
 
-def indexer_workspace_bytes(shape: ModelShape, *, batch: int, queries: int, keys: int) -> int:
+def indexer_workspace_bytes(shape: ModelShape, *, batch: int, queries: int, keys: int, attention: str = "math") -> int:
     """One indexer call: float32 scores [B, Sq, H_idx, Sk], index scores [B, Sq, Sk] and the bool
-    index mask [B, Sq, Sk] (glmpost scores with transformers' formula, then takes the top-k)."""
+    index mask [B, Sq, Sk] (transformers' indexer); the native path scores one query chunk at a time
+    (:func:`glmpost.memory_native.native_indexer_workspace_bytes`)."""
+    if attention == "native":
+        from glmpost.memory_native import native_indexer_workspace_bytes
+
+        return native_indexer_workspace_bytes(shape, batch=batch, queries=queries, keys=keys)
     return batch * queries * keys * (shape.index_heads * 4 + 4 + 1)
 
 
@@ -299,8 +312,14 @@ def head_workspace_bytes(shape: ModelShape, *, chunk: int, dtype: str, grad: boo
     return 3 * cv + shape.vocab * shape.hidden * dtype_bytes(dtype)
 
 
-def attention_workspace_bytes(shape: ModelShape, *, batch: int, seq: int, attention: str, grad: bool) -> int:
-    """Transient attention scores: float32 [B, heads, S, S] (x2 in backward) on the math / eager path."""
+def attention_workspace_bytes(shape: ModelShape, *, batch: int, seq: int, attention: str, grad: bool,
+                              dtype: str = "float32") -> int:
+    """Transient attention scores: float32 [B, heads, S, S] (x2 in backward) on the math / eager path;
+    one query chunk's selected-key gather on the native path."""
+    if attention == "native":
+        from glmpost.memory_native import native_gather_workspace_bytes
+
+        return native_gather_workspace_bytes(shape, batch=batch, queries=seq, keys=seq, dtype=dtype)
     if attention == "fused":
         return 0
     return batch * shape.heads * seq * seq * 4 * (2 if grad else 1)
@@ -332,161 +351,3 @@ def weight_sync_bytes(shape: ModelShape, *, quantize: str, dtype: str) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# ----------------------------------------------------------------------------------------------
-# The plan
-
-
-@dataclass
-class Workload:
-    """What a recipe runs (training micro-batch, rollout batch, payloads), with glmpost defaults."""
-
-    micro_batch: int = 8
-    seq: int = 576  # prompt + response tokens of one trajectory
-    response_tokens: int = 64
-    chunk_size: int = 512
-    dtype: str = "bfloat16"
-    zero_stage: int = 0
-    ranks: int = 1
-    attention: str = "math"
-    rollout_batch: int = 32
-    rollout_prompt: int = 512
-    rollout_dtype: str = "bfloat16"
-    records_per_update: int = 64
-    reference: bool = False
-    teacher: bool = False
-    critic: bool = False
-    training: bool = True
-    rollout: bool = True
-    teacher_payload: str = "sampled"
-    teacher_topk: int = 0
-    sync_quantize: str = "none"
-    sync: bool = False
-    reduce_bucket: int = DEFAULT_REDUCE_BUCKET
-    allgather_bucket: int = DEFAULT_ALLGATHER_BUCKET
-    margin: float = 0.0
-
-
-@dataclass
-class RoleMemory:
-    role: str
-    used: bool
-    model_state: int = 0
-    saved_activations: int = 0
-    workspace: int = 0
-    communication: int = 0
-    live_io: int = 0
-    margin: int = 0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def peak(self) -> int:
-        return sum(getattr(self, c) for c in COMPONENTS) + self.margin
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["peak"] = self.peak
-        return out
-
-
-def plan_memory(shape: ModelShape, w: Workload) -> list[RoleMemory]:
-    """One :class:`RoleMemory` per role in :data:`ROLES` (unused roles are present with used=False)."""
-    deepspeed = w.zero_stage > 0 or w.ranks > 1
-    counts = shape.parameter_count()
-    rows: list[RoleMemory] = []
-
-    def comm_buffers(train: bool) -> int:
-        if not deepspeed:
-            return 0
-        b = dtype_bytes(w.dtype)
-        reduce = min(w.reduce_bucket, counts["trainable"]) * b if train else 0
-        return reduce + min(w.allgather_bucket, counts["total"]) * b
-
-    # Actor: the policy being trained (train-grpo / opd-merge / qat).
-    state = model_state_bytes(shape, dtype=w.dtype, trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
-    acts = saved_activation_terms(shape, batch=w.micro_batch, seq=w.seq, dtype=w.dtype, attention=w.attention)
-    ws = {
-        "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype=w.dtype, grad=True),
-        "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=True),
-        "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq),
-    }
-    rows.append(RoleMemory(
-        "actor", w.training, sum(state.values()), sum(acts.values()), max(ws.values()), comm_buffers(True),
-        train_io_bytes(batch=w.micro_batch, seq=w.seq), details={**state, "activations": acts, "workspace": ws},
-    ))
-    # Reference and teacher: frozen forward passes without autograd.
-    frozen = model_state_bytes(shape, dtype=w.dtype, trainable=False)
-    frozen_ws = {
-        "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype=w.dtype, grad=False),
-        "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=False),
-        "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq),
-    }
-    io = train_io_bytes(batch=w.micro_batch, seq=w.seq)
-    rows.append(RoleMemory("reference", w.reference, sum(frozen.values()), 0, max(frozen_ws.values()),
-                           comm_buffers(False) if w.reference else 0, io, details={**frozen, "workspace": frozen_ws}))
-    payload_micro = teacher_payload_bytes(records=w.micro_batch, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
-    rows.append(RoleMemory("teacher", w.teacher, sum(frozen.values()), 0, max(frozen_ws.values()), 0, io + payload_micro,
-                           details={**frozen, "workspace": frozen_ws}))
-    # Critic (SAO): the body plus a scalar value head instead of the LM head.
-    critic_params_saved = (shape.vocab * shape.hidden - shape.hidden - 1) if not shape.tie_word_embeddings else 0
-    b = dtype_bytes(w.dtype)
-    critic_state = {k: max(v - critic_params_saved * (b if k != "optimizer" else 8 + (4 if b < 4 else 0)), 0)
-                    for k, v in state.items()}
-    rows.append(RoleMemory("critic", w.critic, sum(critic_state.values()), sum(acts.values()) - acts["head"],
-                           max(ws["attention"], ws["dsa_indexer"]), comm_buffers(True),
-                           train_io_bytes(batch=w.micro_batch, seq=w.seq), details=critic_state))
-    # Rollout KV cache: the whole rollout batch at prompt + max-new-tokens.
-    rollout_seq = w.rollout_prompt + w.response_tokens
-    kv = kv_cache_bytes(shape, batch=w.rollout_batch, seq=rollout_seq, dtype=w.rollout_dtype)
-    rows.append(RoleMemory(
-        "rollout_kv", w.rollout, 0, kv,
-        # decode: [B, V] float32 logits, scaled copy and softmax / sort buffers
-        3 * w.rollout_batch * shape.vocab * 4,
-        0, w.rollout_batch * rollout_seq * 8 * 2 + w.rollout_batch * w.response_tokens * 4,
-        details={"batch": w.rollout_batch, "seq": rollout_seq, "per_token": kv // max(w.rollout_batch * rollout_seq, 1)},
-    ))
-    # DSA index: indexer key cache in rollout, top-k indices and scoring workspace in training.
-    index_cache = indexer_cache_bytes(shape, batch=w.rollout_batch, seq=rollout_seq, dtype=w.rollout_dtype)
-    topk = min(shape.index_topk, w.seq)
-    rows.append(RoleMemory(
-        "dsa_index", w.rollout or w.training, 0, index_cache,
-        max(indexer_workspace_bytes(shape, batch=w.rollout_batch, queries=w.rollout_prompt, keys=w.rollout_prompt),
-            indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq)),
-        0, 2 * w.micro_batch * w.seq * topk * 4,  # int32 top-k of this layer and the previous one
-        details={"rollout_key_cache": index_cache},
-    ))
-    payload = teacher_payload_bytes(records=w.records_per_update, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
-    rows.append(RoleMemory("teacher_payload", w.teacher, 0, 0, 0, 0, payload,
-                           details={"records": w.records_per_update, "kind": w.teacher_payload}))
-    sync = weight_sync_bytes(shape, quantize=w.sync_quantize, dtype=w.rollout_dtype)
-    rows.append(RoleMemory("weight_sync", w.sync, 0, 0, 0, sync, 0, details={"quantize": w.sync_quantize}))
-    for row in rows:
-        row.margin = int(w.margin * sum(getattr(row, c) for c in COMPONENTS))
-    return rows
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def format_table(rows: list[RoleMemory]) -> str:
-    """Rows = roles, columns = components, peak per role; unused roles read '-'."""
-    headers = ["role", *COMPONENTS, "margin", "peak"]
-    table = [headers]
-    for row in rows:
-        if not row.used:
-            table.append([row.role] + ["-"] * (len(headers) - 1))
-            continue
-        table.append([row.role, *(format_bytes(getattr(row, c)) for c in COMPONENTS), format_bytes(row.margin), format_bytes(row.peak)])
-    used = [r for r in rows if r.used]
-    table.append(["all roles co-located", *(format_bytes(sum(getattr(r, c) for r in used)) for c in COMPONENTS),
-                  format_bytes(sum(r.margin for r in used)), format_bytes(sum(r.peak for r in used))])
-    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
-    lines = ["  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(line)) for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

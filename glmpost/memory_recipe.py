@@ -1,5 +1,5 @@
 """A recipe's run as the memory plan sees it (``glmpost plan``): the model's config from a preset, a
-config.json or a checkpoint, and the :class:`~glmpost.memory_plan.Workload` the recipe's stage
+config.json or a checkpoint, and the :class:`~glmpost.memory_roles.Workload` the recipe's stage
 sections describe."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
-from glmpost.memory_plan import Workload
+from glmpost.memory_roles import Workload
 
 TRAINING_STAGES = ("train-grpo", "opd-merge", "train-sao", "qat")
 
@@ -61,7 +61,8 @@ def workload_from_recipe(values: dict[str, dict[str, Any]], settings: dict[str, 
         dtype=settings["dtype"],
         zero_stage=int(train.get("zero_stage") or 0),
         ranks=settings["ranks"],
-        attention=settings["attention"],
+        # The training stage's --attention: native, or transformers' modules (SDPA's math path on a CPU).
+        attention=settings["attention"] or ("math" if train.get("attention") == "reference" else "native"),
         rollout_batch=int(rollout.get("batch_size") or 32),
         rollout_prompt=settings["prompt_tokens"],
         rollout_dtype=settings["dtype"],

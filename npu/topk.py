@@ -69,10 +69,11 @@ def composite_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     values = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
     bits = values.view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    ordered = ordered.masked_fill(values.isnan(), torch.iinfo(torch.int32).min)
-    positions = torch.arange(values.shape[-1], dtype=torch.int64, device=values.device)
-    keys = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - positions)
+    ordered = (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)  # flip the magnitude bits of negatives
+    if bool(torch.isnan(values.sum())):  # a NaN (or +inf beside -inf): rank NaN below -inf
+        ordered.masked_fill_(values.isnan(), torch.iinfo(torch.int32).min)
+    positions = torch.arange(0xFFFFFFFF, 0xFFFFFFFF - values.shape[-1], -1, dtype=torch.int64, device=values.device)
+    keys = ordered.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(positions)
     return _original_topk(keys, k, dim=-1).indices.to(torch.int32)
 
 

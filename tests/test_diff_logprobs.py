@@ -133,6 +133,18 @@ def test_deterministic_topk_selects_identical_sets_across_batch_sizes(glmpost_cl
     assert report["overall"]["max_abs"] < 1e-5 and report["overall"]["sample_agreement"] == 1.0
 
 
+def test_native_and_reference_attention_select_the_same_keys_and_agree_within_1e_5(glmpost_cli, tiny_checkpoint, shards, tmp_path):
+    report = _report(glmpost_cli, shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "a", "--against-attention",
+                     "reference", "--indexer", "--fail-above", "indexer_differing_sets=0", "--no-plots")
+    assert report["path_a"]["attention"] == "native" and report["path_b"]["attention"] == "reference"
+    ix = report["indexer"]["overall"]
+    assert ix["differing_sets"] == 0 and ix["identical_sets"] == 1.0 and ix["boundary_ties_a"] > 0
+    # The native path absorbs MLA's key up-projection into the query: the products round differently.
+    assert 0.0 < report["overall"]["max_abs"] < 1e-5 and report["overall"]["sample_agreement"] == 1.0
+    bad = glmpost_cli("diff-logprobs", shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "b", "--against-attention", "flash")
+    assert bad.exit_code == 2 and "--against-attention 'flash': expected native or reference" in bad.stderr
+
+
 def test_two_checkpoints_and_two_dtypes(glmpost_cli, tiny_checkpoint, shards, tmp_path):
     for scheme, extra in (("fp8-block", ()), ("w4a16", ("--group-size", "16"))):
         result = glmpost_cli("quantize", tiny_checkpoint, "--out", tmp_path / scheme, "--scheme", scheme, *extra)

@@ -22,7 +22,10 @@ from glmpost.memory_plan import (
     model_state_bytes,
     saved_activation_bytes,
 )
+from glmpost.memory_native import latent_cache_capacity, native_cache_bytes
+from glmpost.models.native_attention import set_attention
 from glmpost.models.tiny import build_model, tiny_glm5_config
+from glmpost.rollout.continuation import TurnCaches
 
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVATION_TOLERANCE = 0.05
@@ -116,15 +119,86 @@ def _saved_bytes(model, ids) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("attention", ["math", "native"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("batch,seq", [(4, 40), (2, 64)])
-def test_saved_activations_within_tolerance(dtype, batch, seq):
+@pytest.mark.parametrize("batch,seq", [(4, 40), (2, 64), (1, 6)])
+def test_saved_activations_within_tolerance(dtype, batch, seq, attention):
     config = tiny_glm5_config()
     model = build_model(config, seed=0).to(getattr(torch, dtype)).train()
+    set_attention(model, "native" if attention == "native" else "reference")
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     measured = _saved_bytes(model, ids)
-    planned = saved_activation_bytes(ModelShape.from_config(config), batch=batch, seq=seq, dtype=dtype, attention="math")
+    planned = saved_activation_bytes(ModelShape.from_config(config), batch=batch, seq=seq, dtype=dtype, attention=attention)
     assert abs(planned - measured) <= ACTIVATION_TOLERANCE * measured, (planned, measured)
+
+
+def test_native_saved_activations_grow_linearly_where_the_reference_grows_quadratically():
+    shape = ModelShape.from_config(tiny_glm5_config())
+    native = [saved_activation_bytes(shape, batch=1, seq=s, dtype="float32", attention="native") for s in (2048, 4096, 8192)]
+    math = [saved_activation_bytes(shape, batch=1, seq=s, dtype="float32", attention="math") for s in (2048, 4096, 8192)]
+    assert native[2] / native[1] == pytest.approx(2.0, rel=1e-3) and native[1] / native[0] == pytest.approx(2.0, rel=1e-3)
+    assert math[2] / math[1] > 3.0  # the [B, heads, S, S] probabilities
+
+
+def test_native_latent_cache_bytes_are_exact():
+    """Prefill P tokens and decode through the engine: the LatentCache buffers hold exactly the
+    planned capacity (doubling) of latents, roped keys and indexer keys."""
+    from glmpost.rollout.engine import LocalEngine, SamplingParams
+
+    config = tiny_glm5_config()
+    model = build_model(config, seed=0)
+    set_attention(model, "native")
+    shape = ModelShape.from_config(config)
+    for prompt, new in ((10, 6), (10, 30), (40, 1)):
+        caches = TurnCaches()
+        engine = LocalEngine(model, batch_size=3)
+        engine.generate([[5] * prompt] * 3, ["a", "b", "c"], SamplingParams(max_new_tokens=new, stop_token_ids=[]),
+                        sessions=["a", "b", "c"], caches=caches)
+        cache = caches.batches[0].cache
+        planned = native_cache_bytes(shape, batch=3, prompt=prompt, new_tokens=new, dtype="float32")
+        assert cache.nbytes() == planned["latent"] + planned["indexer_keys"], (prompt, new)
+        assert cache.get_seq_length() == prompt + new - 1
+    assert [latent_cache_capacity(p, n) for p, n in ((10, 6), (10, 30), (100, 1), (100, 101))] == [20, 42, 200, 200]
+
+
+PEAK_CHILD = """
+import sys, torch
+sys.path.insert(0, {benchmarks!r})
+from memory import PeakMemory
+from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.models.native_attention import set_attention
+from glmpost.models.tiny import build_model, tiny_glm5_config
+torch.set_num_threads(1)
+model = build_model(tiny_glm5_config(max_position_embeddings={seq}), seed=0).train()
+set_attention(model, "native")
+sequence_log_probs(model, torch.randint(0, 512, (1, 64)), chunk_size={chunk}).log_probs.sum().backward()
+model.zero_grad(set_to_none=True)
+ids = torch.randint(0, 512, ({batch}, {seq}), generator=torch.Generator().manual_seed(0))
+with PeakMemory() as peak:
+    sequence_log_probs(model, ids, chunk_size={chunk}).log_probs.sum().backward()
+print(peak.hwm_bytes if peak.hwm_bytes is not None else peak.peak_bytes)
+"""
+
+
+def test_native_training_step_peak_matches_the_plan_within_10_percent():
+    """The actor's planned saved activations + workspace + gradients against the measured peak of one
+    native training step (a fresh process; glibc returns every tensor above 64 KiB to the OS when
+    freed, so the kernel's RSS high-water mark follows the tensors alive)."""
+    import os
+    import subprocess
+    import sys
+
+    from glmpost.memory_roles import Workload, plan_memory
+
+    batch, seq, chunk = 1, 4096, 512
+    script = PEAK_CHILD.format(benchmarks=str(ROOT / "benchmarks"), batch=batch, seq=seq, chunk=chunk)
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+                         capture_output=True, text=True, check=True)
+    measured = int(out.stdout.strip().splitlines()[-1])
+    shape = ModelShape.from_config(tiny_glm5_config())
+    actor = plan_memory(shape, Workload(micro_batch=batch, seq=seq, chunk_size=chunk, dtype="float32", attention="native"))[0]
+    planned = actor.saved_activations + actor.workspace + actor.details["grads"]
+    assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
 
 
 def test_rollout_kv_and_indexer_cache_are_exact():
@@ -163,7 +237,13 @@ def test_plan_cli_table_and_json(glmpost_cli, monkeypatch):
     assert table.exit_code == 0, table.stderr
     for role in ("actor", "reference", "teacher", "critic", "rollout_kv", "dsa_index", "teacher_payload", "weight_sync"):
         assert any(line.startswith(role + " ") for line in table.stdout.splitlines()), role
+        assert set(plan["objects"][role]) == {"layout", "producer", "consumer", "owner", "lifetime"}, role
+        assert all(plan["objects"][role].values()), role
+        assert f"\n{role}:\n  layout " in table.stdout, role
     assert "model_state  saved_activations" in table.stdout
+    assert plan["workload"]["attention"] == "native" and "LatentCache" in plan["objects"]["rollout_kv"]["layout"]
+    reference = json.loads(glmpost_cli("plan", "recipes/tiny-reasoning-rl.toml", "--attention", "math", "--json").stdout)
+    assert "DynamicCache" in reference["objects"]["rollout_kv"]["layout"]
 
 
 def test_plan_section_and_flags(glmpost_cli, tmp_path):

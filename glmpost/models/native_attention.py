@@ -130,8 +130,12 @@ def indexer_queries(indexer, hidden_states: torch.Tensor, q_resid: torch.Tensor,
 
 def index_scores(indexer, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``Σ_h w_h · relu(scale · q_h·k)`` ``[B, C, K]`` for queries ``[B, C, H, D]`` and keys ``[B, K, D]``,
-    ``-inf`` where ``allowed`` (bool ``[B, C, K]``) is False (the reference indexer's formula and op order)."""
-    scores = torch.matmul(queries, keys.transpose(-1, -2).float().unsqueeze(1)).mul_(indexer.softmax_scale).relu_()
+    ``-inf`` where ``allowed`` (bool ``[B, C, K]``) is False (the reference indexer's formula; its
+    products round as another GEMM shape does, so near-equal scores may swap order, not sets)."""
+    batch, chunk, heads, dim = queries.shape
+    # One [C*H, D] x [D, K] product per row: broadcasting the keys over the chunk would copy them C times.
+    scores = torch.bmm(queries.reshape(batch, chunk * heads, dim), keys.transpose(-1, -2).float())
+    scores = scores.view(batch, chunk, heads, -1).mul_(indexer.softmax_scale).relu_()
     scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
     return scores.masked_fill_(~allowed, float("-inf"))
 
