@@ -1,5 +1,5 @@
 """Memory terms of glmpost's native GLM-5 attention (:mod:`glmpost.models.native_attention`) for
-``glmpost plan``, and an exact measurement of a block's peak tensor bytes to check them against.
+``glmpost plan`` (checked against a measured training step in ``tests/test_plan.py``).
 
 Per layer and micro-batch ``[B, S]`` (N = B * S tokens, a bytes per activation, H heads, c =
 kv_lora_rank, r = qk_rope_head_dim, k = min(index_topk, S)):
@@ -19,8 +19,6 @@ kv_lora_rank, r = qk_rope_head_dim, k = min(index_topk, S)):
 """
 
 from __future__ import annotations
-
-from typing import Any, Callable
 
 from glmpost.models.native_attention import INDEXER_CHUNK_ELEMENTS
 
@@ -98,24 +96,3 @@ def native_cache_bytes(shape, *, batch: int, prompt: int, new_tokens: int, dtype
     a = _bytes(dtype)
     return {"latent": slots * shape.layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * a,
             "indexer_keys": slots * shape.indexer_layers * shape.index_head_dim * a}
-
-
-def measured_peak_bytes(block: Callable[[], Any]) -> int:
-    """Peak bytes of CPU tensors alive at once while ``block()`` runs, above what was alive before:
-    every allocation and free the torch profiler records (``profile_memory``), replayed in order."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        block()
-    timeline = MemoryProfileTimeline(prof._memory_profile()).timeline
-    created: set = set()
-    live = peak = 0
-    for _, action, key, size in sorted(timeline, key=lambda event: event[0]):
-        if action == Action.CREATE:
-            created.add(key)
-            live += size
-        elif action == Action.DESTROY and key in created:
-            live -= size
-        peak = max(peak, live)
-    return peak

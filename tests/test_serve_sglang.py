@@ -144,6 +144,7 @@ def test_server_info_is_get_server_info_with_the_settings_clients_read(server):
     assert current == older
     assert current["enable_deterministic_inference"] is True and current["version"] == __version__
     assert current["log_prob_kind"] == "sampled" and current["weight_version"] == "0" and "stats" in current
+    assert current["attention"] == "native"  # glmpost serve's default GLM-5 attention path
     assert not any("key" in name for name in current)
     settings = client.settings()
     assert settings["log_prob_kind"] == "sampled" and client.settings() is settings  # read once per client

@@ -232,12 +232,13 @@ class EngineServer:
     def server_info(self) -> dict:
         """``GET /server_info`` (and ``/get_server_info``): what ``/model_info`` says, the settings
         clients read (``enable_deterministic_inference``: a sequence's tokens and log-probs are a
-        function of its ``sampling_seed``; ``log_prob_kind``; ``version``) and the counters since start."""
+        function of its ``sampling_seed``; ``log_prob_kind``; ``version``; glmpost's ``attention`` path)
+        and the counters since start."""
         from glmpost import __version__
 
         stats = {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}
         return {**self.model_info(), "enable_deterministic_inference": True, "log_prob_kind": self.log_prob_kind,
-                "version": __version__, "batch_wait_s": self.batch_wait_s, "stats": stats}
+                "version": __version__, "attention": self.attention, "batch_wait_s": self.batch_wait_s, "stats": stats}
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
