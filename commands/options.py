@@ -110,5 +110,6 @@ def with_options(cls: type, names: tuple[str, ...]):
     return wrap
 
 
+FOLLOW_OPTIONS = ("follow", "consumer", "follow_records", "poll_s", "lease_s", "max_versions", "idle_timeout")
 TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "deterministic", "attention", "save_every", "resume",
                         "overwrite")

@@ -19,6 +19,17 @@ The new version (parent's policy version + 1) is written under --out (a checkpoi
 moves to it. A run interrupted after --save-every steps continues with --resume; a version that
 already exists is not trained again. Multi-process training runs under `deepspeed` or `torchrun`
 with DeepSpeed ZeRO (--zero-stage or --deepspeed ds.json); rank 0 alone writes files.
+
+--follow SPOOL makes it a long-running stage of asynchronous RL: it claims judged shards from the
+spool as they land (oldest first), publishes one version per --follow-records records from --out's
+LATEST (the --checkpoint before the first), and commits each batch exactly once by trajectory id:
+the version's glmpost.json lists the shards and ids it trained, then the spool's ledger and done/
+area record them; a record trained before is skipped, a batch with nothing left to train is
+committed as dropped. Staleness and DIS are this stage's --max-staleness, --max-version-lag and
+--trust-mask. A restart after a crash resumes an interrupted update (or starts it over) and
+finishes an interrupted commit; its lease (--lease-s) returns a dead trainer's claims to the
+spool. It stops on SIGTERM / SIGINT after the update in progress, at --max-versions, or after
+--idle-timeout seconds without a new shard; unused claims go back to ready/.
 """
 
 from __future__ import annotations
@@ -28,8 +39,10 @@ from typing import Any, List, Optional
 
 import typer
 
-from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
+from glmpost.commands.common import config_option, effective_options, print_summary, report_update
+from glmpost.commands.options import FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
+from glmpost.errors import UsageError
+from glmpost.rl.follow import FollowConfig, grpo_follow
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import GRPOConfig
 from glmpost.rl.updates import grpo_update
@@ -37,10 +50,11 @@ from glmpost.rl.updates import grpo_update
 STAGE = "train-grpo"
 
 
+@with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 def train_grpo(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., help="Judged rollout shards (files, directories or globs)."),
+    inputs: List[str] = typer.Argument(None, help="Judged rollout shards (files, directories or globs); none with --follow."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy to update: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version v(N+1) and its LATEST pointer."),
     lr: float = option(GRPOConfig, 'lr'),
@@ -68,6 +82,18 @@ def train_grpo(
     config: Optional[Path] = config_option(),
     **shared: Any,
 ) -> None:
+    follow = config_from(ctx, FollowConfig)
+    if follow.follow is not None:
+        if inputs:
+            raise UsageError("--follow consumes the spool: drop the INPUTS")
+        summary = grpo_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
+                              config=config_from(ctx, GRPOConfig), temperature=temperature, ref_checkpoint=ref_checkpoint,
+                              stage_options=effective_options(ctx))
+        return print_summary(summary, as_json=as_json, human=(
+            f"{out}: {len(summary['versions'])} version(s) from {summary['spool']} (now v{summary['policy_version']}), "
+            f"{summary['dropped_records']} records dropped, stopped by {summary['stopped_by']}"))
+    if not inputs:
+        raise UsageError("give the judged shards to train on (INPUTS), or --follow SPOOL")
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
                           ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))

@@ -29,6 +29,10 @@ from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read
 from glmpost.stage import log
 
 
+class NothingToTrain(GlmpostError):
+    """An update whose records were all excluded (stale, already trained, failed): nothing to publish."""
+
+
 def _validated(config) -> None:
     """A refused setting is the caller's mistake: a :class:`~glmpost.config.SettingError` naming the
     field (a command turns it into its flag)."""
@@ -91,7 +95,7 @@ def _fresh(records: list[dict], run: TrainingRun, config, stage: str) -> tuple[l
     none left is an error."""
     kept, metrics = drop_stale(records, run.plan.parent_version, config.max_staleness)
     if records and not kept:
-        raise GlmpostError(f"{stage}: no usable records: all {len(records)} were sampled more than --max-staleness "
+        raise NothingToTrain(f"{stage}: no usable records: all {len(records)} were sampled more than --max-staleness "
                            f"{config.max_staleness} policy versions before --checkpoint's {run.plan.parent_version}")
     return kept, metrics
 
@@ -104,14 +108,21 @@ def _group_metrics(batch) -> dict[str, int]:
 
 
 def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
-                ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any] | None:
-    """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own)."""
+                ref_checkpoint: Path | None, stage_options: dict[str, Any], skip_ids: frozenset[str] = frozenset(),
+                manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own). Records
+    whose id is in ``skip_ids`` (already trained: the spool's ledger) are left out and counted;
+    ``manifest_extra`` goes into the published version's manifest (a spool's commit record)."""
     stage = "train-grpo"
     if run.done:
         return _skipped(run)
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
+    already = sum(r["id"] in skip_ids for r in records)
+    records = [r for r in records if r["id"] not in skip_ids]
+    if not records:
+        raise NothingToTrain(f"{stage}: no usable records: every record was trained before ({already})")
     records, stale = _fresh(records, run, config, stage)
     lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
     recorded = sampled_distribution(records, stage)
@@ -122,7 +133,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "IcePop will compare different distributions")
     batch = prepare_batch(records, advantage_eps=config.advantage_eps)
     if not batch.examples:
-        raise GlmpostError(f"{stage}: no usable records (excluded: {batch.excluded})")
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})")
 
     def build(model, backend, session):
         reference = None
@@ -136,9 +147,10 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "train/reward_mean": float(batch.rewards.mean()), "train/reward_std": float(batch.rewards.std()),
             "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
             "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
-            "train/policy_version": run.plan.version, **_lag_metrics(lags), **stale, **_group_metrics(batch),
+            "train/policy_version": run.plan.version, "train/already_trained": already, **_lag_metrics(lags), **stale,
+            **_group_metrics(batch),
         },
-        manifest_extra={"records": len(records), "trained_records": len(batch.examples)},
+        manifest_extra={"records": len(records), "trained_records": len(batch.examples), **(manifest_extra or {})},
         stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags,
                      "log_prob_distribution": scored, "stale_dropped": int(stale.get("train/stale_dropped", 0)),
                      "group_sizes": {str(k): v for k, v in batch.group_sizes.items()}, "failed": batch.failed},
@@ -147,7 +159,8 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     if result is None:
         return None
     return {**_published(result, len(records), len(batch.examples), batch.excluded),
-            "zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean())}
+            "zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean()),
+            "version_lags": lags}
 
 
 def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,

@@ -1,0 +1,193 @@
+"""A trainer in follow mode: consume a spool as trajectories land, publish a version per batch of
+them, commit each batch exactly once (brief, the asynchronous loop: "允许系统异步前进，同时只让仍然
+可信的 token 产生梯度"; formats/SPEC.md §12).
+
+Each round: finish any commit a crash interrupted (:meth:`~glmpost.formats.spool.Spool.reconcile`
+from the published manifests, also for a shard claimed again after its lease was reaped), keep this
+trainer's claims and claim ready shards, oldest first,
+until they hold ``follow_records`` records; train one update from the output root's ``LATEST`` (the
+initial ``--checkpoint`` before the first), leaving out every record the ledger says was trained;
+the published version's manifest lists the shards and ids (the commit record); then ledger them and
+move them to ``done/``. Staleness and DIS are the update's own (``--max-staleness``,
+``--max-version-lag``, ``--trust-mask``). A batch with nothing left to train (all stale, all
+trained before) is committed as dropped (version -1) so it is not retried forever.
+
+A background thread renews the lease; SIGTERM / SIGINT stop after the update in progress and
+return unused claims to ``ready/``. ``--max-versions`` and ``--idle-timeout`` stop it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from glmpost.config import setting
+from glmpost.formats import ShardReader
+from glmpost.formats.spool import DEFAULT_LEASE_S, Spool
+from glmpost.stage import MetricsWriter, log
+
+
+@dataclass
+class FollowConfig:
+    """The follow-mode options a training stage adds (``--follow SPOOL`` and its companions)."""
+
+    follow: Optional[Path] = setting(
+        None, "Consume shards from this spool as they land (asynchronous RL) instead of INPUTS: one version per "
+        "--follow-records records, each batch committed exactly once (formats/SPEC.md §12).")
+    consumer: Optional[str] = setting(None, "This trainer's name in the spool (default: one derived from --out, stable across restarts).")
+    follow_records: int = setting(64, "Records per published version in --follow mode (whole shards are claimed until this many).", min=1)
+    poll_s: float = setting(1.0, "Seconds between looks at the spool while waiting for shards.", min=0.01)
+    lease_s: float = setting(DEFAULT_LEASE_S, "Seconds a claim stays this trainer's without a renewal (renewed every third of it).", min=0.1)
+    max_versions: Optional[int] = setting(None, "Stop after publishing this many versions (default: run until stopped).", min=1)
+    idle_timeout: Optional[float] = setting(None, "Stop after this many seconds without a new shard (default: wait for ever).", min=0.0)
+
+
+def default_consumer(out: Path) -> str:
+    return "trainer-" + hashlib.blake2b(str(Path(out).resolve()).encode(), digest_size=5).hexdigest()
+
+
+def committed_shards(root: Path, spool: Spool) -> dict[str, tuple[int, list[str]]]:
+    """``{shard name: (version, ids)}`` of every version under ``root`` whose manifest commits
+    shards of ``spool`` (its ``extra.spool``)."""
+    from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
+
+    found: dict[str, tuple[int, list[str]]] = {}
+    checkpoints = CheckpointRoot(root)
+    for version in checkpoints.versions():
+        try:
+            extra = read_manifest(checkpoints.version_dir(version)).extra.get("spool") or {}
+        except CheckpointError:
+            continue
+        if Path(extra.get("path", "")).resolve() == spool.path.resolve():
+            for name, ids in extra.get("shards", {}).items():
+                found[name] = (version, list(ids))
+    return found
+
+
+class _Lease(threading.Thread):
+    def __init__(self, spool: Spool, consumer: str, lease_s: float):
+        super().__init__(daemon=True)
+        self.spool, self.consumer, self.lease_s = spool, consumer, lease_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.lease_s / 3):
+            self.spool.renew(self.consumer, self.lease_s)
+
+
+def _shard_ids(paths: list[Path]) -> dict[str, list[str]]:
+    return {path.name: [record["id"] for record in ShardReader(path)] for path in paths}
+
+
+Update = Callable[[Path, list[Path], frozenset, dict], Optional[dict]]
+
+
+def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer_revision: str, update: Update,
+                 nothing_to_train: type[Exception]) -> dict[str, Any]:
+    """Run the follow loop (module doc). ``update(parent, shards, skip_ids, manifest_extra)``
+    trains and publishes one version and returns its summary (``policy_version``); it raises
+    ``nothing_to_train`` when every record was excluded. Returns the run's summary."""
+    from glmpost.checkpoints import LATEST
+
+    spool = Spool(config.follow, tokenizer_revision=tokenizer_revision)
+    spool.bind_consumer_root(out)
+    consumer = config.consumer or default_consumer(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stop = {"signal": None}
+    previous = {sig: signal.signal(sig, lambda s, f: stop.update(signal=s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    spool.renew(consumer, config.lease_s)
+    lease = _Lease(spool, consumer, config.lease_s)
+    lease.start()
+    started, waited, last_new = time.monotonic(), 0.0, time.monotonic()
+    versions, dropped, lags = [], 0, Counter()
+    try:
+        with MetricsWriter(out / "metrics.jsonl") as metrics:
+            finished = spool.reconcile(consumer, committed_shards(out, spool))
+            if finished:
+                log(f"{spool.path}: finished {finished} commit(s) an interrupted run left")
+            while stop["signal"] is None and (config.max_versions is None or len(versions) < config.max_versions):
+                # A shard a published version already trained (its commit interrupted, then its
+                # claim reaped and claimed again) is committed, not trained again.
+                committed = committed_shards(out, spool)
+                spool.reconcile(consumer, committed)
+                claims = spool.claimed(consumer)
+                ids = _shard_ids(claims)
+                while sum(map(len, ids.values())) < config.follow_records and stop["signal"] is None:
+                    new = spool.claim(consumer, limit=1, lease_s=config.lease_s)
+                    if new and spool.reconcile(consumer, committed):
+                        new = [shard for shard in new if shard.name not in committed]
+                    if new:
+                        last_new = time.monotonic()
+                        ids.update(_shard_ids(new))
+                        claims += new
+                        continue
+                    if config.idle_timeout is not None and time.monotonic() - last_new > config.idle_timeout:
+                        stop["signal"] = "idle"
+                        break
+                    time.sleep(config.poll_s)
+                    waited += config.poll_s
+                if stop["signal"] is not None:
+                    break
+                parent = out if (out / LATEST).is_file() else checkpoint
+                extra = {"spool": {"path": str(spool.path.resolve()), "consumer": consumer, "shards": ids}}
+                try:
+                    trained = spool.consumed_ids() | {i for _, shard_ids in committed.values() for i in shard_ids}
+                    summary = update(parent, claims, frozenset(trained), extra)
+                except nothing_to_train as exc:
+                    log(f"{spool.path}: {len(claims)} shard(s) dropped: {exc}")
+                    spool.commit(consumer, claims, version=-1, ids=ids)
+                    dropped += sum(map(len, ids.values()))
+                    continue
+                version = summary["policy_version"]
+                spool.commit(consumer, claims, version=version, ids=ids)
+                versions.append(version)
+                lags.update(summary.get("version_lags", {}))
+                depth = spool.depth()
+                metrics.write(**{"follow/policy_version": version,
+                                 **{f"follow/version_lag/{lag}": n for lag, n in sorted(summary.get("version_lags", {}).items())}, "follow/records": summary.get("records"),
+                                 "follow/trained_records": summary.get("trained_records"), "follow/shards": len(claims),
+                                 "follow/queue_ready": depth.ready, "follow/queue_claimed": depth.claimed,
+                                 "follow/idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4),
+                                 "follow/dropped_records": dropped})
+                log(f"{spool.path}: v{version} from {len(claims)} shard(s), {summary.get('trained_records')} records trained; "
+                    f"queue {depth.ready} ready")
+    finally:
+        lease.stopped.set()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        released = spool.release(consumer)  # claims not trained: back to ready/ for anyone
+        if released:
+            log(f"{spool.path}: returned {released} unused claim(s) to ready/")
+    return {"out": str(out), "spool": str(spool.path), "consumer": consumer, "versions": versions,
+            "policy_version": versions[-1] if versions else None, "dropped_records": dropped,
+            "stopped_by": {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}.get(stop["signal"], stop["signal"] or "max_versions"),
+            "idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4), "version_lags": dict(lags)}
+
+
+def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config, temperature: float | None,
+                ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:
+    """``train-grpo --follow``: :func:`follow_spool` with one :func:`~glmpost.rl.updates.grpo_update`
+    per version (an interrupted update resumes from its saved state, or starts over)."""
+    import copy
+    import dataclasses
+
+    from glmpost.checkpoints import load_tokenizer
+    from glmpost.rl.run import TrainingRun
+    from glmpost.rl.updates import NothingToTrain, grpo_update
+
+    options = dataclasses.replace(options, resume=True)
+    _, revision = load_tokenizer(checkpoint)
+
+    def update(parent: Path, shards: list[Path], skip_ids: frozenset, extra: dict) -> dict | None:
+        return grpo_update(TrainingRun(parent, out, options), [str(s) for s in shards], copy.deepcopy(config),
+                           temperature=temperature, ref_checkpoint=ref_checkpoint, stage_options=stage_options,
+                           skip_ids=skip_ids, manifest_extra=extra)
+
+    return follow_spool(follow, out=Path(out), checkpoint=Path(checkpoint), tokenizer_revision=revision, update=update,
+                        nothing_to_train=NothingToTrain)

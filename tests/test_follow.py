@@ -1,0 +1,131 @@
+"""``train-grpo --follow``: consume a spool as shards land, one version per batch, every trajectory
+id trained at most once (duplicates skipped, an interrupted commit finished, not retrained)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
+from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
+from glmpost.formats.spool import Spool
+
+
+def _judged_batch(glmpost_cli, checkpoint, tmp_path, name: str) -> list[Path]:
+    """Two judged shards of 8 records (4 prompts x group 4, 2 prompts per shard) with ids unique to ``name``."""
+    prompts = tmp_path / f"{name}.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"{name}-q{d}", "prompt": f"count: {d}", "domain": "count",
+                                           "task": {"digit": str(d)}}) + "\n" for d in range(4)))
+    rollout = tmp_path / f"{name}-rollout"
+    result = glmpost_cli("rollout", prompts, "--checkpoint", checkpoint, "--out", rollout, "--group-size", "4",
+                         "--max-new-tokens", "6", "--stop-token-ids", "none", "--prompts-per-shard", "2", "--seed", "1")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / name
+    out.mkdir()
+    shards = []
+    for path in resolve_shard_paths([rollout]):
+        reader = ShardReader(path)
+        target = out / f"{name}-{path.name}"
+        with ShardWriter(target, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+            for index, record in enumerate(reader):
+                reward = float(index % 4) / 4 + float(np.mean(record["response_token_ids"] % 2))
+                writer.write({**record, "reward": reward, "rewards": {"correct": reward}})
+        shards.append(target)
+    return shards
+
+
+def _publish(spool: Spool, shard: Path, name: str | None = None) -> None:
+    """Into ready/ as a producer does: a hidden temporary name, then one rename."""
+    target = spool.publish_path(name or shard.name)
+    hidden = target.with_name("." + target.name + ".tmp")
+    shutil.copyfile(shard, hidden)
+    os.rename(hidden, target)
+
+
+def _ids(shard: Path) -> list[str]:
+    return [r["id"] for r in ShardReader(shard)]
+
+
+def _follow(glmpost_cli, spool, checkpoint, root, *args):
+    return glmpost_cli("train-grpo", "--follow", spool, "--checkpoint", checkpoint, "--out", root, "--poll-s", "0.05",
+                       "--idle-timeout", "1", "--max-version-lag", "3", "--json", *args)
+
+
+def test_follow_trains_each_trajectory_once_and_skips_a_republished_one(glmpost_cli, tiny_checkpoint, tmp_path):
+    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    first, second = _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a"), _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "b")
+    for shard in first:
+        _publish(spool, shard)
+    root = tmp_path / "policy"
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "16", "--max-versions", "1")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["versions"] == [1] and summary["stopped_by"] == "max_versions"
+    manifest = read_manifest(CheckpointRoot(root).version_dir(1))
+    assert manifest.extra["spool"]["shards"] == {s.name: _ids(s) for s in first}  # the commit record
+    assert spool.depth().done == 2 and spool.consumed_ids() == set(_ids(first[0]) + _ids(first[1]))
+
+    # A producer that restarted publishes one of the first shards again (same ids), then new work.
+    _publish(spool, first[0], "a-again.msgpack.zst")
+    for shard in second:
+        _publish(spool, shard)
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "8", "--max-versions", "2")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["versions"] == [2, 3] and summary["dropped_records"] == 8
+    ledger = spool.ledger()
+    assert [(e["shard"], e["version"]) for e in ledger][2:] == [("a-again.msgpack.zst", -1), (second[0].name, 2), (second[1].name, 3)]
+    trained = [i for e in ledger if e["version"] >= 0 for i in e["ids"]]
+    assert len(trained) == len(set(trained)) == 32  # every published trajectory once, the republished one not again
+    assert read_manifest(CheckpointRoot(root).version_dir(3)).parent.endswith("v000002")
+    follow_lines = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines() if "follow/policy_version" in line]
+    assert [line["follow/policy_version"] for line in follow_lines] == [1, 2, 3]
+    assert follow_lines[-1]["follow/version_lag/2"] == 8  # sampled at v0, trained from v2
+
+    other = _follow(glmpost_cli, spool.path, tiny_checkpoint, tmp_path / "another-root", "--max-versions", "1")
+    assert other.exit_code == 1 and "needs its own spool" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+
+
+def test_a_commit_interrupted_after_publishing_is_finished_not_retrained(glmpost_cli, tiny_checkpoint, tmp_path, monkeypatch):
+    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    shards = _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a")
+    for shard in shards:
+        _publish(spool, shard)
+    root = tmp_path / "policy"
+    real_commit = Spool.commit
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("killed between publishing v1 and committing its shards")
+
+    monkeypatch.setattr(Spool, "commit", crash)
+    with pytest.raises(RuntimeError, match="killed between"):
+        _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "16", "--max-versions", "1")
+    assert CheckpointRoot(root).versions() == [1]
+    assert spool.depth().ready == 2 and spool.ledger() == []  # the claims went back; the manifest holds the commit
+    monkeypatch.setattr(Spool, "commit", real_commit)
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "16", "--max-versions", "1")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["versions"] == [] and CheckpointRoot(root).versions() == [1]  # not trained again
+    assert [(e["shard"], e["version"]) for e in spool.ledger()] == [(s.name, 1) for s in shards]
+    assert spool.depth().done == 2
+
+
+def test_follow_refuses_inputs_and_an_empty_invocation(glmpost_cli, tiny_checkpoint, tmp_path):
+    both = glmpost_cli("train-grpo", str(tmp_path), "--follow", tmp_path / "spool", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r")
+    assert both.exit_code == 2 and "drop the INPUTS" in both.stderr
+    neither = glmpost_cli("train-grpo", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r")
+    assert neither.exit_code == 2 and "--follow SPOOL" in neither.stderr
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_signal_handlers():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    assert signal.getsignal(signal.SIGTERM) == before
