@@ -14,6 +14,12 @@ complete (crash-resume); --overwrite redoes them. DIR/metrics.jsonl has one line
 (reward mean/std/min/max, failures, per-component means). Slurm array tasks given --shard-index
 and --num-shards share DIR; every task (and every rerun without --overwrite) must use the options
 recorded in DIR/stage.json, and each output shard's header holds them too.
+
+--follow IN makes it a stage of asynchronous RL: it claims rollout shards from spool IN as they
+land, judges each into spool --out under the same name (the judged shard appears whole or not at
+all) and commits it in IN; a restart commits what it had judged and judges the rest. It stops on
+SIGTERM / SIGINT after the shard in progress, or after --idle-timeout seconds without a shard
+(formats/SPEC.md §12).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, option, with_options
 from glmpost.config import domain_assignment
 from glmpost.errors import UsageError
+from glmpost.rewards.follow import JudgeFollowConfig, follow_judge
 from glmpost.rewards.judging import JudgeConfig, JudgeRun
 from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_string
 
@@ -83,13 +90,15 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
+@with_options(JudgeFollowConfig, ("follow", "consumer", "poll_s", "lease_s", "idle_timeout"))
 def judge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(
-        ..., metavar="SHARDS", help="Rollout shards: files, directories of *.msgpack.zst shards, or globs."
+        None, metavar="SHARDS", help="Rollout shards: files, directories of *.msgpack.zst shards, or globs; none with --follow."
     ),
     out: Path = typer.Option(
-        ..., "--out", help="Output directory; gets one judged shard per input shard, with the same file name."
+        ..., "--out", help="Output directory; gets one judged shard per input shard, with the same file name (with --follow: "
+        "the spool the judged shards are published into)."
     ),
     checkpoint: Path = typer.Option(
         ...,
@@ -121,8 +130,18 @@ def judge(
     overwrite: bool = option(JudgeConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **follow_options: Any,
 ) -> None:
     run = JudgeRun(config_from(ctx, JudgeConfig, options=effective_options(ctx)))
+    follow = config_from(ctx, JudgeFollowConfig)
+    if follow.follow is not None:
+        if inputs:
+            raise UsageError("--follow judges the spool's shards: drop the SHARDS")
+        summary = follow_judge(run, follow)
+        return print_summary(summary, as_json=as_json, human=(
+            f"{summary['out']}: {summary['shards']} shard(s) judged from {summary['spool']}, stopped by {summary['stopped_by']}"))
+    if not inputs:
+        raise UsageError("give the rollout shards to judge (SHARDS), or --follow SPOOL")
     summary = run.run()
     print_summary(summary, as_json=as_json, human=_human(summary, run.specs))
 

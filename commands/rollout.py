@@ -42,6 +42,13 @@ aborted) of every group whose valid samples are more than half of it, up to N ro
 groups with half or fewer are left to the trainer, which drops them): a refill takes the prompt's
 next sample index, records extra.refill {replaces, round}, and the failed sample stays recorded.
 
+--follow SPOOL makes it a long-running producer of asynchronous RL: round after round (round r at
+--seed + r, so trajectory ids never repeat) it publishes each part into the spool the moment its
+groups are complete, switching between parts to the newest version of --reload-root (the
+trainer's --out; default --checkpoint when it is a root) and stamping the version of every token;
+a restart skips the parts the spool holds; SIGTERM stops after the part in progress, --max-rounds
+after that many rounds (formats/SPEC.md §12).
+
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
 --prompts-per-shard prompts; a rerun writes only the parts that are missing. The same seed gives
 the same shards bit for bit, whatever the batch size or split.
@@ -55,16 +62,19 @@ from typing import List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, option, with_options
+from glmpost.errors import UsageError
+from glmpost.rollout.follow import RolloutFollowConfig, follow_rollout
 from glmpost.rollout.runner import RolloutConfig, RolloutRunner
 from glmpost.serving.sglang_client import without_api_key
 
 
+@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds"))
 def rollout(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="Prompt JSONL files, or shards / shard directories / globs to resample."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy checkpoint: a root (its LATEST) or a version directory."),
-    out: Path = typer.Option(..., "--out", help="Output directory for rollout shards (created; existing parts are kept)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory for rollout shards (created; existing parts are kept); not with --follow."),
     group_size: int = option(RolloutConfig, "group_size"),
     temperature: float = option(RolloutConfig, "temperature"),
     top_p: float = option(RolloutConfig, "top_p"),
@@ -96,7 +106,18 @@ def rollout(
     overwrite: bool = option(RolloutConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **follow_options,
 ) -> None:
+    follow = config_from(ctx, RolloutFollowConfig)
+    if follow.follow is not None:
+        if out is not None:
+            raise UsageError("--follow publishes into the spool: drop --out")
+        summary = follow_rollout(config_from(ctx, RolloutConfig), follow, options=without_api_key(effective_options(ctx)))
+        return print_summary(summary, as_json=as_json, human=(
+            f"{summary['spool']}: {summary['shards_published']} shard(s) published by {summary['producer']} over "
+            f"{summary['rounds']} round(s), policy versions {summary['policy_versions']}, stopped by {summary['stopped_by']}"))
+    if out is None:
+        raise UsageError("--out DIR is needed (or --follow SPOOL)")
     summary = RolloutRunner(config_from(ctx, RolloutConfig), options=without_api_key(effective_options(ctx))).run()
     human = (
         f"{out}: {summary['records']} trajectories of {summary['prompts']} prompts x {group_size} in "

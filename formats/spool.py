@@ -27,13 +27,15 @@ so a trajectory published twice (a producer that restarted) is trained at most o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from glmpost.errors import GlmpostError
 from glmpost.fsutil import fsync_dir, write_text_atomic
@@ -247,6 +249,25 @@ class Spool:
     def depth(self) -> Depth:
         claimed = sum(len(_shards(c)) for c in _consumers(self.claimed_dir))
         return Depth(len(_shards(self.ready_dir)), claimed, len(_shards(self.done_dir)))
+
+
+@contextlib.contextmanager
+def lease_kept(spool: Spool, consumer: str, lease_s: float = DEFAULT_LEASE_S) -> Iterator[None]:
+    """Hold ``consumer``'s lease while the block runs: renewed now and every third of ``lease_s``
+    from a daemon thread (a killed process stops renewing, so its claims expire)."""
+    stopped = threading.Event()
+
+    def renew() -> None:
+        while not stopped.wait(lease_s / 3):
+            spool.renew(consumer, lease_s)
+
+    spool.renew(consumer, lease_s)
+    thread = threading.Thread(target=renew, daemon=True, name=f"lease {consumer}")
+    thread.start()
+    try:
+        yield
+    finally:
+        stopped.set()
 
 
 def _shards(directory: Path) -> list[Path]:

@@ -4,11 +4,12 @@ results)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from glmpost import __version__
 from glmpost.config import ConfigError
@@ -128,3 +129,19 @@ class MetricsWriter:
 def log(message: str) -> None:
     """Progress and logs go to stderr; stdout is for results."""
     sys.stderr.write(f"glmpost: {message}\n")
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[dict[str, Any]]:
+    """For a long-running stage: SIGTERM and SIGINT set ``flags["signal"]`` (its name) instead of
+    killing, so the stage stops where it is safe to; the handlers are restored after the block."""
+    import signal
+
+    flags: dict[str, Any] = {"signal": None}
+    names = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+    previous = {sig: signal.signal(sig, lambda s, f: flags.update(signal=names[s])) for sig in names}
+    try:
+        yield flags
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -19,18 +19,15 @@ return unused claims to ``ready/``. ``--max-versions`` and ``--idle-timeout`` st
 from __future__ import annotations
 
 import hashlib
-import signal
-import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from glmpost.config import setting
 from glmpost.formats import ShardReader
-from glmpost.formats.spool import DEFAULT_LEASE_S, Spool
-from glmpost.stage import MetricsWriter, log
+from glmpost.formats.spool import DEFAULT_LEASE_S, Spool, lease_kept
+from glmpost.stage import MetricsWriter, log, stop_on_signals
 
 
 @dataclass
@@ -70,17 +67,6 @@ def committed_shards(root: Path, spool: Spool) -> dict[str, tuple[int, list[str]
     return found
 
 
-class _Lease(threading.Thread):
-    def __init__(self, spool: Spool, consumer: str, lease_s: float):
-        super().__init__(daemon=True)
-        self.spool, self.consumer, self.lease_s = spool, consumer, lease_s
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.lease_s / 3):
-            self.spool.renew(self.consumer, self.lease_s)
-
-
 def _shard_ids(paths: list[Path]) -> dict[str, list[str]]:
     return {path.name: [record["id"] for record in ShardReader(path)] for path in paths}
 
@@ -99,15 +85,10 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
     spool.bind_consumer_root(out)
     consumer = config.consumer or default_consumer(out)
     out.mkdir(parents=True, exist_ok=True)
-    stop = {"signal": None}
-    previous = {sig: signal.signal(sig, lambda s, f: stop.update(signal=s)) for sig in (signal.SIGTERM, signal.SIGINT)}
-    spool.renew(consumer, config.lease_s)
-    lease = _Lease(spool, consumer, config.lease_s)
-    lease.start()
     started, waited, last_new = time.monotonic(), 0.0, time.monotonic()
-    versions, dropped, lags = [], 0, Counter()
-    try:
-        with MetricsWriter(out / "metrics.jsonl") as metrics:
+    versions, dropped = [], 0
+    with stop_on_signals() as stop, lease_kept(spool, consumer, config.lease_s), MetricsWriter(out / "metrics.jsonl") as metrics:
+        try:
             finished = spool.reconcile(consumer, committed_shards(out, spool))
             if finished:
                 log(f"{spool.path}: finished {finished} commit(s) an interrupted run left")
@@ -136,8 +117,8 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
                     break
                 parent = out if (out / LATEST).is_file() else checkpoint
                 extra = {"spool": {"path": str(spool.path.resolve()), "consumer": consumer, "shards": ids}}
+                trained = spool.consumed_ids() | {i for _, shard_ids in committed.values() for i in shard_ids}
                 try:
-                    trained = spool.consumed_ids() | {i for _, shard_ids in committed.values() for i in shard_ids}
                     summary = update(parent, claims, frozenset(trained), extra)
                 except nothing_to_train as exc:
                     log(f"{spool.path}: {len(claims)} shard(s) dropped: {exc}")
@@ -147,28 +128,23 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
                 version = summary["policy_version"]
                 spool.commit(consumer, claims, version=version, ids=ids)
                 versions.append(version)
-                lags.update(summary.get("version_lags", {}))
                 depth = spool.depth()
                 metrics.write(**{"follow/policy_version": version,
-                                 **{f"follow/version_lag/{lag}": n for lag, n in sorted(summary.get("version_lags", {}).items())}, "follow/records": summary.get("records"),
-                                 "follow/trained_records": summary.get("trained_records"), "follow/shards": len(claims),
-                                 "follow/queue_ready": depth.ready, "follow/queue_claimed": depth.claimed,
-                                 "follow/idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4),
-                                 "follow/dropped_records": dropped})
+                                 **{f"follow/version_lag/{lag}": n for lag, n in sorted(summary.get("version_lags", {}).items())},
+                                 "follow/records": summary.get("records"), "follow/trained_records": summary.get("trained_records"),
+                                 "follow/shards": len(claims), "follow/queue_ready": depth.ready,
+                                 "follow/queue_claimed": depth.claimed, "follow/dropped_records": dropped,
+                                 "follow/idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)})
                 log(f"{spool.path}: v{version} from {len(claims)} shard(s), {summary.get('trained_records')} records trained; "
                     f"queue {depth.ready} ready")
-    finally:
-        lease.stopped.set()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        released = spool.release(consumer)  # claims not trained: back to ready/ for anyone
-        if released:
-            log(f"{spool.path}: returned {released} unused claim(s) to ready/")
+        finally:
+            released = spool.release(consumer)  # claims not trained: back to ready/ for anyone
+            if released:
+                log(f"{spool.path}: returned {released} unused claim(s) to ready/")
     return {"out": str(out), "spool": str(spool.path), "consumer": consumer, "versions": versions,
             "policy_version": versions[-1] if versions else None, "dropped_records": dropped,
-            "stopped_by": {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}.get(stop["signal"], stop["signal"] or "max_versions"),
-            "idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4), "version_lags": dict(lags)}
-
+            "stopped_by": stop["signal"] or "max_versions",
+            "idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)}
 
 def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config, temperature: float | None,
                 ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""``rollout --follow SPOOL``: keep sampling and publish each part into a spool as soon as it is
+complete (asynchronous RL, formats/SPEC.md §12; brief: "一旦训练与推理解耦，吞吐变高，却又出现 policy
+lag" — every record carries the version that produced each action token, the trainer decides).
+
+Round after round the prompts of this task (``--shard-index`` of ``--num-shards``) are sampled
+again, round ``r`` with seed ``--seed + r`` (so ids, ``PROMPT@vVERSIONsSEED/SAMPLE``, never repeat).
+Each part of ``--prompts-per-shard`` prompts is published as ``PRODUCER-rROUND-pPART.msgpack.zst``
+the moment its groups are complete: no barrier across parts, a group whole in one shard (group
+size 1 for SAO / OPD: one trajectory per prompt). Before each part the engine switches to the
+newest version of ``--reload-root`` (the trainer's ``--out``; by default ``--checkpoint`` when it
+is a root) if it moved; the records stamp the version they were sampled with.
+
+A restart skips every part the spool already holds (in any area), so a crash loses at most the part
+being sampled (never visible: shards publish atomically). SIGTERM / SIGINT stop after the part in
+progress; ``--max-rounds`` stops after that many rounds. Metrics and stage.json go to
+``SPOOL/producers/PRODUCER/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, replace
+from itertools import count
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+from glmpost.checkpoints import LATEST
+from glmpost.config import setting
+from glmpost.formats.spool import Spool
+from glmpost.npu import resolve_device
+from glmpost.rollout.engines import PolicyCheckpoint, engine_version, eos_id_list, open_backend
+from glmpost.rollout.records import load_rollout_prompts
+from glmpost.rollout.refill import refill_metrics
+from glmpost.rollout.runner import STAGE, RolloutConfig, RolloutRunner, plan_shards, shard_metrics
+from glmpost.stage import MetricsWriter, log, stop_on_signals, write_stage_json
+
+
+@dataclass
+class RolloutFollowConfig:
+    """The options ``rollout --follow`` adds."""
+
+    follow: Optional[Path] = setting(
+        None, "Publish into this spool, round after round, each part the moment it is complete (asynchronous RL) "
+        "instead of writing --out once (formats/SPEC.md §12).")
+    producer: Optional[str] = setting(None, "This rollout's name in the spool's shard names (default: one derived "
+                                      "from --checkpoint and --shard-index, stable across restarts).")
+    reload_root: Optional[Path] = setting(
+        None, "With --follow: the checkpoint root whose LATEST the engine switches to between parts (the trainer's "
+        "--out); default: --checkpoint when it is a root.")
+    max_rounds: Optional[int] = setting(None, "With --follow: stop after this many rounds over the prompts (default: until stopped).", min=1)
+
+
+def default_producer(checkpoint: Path, shard_index: int) -> str:
+    digest = hashlib.blake2b(str(Path(checkpoint).resolve()).encode(), digest_size=4).hexdigest()
+    return f"rollout-{digest}-t{shard_index}"
+
+
+def _newest(root: Path | None, current: PolicyCheckpoint) -> PolicyCheckpoint | None:
+    """The root's LATEST version when it is not ``current``'s, else None."""
+    if root is None or not (root / LATEST).is_file():
+        return None
+    newest = PolicyCheckpoint.open(root)
+    return newest if newest.version_dir != current.version_dir else None
+
+
+def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, options: dict[str, Any]) -> dict[str, Any]:
+    """Run the follow loop (module doc); returns the run's summary."""
+    params = config.sampling_params()
+    device = resolve_device(config.device)
+    checkpoint = PolicyCheckpoint.open(config.checkpoint)
+    config.check_engine()
+    spool = Spool(follow.follow, tokenizer_revision=checkpoint.revision)
+    producer = follow.producer or default_producer(config.checkpoint, config.shard_index)
+    reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
+    runner = RolloutRunner(config, options=options)
+    runner.environment = config.environment()
+    if runner.environment is not None:
+        from glmpost.rollout.agentic import ObservationRenderer
+
+        runner.renderer = ObservationRenderer(checkpoint.tokenizer)
+        runner.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
+    prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
+    home = spool.path / "producers" / producer
+    home.mkdir(parents=True, exist_ok=True)
+    plan = plan_shards(prompts, replace(config, out=home / "parts", overwrite=True))
+    parts = [(index, plan.parts[index]) for index, _ in plan.todo]  # this task's parts
+    write_stage_json(home, STAGE, options, producer=producer, spool=str(spool.path))
+    backend = open_backend(checkpoint, config, device)
+    published, versions, rounds_done = 0, set(), 0
+    with stop_on_signals() as stop:
+        try:
+            runner._prepare(backend, params, prompts)
+            engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(),
+                           "group_size": config.group_size, "seed_reproducible": backend.seed_reproducible}
+            held = spool.names()
+            progress = tqdm(desc="rollout --follow", unit="seq", leave=False, disable=None)
+            with MetricsWriter(home / "metrics.jsonl") as metrics, progress:
+                for round_number in count():
+                    if stop["signal"] is not None or (follow.max_rounds is not None and round_number >= follow.max_rounds):
+                        break
+                    round_params = replace(params, seed=config.seed + round_number)
+                    backend.prepare(round_params, eos_id_list(backend.default_stops))
+                    for part_index, part in parts:
+                        name = f"{producer}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
+                        if name in held:
+                            continue
+                        if stop["signal"] is not None:
+                            break
+                        newer = _newest(reload_root, checkpoint)
+                        if newer is not None:
+                            log(f"{producer}: switching from v{checkpoint.policy_version} to v{newer.policy_version}")
+                            backend.close()
+                            checkpoint = newer
+                            backend = open_backend(checkpoint, config, device)
+                            runner._prepare(backend, params, prompts)
+                            backend.prepare(round_params, eos_id_list(backend.default_stops))
+                        started = time.perf_counter()
+                        progress.total = (progress.total or 0) + len(part) * config.group_size
+                        samples = runner._generate(part, backend, progress)
+                        runner._write_shard(spool.publish_path(name), samples, round_params, checkpoint, engine_info)
+                        completions = [s.outcome[0] for s in samples if s.outcome[0] is not None]
+                        aborted = sum(s.status() == "aborted" for s in samples)
+                        metrics.write(**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,
+                                                      policy_version=checkpoint.policy_version),
+                                      **refill_metrics(samples), **{"rollout/queue_ready": spool.depth().ready})
+                        published += 1
+                        versions.add(checkpoint.policy_version)
+                    else:
+                        rounds_done += 1
+        finally:
+            backend.close()
+    return {"spool": str(spool.path), "producer": producer, "shards_published": published, "rounds": rounds_done,
+            "policy_versions": sorted(versions), "policy_version": checkpoint.policy_version,
+            "stopped_by": stop["signal"] or "max_rounds"}
