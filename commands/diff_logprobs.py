@@ -24,6 +24,12 @@ indexer's selected key sets between two local paths (mean Jaccard, identical set
 boundary ties). Writes DIR/report.json, plots (delta_hist.png, abs_delta_vs_position.png,
 scatter.png), DIR/metrics.jsonl and DIR/stage.json; prints a table (or --json).
 
+--by-version ROOT (against the rollout log-probs) separates the two ratios asynchronous RL mixes:
+each action token is re-scored with the checkpoint of the version that sampled it (ROOT keeps
+them), so per version lag (A's version - v) the report gives the pure engine mismatch
+(log pi_v - log pi_rollout) apart from the lag effect (log pi_A - log pi_v), and the fractions DIS
+and IcePop keep.
+
 --fail-above METRIC=VALUE turns it into a CI gate: exit 1 when the metric exceeds the value.
 """
 
@@ -64,6 +70,7 @@ def diff_logprobs(
     batch_size: int = option(DiffConfig, "batch_size"),
     against_batch_size: int | None = option(DiffConfig, "against_batch_size"),
     indexer: bool = option(DiffConfig, "indexer"),
+    by_version: Path | None = option(DiffConfig, "by_version"),
     beta: float = option(DiffConfig, "beta"),
     eps_low: float = option(DiffConfig, "eps_low"),
     eps_high: float = option(DiffConfig, "eps_high"),

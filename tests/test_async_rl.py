@@ -94,3 +94,23 @@ def test_rollout_judge_and_trainer_over_spools_survive_kill_9(tiny_checkpoint, t
     # The rollout switched to the trainer's versions: later trajectories were sampled at v >= 1.
     sampled_at = {int(r["policy_versions"].max()) for p in judged.done_dir.glob("*-r0000[45]-*") for r in ShardReader(p)}
     assert max(sampled_at) >= 1
+
+
+def test_bin_async_rl_runs_the_three_stages_from_one_recipe(tiny_checkpoint, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    script = root / "bin" / "async-rl"
+    usage = subprocess.run([script, "recipes/tiny-async-rl.toml"], cwd=root, capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: bin/async-rl RECIPE PROMPTS" in usage.stderr
+    run_dir = tmp_path / "async"
+    done = subprocess.run([script, "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
+                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "5"], cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo"))
+    judged = Spool(run_dir / "judged", tokenizer_revision=tokenizer_revision(tiny_checkpoint), create=False)
+    # 10 prompts, 2 per shard: 5 shards of 16; four made two versions of --follow-records 32, the fifth
+    # waits in ready/ for a partner (the trainer stopped idle and returned its claim).
+    depth = judged.depth()
+    assert (depth.ready, depth.claimed, depth.done) == (1, 0, 4)
+    assert sorted(e["shard"] for e in judged.ledger()) == sorted(p.name for p in judged.done_dir.glob("*.msgpack.zst"))
+    assert CheckpointRoot(run_dir / "policy").versions()[:1] == [1]

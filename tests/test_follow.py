@@ -129,3 +129,25 @@ def _no_stray_signal_handlers():
     before = signal.getsignal(signal.SIGTERM)
     yield
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_diff_logprobs_by_version_separates_the_engine_from_the_lag(glmpost_cli, tiny_checkpoint, tmp_path):
+    shards = _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a")
+    root = tmp_path / "policy"
+    trained = glmpost_cli("train-grpo", *map(str, shards), "--checkpoint", tiny_checkpoint, "--out", root, "--lr", "3e-3")
+    assert trained.exit_code == 0, trained.stderr
+    result = glmpost_cli("diff-logprobs", *map(str, shards), "--checkpoint", root, "--by-version", root, "--out", tmp_path / "d",
+                         "--no-plots", "--json")
+    assert result.exit_code == 0, result.stderr
+    split = json.loads(result.stdout)["by_version"]
+    assert split["current_version"] == 1 and split["versions_scored"] == [0] and list(split["by_lag"]) == ["1"]
+    lag1 = split["by_lag"]["1"]
+    assert lag1["tokens"] == 16 * 6
+    # Same weights (v0, the root's first parent), two engines: float rounding only; one update: the lag.
+    assert lag1["engine_max_abs"] < 1e-4 and lag1["icepop_kept"] == 1.0
+    assert lag1["lag_mean_abs"] > 100 * lag1["engine_max_abs"]
+    table = glmpost_cli("diff-logprobs", *map(str, shards), "--checkpoint", root, "--by-version", root, "--out", tmp_path / "t", "--no-plots")
+    assert "lag 1: 96 tokens, engine mean|d|" in table.stdout
+    refused = glmpost_cli("diff-logprobs", *map(str, shards), "--checkpoint", root, "--by-version", root, "--against", tiny_checkpoint,
+                          "--out", tmp_path / "r")
+    assert refused.exit_code == 2 and "--by-version splits the mismatch against the rollout log-probs" in refused.stderr

@@ -70,6 +70,10 @@ class DiffConfig:
     batch_size: int = setting(8, "Path A trajectories per forward pass.", min=1)
     against_batch_size: Optional[int] = setting(None, "Path B trajectories per forward pass (default: path A's).", min=1)
     indexer: bool = setting(False, "Also compare the DSA indexer's selected top-k key sets (two local paths).")
+    by_version: Optional[Path] = setting(
+        None, "Against the rollout log-probs: also re-score each action token with the checkpoint of the version that "
+        "sampled it (this root's versions, or the first one's parent) and report per version lag the engine mismatch "
+        "(log pi_v - log pi_rollout) apart from the lag effect (log pi_A - log pi_v), and DIS's kept fraction.")
     beta: float = setting(2.0, "IcePop beta: a token is kept when 1/beta <= p_A / p_B <= beta.")
     eps_low: float = setting(0.2, "DIS lower epsilon: kept when 1 - eps_low < ratio.")
     eps_high: float = setting(0.28, "DIS upper epsilon: kept when ratio < 1 + eps_high.")
@@ -115,6 +119,9 @@ class DiffConfig:
         if self.indexer and not self.local_b:
             raise ConfigError("{indexer} compares two local paths: add {against}, {against_dtype}, {against_device}, "
                               "{against_topk}, {against_attention} or {against_batch_size}")
+        if self.by_version is not None and self.mode != "rollout":
+            raise ConfigError("{by_version} splits the mismatch against the rollout log-probs: drop {against}, "
+                              "{against_server} and the other --against-* options")
         if "indexer_differing_sets" in gates and not self.indexer:
             raise ConfigError("{fail_above} indexer_differing_sets: not measured in this comparison (add {indexer})")
         return gates
@@ -293,6 +300,8 @@ class LogprobDiff:
                        "temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p,
                        "log_prob_kind": next(iter(settings))[0], "resampled": deltas.agree is not None,
                        "checkpoint": str(self.version_dir), "deterministic_topk": c.deterministic_topk})
+        if c.by_version is not None:
+            report["by_version"] = self._by_version(records, path_a, distribution)
         if c.indexer:
             report["indexer"] = compare_indexers(path_a, path_b)
             report["overall"]["indexer_differing_sets"] = report["indexer"]["overall"].get("differing_sets", 0)
@@ -325,6 +334,23 @@ class LogprobDiff:
                 model_b = side_b.load()
             path_b = side_b.score(model_b, records, distribution=distribution, label="B", indexer=c.indexer, progress=progress.update)
             return path_a, path_b, side_a.describe(), side_b.describe()
+
+    def _by_version(self, records, path_a: PathScores, distribution: ScoredDistribution) -> dict[str, Any]:
+        """:func:`glmpost.closure.by_version.version_split` with path A's settings."""
+        from glmpost.checkpoints import read_manifest
+        from glmpost.closure.by_version import version_split
+
+        c = self.config
+
+        def score_with(directory: Path, subset: list) -> PathScores:
+            side = LocalSide(directory, c.dtype, resolve_device(c.device), c.deterministic_topk, c.batch_size, c.attention)
+            return side.score(side.load(), subset, distribution=distribution, label="v", indexer=False, progress=lambda n: None)
+
+        try:
+            return version_split(records, path_a, current_version=read_manifest(self.version_dir).policy_version,
+                                 root=c.by_version, score_with=score_with, beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high)
+        except CheckpointError as exc:
+            raise ConfigError("{by_version}: {reason}", reason=exc, exit_code=1) from None
 
     def _side_b(self, side_a: LocalSide, against_dir: Path) -> LocalSide:
         """Path B as a local path: each ``against_*`` setting, else path A's."""
@@ -371,6 +397,10 @@ def diff_table(report: dict[str, Any], out: Path) -> str:
                          f"{stats['k3']:9.2e} {stats['icepop_kept']:7.1%} {stats['dis_kept']:7.1%}"
                          + (f" {stats['sample_agreement']:7.1%}" if agree else ""))
     lines += _indexer_lines(report)
+    for lag, row in report.get("by_version", {}).get("by_lag", {}).items():
+        lines.append(f"lag {lag}: {row['tokens']} tokens, engine mean|d| {row['engine_mean_abs']:.2e} max {row['engine_max_abs']:.2e}, "
+                     f"lag mean|d| {row['lag_mean_abs']:.2e} max {row['lag_max_abs']:.2e}, DIS keeps {row['dis_kept']:.1%}, "
+                     f"IcePop {row['icepop_kept']:.1%}")
     for row in report["worst"][:5]:
         lines.append(f"  worst {row['delta']:+.3g} {row['record']} @{row['position']}: ...{row.get('context', '')!r} -> {row.get('token', '')!r}")
     return "\n".join(lines)
