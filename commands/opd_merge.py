@@ -16,6 +16,10 @@ records refused), IcePop mask, PPO clip, a loss averaged over the batch's truste
 --loss-denominator action, all) action tokens whatever the data-parallel split, DeepSpeed
 ZeRO under `deepspeed`/`torchrun`, the new version under --out with LATEST moved to it, --resume
 after an interruption, metrics.jsonl beside the version and in the root.
+
+--follow SPOOL consumes teacher-scored shards from a spool as they land (asynchronous OPD): one
+version per --follow-records records, each trajectory id trained at most once, exactly as
+`train-grpo --follow` (see its --help and formats/SPEC.md §12).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any, List, Optional
 
 import typer
 
-from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
+from glmpost.commands.common import config_option, effective_options, print_summary, report_update
+from glmpost.commands.options import FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
 from glmpost.errors import UsageError
+from glmpost.rl.follow import FollowConfig, opd_follow
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
 from glmpost.rl.updates import opd_update
@@ -35,10 +40,11 @@ from glmpost.rl.updates import opd_update
 STAGE = "opd-merge"
 
 
+@with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 def opd_merge(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., help="Teacher-scored rollout shards (`glmpost score-teacher` output)."),
+    inputs: List[str] = typer.Argument(None, help="Teacher-scored rollout shards (`glmpost score-teacher` output); none with --follow."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Student to update: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version v(N+1) and its LATEST pointer."),
     loss: str = option(OPDConfig, 'loss'),
@@ -68,6 +74,17 @@ def opd_merge(
 ) -> None:
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
+    follow = config_from(ctx, FollowConfig)
+    if follow.follow is not None:
+        if inputs:
+            raise UsageError("--follow consumes the spool: drop the INPUTS")
+        summary = opd_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
+                             config=config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
+        return print_summary(summary, as_json=as_json, human=(
+            f"{out}: {len(summary['versions'])} version(s) from {summary['spool']} (now v{summary['policy_version']}), "
+            f"{summary['dropped_records']} records dropped, stopped by {summary['stopped_by']}"))
+    if not inputs:
+        raise UsageError("give the teacher-scored shards to train on (INPUTS), or --follow SPOOL")
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
 

@@ -146,24 +146,44 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
             "stopped_by": stop["signal"] or "max_versions",
             "idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)}
 
-def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config, temperature: float | None,
-                ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:
-    """``train-grpo --follow``: :func:`follow_spool` with one :func:`~glmpost.rl.updates.grpo_update`
-    per version (an interrupted update resumes from its saved state, or starts over)."""
-    import copy
+def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, train) -> dict[str, Any]:
+    """:func:`follow_spool` with ``train(run, inputs, skip_ids, manifest_extra)`` publishing each
+    version (an interrupted update resumes from its saved state, or starts over)."""
     import dataclasses
 
     from glmpost.checkpoints import load_tokenizer
     from glmpost.rl.run import TrainingRun
-    from glmpost.rl.updates import NothingToTrain, grpo_update
+    from glmpost.rl.updates import NothingToTrain
 
     options = dataclasses.replace(options, resume=True)
     _, revision = load_tokenizer(checkpoint)
 
     def update(parent: Path, shards: list[Path], skip_ids: frozenset, extra: dict) -> dict | None:
-        return grpo_update(TrainingRun(parent, out, options), [str(s) for s in shards], copy.deepcopy(config),
-                           temperature=temperature, ref_checkpoint=ref_checkpoint, stage_options=stage_options,
-                           skip_ids=skip_ids, manifest_extra=extra)
+        return train(TrainingRun(parent, out, options), [str(s) for s in shards], skip_ids, extra)
 
     return follow_spool(follow, out=Path(out), checkpoint=Path(checkpoint), tokenizer_revision=revision, update=update,
                         nothing_to_train=NothingToTrain)
+
+
+def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config, temperature: float | None,
+                ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:
+    """``train-grpo --follow``: one :func:`~glmpost.rl.updates.grpo_update` per version."""
+    import copy
+
+    from glmpost.rl.updates import grpo_update
+
+    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, train=lambda run, inputs, skip, extra: grpo_update(
+        run, inputs, copy.deepcopy(config), temperature=temperature, ref_checkpoint=ref_checkpoint, stage_options=stage_options,
+        skip_ids=skip, manifest_extra=extra))
+
+
+def opd_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config,
+               stage_options: dict[str, Any]) -> dict[str, Any]:
+    """``opd-merge --follow``: one :func:`~glmpost.rl.updates.opd_update` per version (group size 1:
+    a version per ``follow_records`` scored trajectories)."""
+    import copy
+
+    from glmpost.rl.updates import opd_update
+
+    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, train=lambda run, inputs, skip, extra: opd_update(
+        run, inputs, copy.deepcopy(config), stage_options=stage_options, skip_ids=skip, manifest_extra=extra))

@@ -90,6 +90,15 @@ def _lag_metrics(lags: dict[str, int]) -> dict[str, int]:
     return {f"train/version_lag/{lag}": n for lag, n in sorted(lags.items())}
 
 
+def _unseen(records: list[dict], skip_ids: frozenset[str], stage: str) -> tuple[list[dict], int]:
+    """The records whose id is not in ``skip_ids`` (trained before, by a spool's ledger) and how
+    many were; none left is :class:`NothingToTrain`."""
+    kept = [r for r in records if r["id"] not in skip_ids]
+    if records and not kept:
+        raise NothingToTrain(f"{stage}: no usable records: every record was trained before ({len(records)})")
+    return kept, len(records) - len(kept)
+
+
 def _fresh(records: list[dict], run: TrainingRun, config, stage: str) -> tuple[list[dict], dict[str, float]]:
     """The records ``max_staleness`` keeps (:func:`~glmpost.rl.batches.drop_stale`) and its metrics;
     none left is an error."""
@@ -119,10 +128,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
-    already = sum(r["id"] in skip_ids for r in records)
-    records = [r for r in records if r["id"] not in skip_ids]
-    if not records:
-        raise NothingToTrain(f"{stage}: no usable records: every record was trained before ({already})")
+    records, already = _unseen(records, skip_ids, stage)
     records, stale = _fresh(records, run, config, stage)
     lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
     recorded = sampled_distribution(records, stage)
@@ -163,9 +169,10 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "version_lags": lags}
 
 
-def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
-               stage_options: dict[str, Any]) -> dict[str, Any] | None:
-    """One OPD / MOPD update on teacher-scored shards (the temperature is the records')."""
+def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, stage_options: dict[str, Any],
+               skip_ids: frozenset[str] = frozenset(), manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """One OPD / MOPD update on teacher-scored shards (the temperature is the records'); ``skip_ids``
+    and ``manifest_extra`` as :func:`grpo_update`'s."""
     stage = "opd-merge"
     if run.done:
         return _skipped(run)
@@ -179,6 +186,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
 
     need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
     records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
+    records, already = _unseen(records, skip_ids, stage)
     records, stale = _fresh(records, run, config, stage)
     lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
     student = sampled_distribution(records, stage)
@@ -191,7 +199,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     batch = prepare_opd_batch(records, loss=config.loss, task_advantage_weight=config.task_advantage_weight,
                               advantage_eps=config.advantage_eps)
     if not batch.examples:
-        raise GlmpostError(f"{stage}: no usable records (excluded: {batch.excluded})")
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})")
     if config.task_advantage_weight > 0 and batch.zero_advantage_groups == batch.groups:
         log("warning: every group has one member or equal rewards, so the task advantage is 0; sample groups of G > 1 for it")
     domains: dict[str, dict[str, int]] = {}
@@ -201,6 +209,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     step_metrics = {
         "train/records": len(batch.examples), "train/excluded_status": batch.excluded["status"],
         "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": run.plan.version,
+        "train/already_trained": already,
         **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags), **stale,
     }
     if batch.rewards.size:
@@ -209,7 +218,8 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
         stage, config, batch.examples,
         lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
         step_metrics=step_metrics,
-        manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains},
+        manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains,
+                        **(manifest_extra or {})},
         stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags, "log_prob_distribution": scored},
     )
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
@@ -218,7 +228,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *,
     first = result.history[0] if result.history else {}
     teacher_kl = {key.split("/", 1)[1]: value for key, value in first.items() if key.startswith("teacher_kl/")}
     return {**_published(result, len(records), len(batch.examples), batch.excluded),
-            "loss_kind": config.loss, "teachers": domains, "teacher_kl": teacher_kl}
+            "loss_kind": config.loss, "teachers": domains, "teacher_kl": teacher_kl, "version_lags": lags}
 
 
 def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
