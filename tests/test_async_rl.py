@@ -114,3 +114,17 @@ def test_bin_async_rl_runs_the_three_stages_from_one_recipe(tiny_checkpoint, tmp
     assert (depth.ready, depth.claimed, depth.done) == (1, 0, 4)
     assert sorted(e["shard"] for e in judged.ledger()) == sorted(p.name for p in judged.done_dir.glob("*.msgpack.zst"))
     assert CheckpointRoot(run_dir / "policy").versions()[:1] == [1]
+
+
+def test_the_slurm_template_runs_producer_and_trainer_roles(tiny_checkpoint, tmp_path):
+    """bin/slurm/async-rl.sbatch as two jobs sharing a run folder (run here with bash, one after the other)."""
+    root = Path(__file__).resolve().parents[1]
+    template = root / "bin" / "slurm" / "async-rl.sbatch"
+    env = {**os.environ, "GLMPOST_PYTHON": sys.executable, "ASYNC_MAX_ROUNDS": "1", "ASYNC_IDLE_TIMEOUT": "3"}
+    args = ["recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", str(tiny_checkpoint), str(tmp_path / "run")]
+    for role in ("producer", "trainer"):
+        done = subprocess.run(["bash", template, role, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+    assert CheckpointRoot(tmp_path / "run" / "policy").versions() == [1, 2]
+    bad = subprocess.run(["bash", template, "nobody", *args], cwd=root, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "role must be all, producer or trainer" in bad.stderr
