@@ -34,7 +34,8 @@ from glmpost.commands.common import config_option, effective_options, print_summ
 from glmpost.commands.options import config_from, json_option, option, with_options
 from glmpost.config import domain_assignment
 from glmpost.errors import UsageError
-from glmpost.rewards.follow import JudgeFollowConfig, follow_judge
+from glmpost.relay import RELAY_OPTIONS, RelayConfig
+from glmpost.rewards.follow import follow_judge
 from glmpost.rewards.judging import JudgeConfig, JudgeRun
 from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_string
 
@@ -90,7 +91,7 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
-@with_options(JudgeFollowConfig, ("follow", "consumer", "poll_s", "lease_s", "idle_timeout"))
+@with_options(RelayConfig, RELAY_OPTIONS)
 def judge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(
@@ -133,7 +134,7 @@ def judge(
     **follow_options: Any,
 ) -> None:
     run = JudgeRun(config_from(ctx, JudgeConfig, options=effective_options(ctx)))
-    follow = config_from(ctx, JudgeFollowConfig)
+    follow = config_from(ctx, RelayConfig)
     if follow.follow is not None:
         if inputs:
             raise UsageError("--follow judges the spool's shards: drop the SHARDS")

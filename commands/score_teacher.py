@@ -18,25 +18,35 @@ if the server wants one; the key is never recorded).
 
 One output shard per input shard (same file name); complete outputs are kept on a rerun
 (--overwrite redoes them); nothing is written before every teacher loads and every record is routed.
+
+--follow IN makes it a stage of asynchronous OPD: it claims student rollout shards from spool IN as
+they land, scores each into spool --out under the same name and commits it in IN (a restart
+commits what it had scored and scores the rest); --engine local only. It stops on SIGTERM /
+SIGINT after the shard in progress, or after --idle-timeout seconds without a shard.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from glmpost.closure.teachers import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.closure.teacher_follow import follow_score_teacher
+from glmpost.commands.options import config_from, json_option, option, with_options
+from glmpost.errors import UsageError
+from glmpost.relay import RELAY_OPTIONS, RelayConfig
 from glmpost.serving.sglang_client import check_api_key, without_api_key
 
 
+@with_options(RelayConfig, RELAY_OPTIONS)
 def score_teacher(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., metavar="SHARDS", help="Student rollout shards: files, directories or globs."),
-    out: Path = typer.Option(..., "--out", help="Output directory; one scored shard per input shard, same file name."),
+    inputs: List[str] = typer.Argument(None, metavar="SHARDS", help="Student rollout shards: files, directories or globs; none with --follow."),
+    out: Path = typer.Option(..., "--out", help="Output directory; one scored shard per input shard, same file name (with "
+                             "--follow: the spool the scored shards are published into)."),
     teacher: Optional[Path] = option(ScoreTeacherConfig, "teacher"),
     routes: Optional[str] = option(ScoreTeacherConfig, "routes", metavar="TABLE", parser=parse_routes),
     route: List[str] = typer.Option(
@@ -60,8 +70,18 @@ def score_teacher(
     overwrite: bool = option(ScoreTeacherConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **follow_options: Any,
 ) -> None:
     check_api_key(api_key)  # before any teacher loads
     run = ScoreTeacherRun(config_from(ctx, ScoreTeacherConfig, options=without_api_key(effective_options(ctx))))
+    follow = config_from(ctx, RelayConfig)
+    if follow.follow is not None:
+        if inputs:
+            raise UsageError("--follow scores the spool's shards: drop the SHARDS")
+        summary = follow_score_teacher(run, follow)
+        return print_summary(summary, as_json=as_json, human=(
+            f"{summary['out']}: {summary['shards']} shard(s) scored from {summary['spool']}, stopped by {summary['stopped_by']}"))
+    if not inputs:
+        raise UsageError("give the student rollout shards to score (SHARDS), or --follow SPOOL")
     summary = run.run()
     print_summary(summary, as_json=as_json, human=run.human(summary))

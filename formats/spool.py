@@ -251,6 +251,15 @@ class Spool:
         return Depth(len(_shards(self.ready_dir)), claimed, len(_shards(self.done_dir)))
 
 
+def spool_revision(path: Path | str) -> str:
+    """The tokenizer revision an existing spool was made for (its ``spool.json``)."""
+    meta_path = Path(path) / "spool.json"
+    try:
+        return str(json.loads(meta_path.read_text())["tokenizer_revision"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpoolError(f"{path}: not a spool ({meta_path}: {exc})") from None
+
+
 @contextlib.contextmanager
 def lease_kept(spool: Spool, consumer: str, lease_s: float = DEFAULT_LEASE_S) -> Iterator[None]:
     """Hold ``consumer``'s lease while the block runs: renewed now and every third of ``lease_s``

@@ -153,22 +153,28 @@ def test_diff_logprobs_by_version_separates_the_engine_from_the_lag(glmpost_cli,
     assert refused.exit_code == 2 and "--by-version splits the mismatch against the rollout log-probs" in refused.stderr
 
 
-def test_opd_merge_follows_a_spool_of_teacher_scored_shards(glmpost_cli, tiny_checkpoint, wide_checkpoint, tmp_path):
+def test_score_teacher_and_opd_merge_follow_spools(glmpost_cli, tiny_checkpoint, wide_checkpoint, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"o{d}", "prompt": f"count: {d}"}) + "\n" for d in range(8)))
     rollout = tmp_path / "rollout"
     assert glmpost_cli("rollout", prompts, "--checkpoint", wide_checkpoint, "--out", rollout, "--group-size", "1",
                        "--max-new-tokens", "6", "--stop-token-ids", "none", "--prompts-per-shard", "4").exit_code == 0
-    scored = tmp_path / "scored"
-    result = glmpost_cli("score-teacher", rollout, "--teacher", wide_checkpoint, "--out", scored)
+    revision = tokenizer_revision(wide_checkpoint)
+    rolled, scored = Spool(tmp_path / "rolled", tokenizer_revision=revision), tmp_path / "scored"
+    for shard in resolve_shard_paths([rollout]):
+        _publish(rolled, shard)
+    result = glmpost_cli("score-teacher", "--follow", rolled.path, "--teacher", wide_checkpoint, "--out", scored,
+                         "--poll-s", "0.05", "--idle-timeout", "1", "--json")
     assert result.exit_code == 0, result.stderr
-    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(wide_checkpoint))
-    for shard in resolve_shard_paths([scored]):
-        _publish(spool, shard)
+    assert json.loads(result.stdout)["shards"] == 2 and rolled.depth().done == 2
+    scored_spool = Spool(scored, tokenizer_revision=revision, create=False)
+    assert all("teacher_log_probs" in r for p in scored_spool.ready_dir.glob("*.msgpack.zst") for r in ShardReader(p))
     root = tmp_path / "student"
-    result = glmpost_cli("opd-merge", "--follow", spool.path, "--checkpoint", wide_checkpoint, "--out", root, "--follow-records", "4",
+    result = glmpost_cli("opd-merge", "--follow", scored, "--checkpoint", wide_checkpoint, "--out", root, "--follow-records", "4",
                          "--max-version-lag", "1", "--poll-s", "0.05", "--idle-timeout", "1", "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["versions"] == [1, 2]
-    assert len(spool.consumed_ids()) == 8 and spool.depth().done == 2
+    assert len(scored_spool.consumed_ids()) == 8 and scored_spool.depth().done == 2
     assert set(read_manifest(CheckpointRoot(root).version_dir(2)).extra["spool"]["shards"]) == {"rollout-00001.msgpack.zst"}
+    refused = glmpost_cli("score-teacher", str(rollout), "--follow", rolled.path, "--teacher", wide_checkpoint, "--out", scored)
+    assert refused.exit_code == 2 and "drop the SHARDS" in refused.stderr
