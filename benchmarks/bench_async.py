@@ -1,0 +1,149 @@
+"""Asynchronous vs synchronous agentic RL: wall-clock to train N trajectories, and the held-out reward.
+
+The tiny GLM-5 after the quickstart's calculator warm start (init-model seed 0, SFT on
+``recipes/data/calc-demo.jsonl`` with ``recipes/tiny-agentic.toml``'s [qat]); the environment is the
+calculator behind ``latency`` (each tool step delayed log-normally: median ``--median-s``, shape
+``--sigma``: a long tail), tool-use reward 1. Both sides train ``--iterations`` versions of 128
+trajectories (the 16 ``calc-train`` prompts x group 8) with ``tiny-agentic.toml``'s hyper-parameters:
+
+* ``sync``: ``--iterations`` x (``rollout`` -> ``judge`` -> ``train-grpo``), each stage a process that
+  starts, works and exits, in turn (the shell loop of the README);
+* ``async``: ``rollout --follow`` (up to twice the iterations in rounds, stopped when the trainer is
+  done; parts of 2 prompts published when complete, switching to each new version) | ``judge --follow`` | ``train-grpo --follow
+  --follow-records 128 --max-versions ITERATIONS --max-version-lag 4`` (DIS and the recipe's
+  ``--max-staleness 2`` on lagged records), side by side.
+
+``--rollout-tasks N`` runs N rollout processes on each side (sync: a Slurm array's N tasks per
+iteration, side by side; async: N producers of the spool). Reported: wall-clock per side and the ratio sync / async (goal >= 2x), records trained and dropped,
+and the held-out tool-use reward of each final policy (``calc-heldout``, 4 samples per prompt, seed
+1000, no latency) with the warm start's for reference.
+
+    .venv/bin/python benchmarks/bench_async.py --out runs/bench_async.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny-agentic.toml"
+GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def glmpost(*args, log: Path) -> None:
+    with open(log, "ab") as err:
+        subprocess.run([*GLMPOST, *map(str, args)], check=True, stdout=subprocess.DEVNULL, stderr=err, env=ENV)
+
+
+def warm_start(work: Path, log: Path) -> Path:
+    model, demo, sft = work / "model", work / "demo", work / "sft"
+    if not (model / "config.json").is_file():
+        glmpost("init-model", "--out", model, "--seed", "0", log=log)
+    if not demo.is_dir():
+        glmpost("shards", "import", ROOT / "recipes/data/calc-demo.jsonl", "--checkpoint", model, "--out", demo, log=log)
+    if not (sft / "LATEST").is_file():
+        glmpost("qat", demo, "--config", RECIPE, "--checkpoint", model, "--out", sft, log=log)
+    return sft
+
+
+def env_args(args) -> list[str]:
+    options = {"inner": "calculator", "inner_options": {"tool_reward": 1.0}, "median_s": args.median_s, "sigma": args.sigma}
+    return ["--env", "latency", "--env-options", json.dumps(options)]
+
+
+def run_sync(args, sft: Path, work: Path, log: Path) -> float:
+    root = work / "sync-policy"
+    started = time.perf_counter()
+    for i in range(1, args.iterations + 1):
+        checkpoint = root if (root / "LATEST").is_file() else sft
+        it = work / f"sync-it{i}"
+        tasks = [subprocess.Popen([*GLMPOST, *map(str, ("rollout", ROOT / "recipes/data/calc-train.jsonl", "--config", RECIPE,
+                                                         "--checkpoint", checkpoint, "--out", it / "rollout", "--seed", i,
+                                                         "--prompts-per-shard", 16 // args.rollout_tasks, "--shard-index", task,
+                                                         "--num-shards", args.rollout_tasks, *env_args(args)))],
+                                  stdout=subprocess.DEVNULL, stderr=open(log, "ab"), env=ENV)
+                 for task in range(args.rollout_tasks)]  # a Slurm array's tasks, here side by side
+        if any(task.wait() != 0 for task in tasks):
+            raise SystemExit(f"sync rollout failed (see {log})")
+        glmpost("judge", it / "rollout", "--config", RECIPE, "--checkpoint", checkpoint, "--out", it / "judged", log=log)
+        glmpost("train-grpo", it / "judged", "--config", RECIPE, "--checkpoint", checkpoint, "--out", root, log=log)
+    return time.perf_counter() - started
+
+
+def run_async(args, sft: Path, work: Path, log: Path) -> tuple[float, dict]:
+    root, rolled, judged = work / "async-policy", work / "async-rolled", work / "async-judged"
+
+    def start(*cli):
+        return subprocess.Popen([*GLMPOST, *map(str, cli)], stdout=subprocess.PIPE, stderr=open(log, "ab"), env=ENV, text=True)
+
+    started = time.perf_counter()
+    rollouts = [start("rollout", ROOT / "recipes/data/calc-train.jsonl", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled,
+                      "--reload-root", root, "--max-rounds", 2 * args.iterations, "--prompts-per-shard", "2", "--seed", "1",
+                      "--shard-index", task, "--num-shards", args.rollout_tasks, *env_args(args))
+                for task in range(args.rollout_tasks)]
+    judge = start("judge", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled, "--out", judged, "--poll-s", "0.1")
+    trainer = start("train-grpo", "--config", RECIPE, "--checkpoint", sft, "--follow", judged, "--out", root, "--follow-records", "128",
+                    "--max-versions", args.iterations, "--max-version-lag", "4", "--poll-s", "0.1", "--idle-timeout", "120", "--json")
+    out, _ = trainer.communicate()
+    seconds = time.perf_counter() - started
+    for process in (*rollouts, judge):
+        process.terminate()
+        process.wait()
+    if trainer.returncode != 0:
+        raise SystemExit(f"async trainer failed (see {log})")
+    return seconds, json.loads(out)
+
+
+def held_out(checkpoint: Path, out: Path, log: Path) -> float:
+    if not (out / "metrics.jsonl").is_file():
+        glmpost("rollout", ROOT / "recipes/data/calc-heldout.jsonl", "--config", RECIPE, "--checkpoint", checkpoint, "--out", out,
+                "--group-size", "4", "--seed", "1000", log=log)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "rollout/env_reward_mean" in line][-1]["rollout/env_reward_mean"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--rollout-tasks", type=int, default=1, help="rollout processes per side (sync: per iteration)")
+    parser.add_argument("--median-s", type=float, default=0.02)
+    parser.add_argument("--sigma", type=float, default=1.5)
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_async")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = args.work / "stages.log"
+    sft = warm_start(args.work, log)
+    for stale in ("sync-policy", "async-policy", "async-rolled", "async-judged", "eval-sync", "eval-async"):
+        subprocess.run(["rm", "-rf", str(args.work / stale)], check=True)
+    for i in range(1, args.iterations + 1):
+        subprocess.run(["rm", "-rf", str(args.work / f"sync-it{i}")], check=True)
+    sync_s = run_sync(args, sft, args.work, log)
+    print(f"sync: {sync_s:.1f} s", flush=True)
+    async_s, summary = run_async(args, sft, args.work, log)
+    print(f"async: {async_s:.1f} s ({summary['versions']}, {summary['dropped_records']} records dropped)", flush=True)
+    result = {
+        "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks, "latency": {"median_s": args.median_s, "sigma": args.sigma},
+        "sync_s": round(sync_s, 1), "async_s": round(async_s, 1), "speedup": round(sync_s / async_s, 2),
+        "async_versions": summary["versions"], "async_dropped_records": summary["dropped_records"],
+        "async_trainer_idle_fraction": summary["idle_fraction"],
+        "async_shards_sampled": len(list((args.work / "async-rolled").glob("*/*.msgpack.zst"))),
+        "held_out_reward": {"warm_start": held_out(sft, args.work / "eval-warm", log),
+                            "sync": held_out(args.work / "sync-policy", args.work / "eval-sync", log),
+                            "async": held_out(args.work / "async-policy", args.work / "eval-async", log)},
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
