@@ -13,7 +13,8 @@ trajectories (the 16 ``calc-train`` prompts x group 8) with ``tiny-agentic.toml`
   --follow-records 128 --max-versions ITERATIONS --max-version-lag 4`` (DIS and the recipe's
   ``--max-staleness 2`` on lagged records), side by side.
 
-``--rollout-tasks N`` runs N rollout processes on each side (sync: a Slurm array's N tasks per
+``--max-queued Q`` makes the async producers wait while Q shards wait in the two spools (the
+producer-side staleness bound). ``--rollout-tasks N`` runs N rollout processes on each side (sync: a Slurm array's N tasks per
 iteration, side by side; async: N producers of the spool). Reported: wall-clock per side and the ratio sync / async (goal >= 2x), records trained and dropped,
 and the held-out tool-use reward of each final policy (``calc-heldout``, 4 samples per prompt, seed
 1000, no latency) with the warm start's for reference.
@@ -86,7 +87,8 @@ def run_async(args, sft: Path, work: Path, log: Path) -> tuple[float, dict]:
     started = time.perf_counter()
     rollouts = [start("rollout", ROOT / "recipes/data/calc-train.jsonl", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled,
                       "--reload-root", root, "--max-rounds", 2 * args.iterations, "--prompts-per-shard", "2", "--seed", "1",
-                      "--shard-index", task, "--num-shards", args.rollout_tasks, *env_args(args))
+                      "--shard-index", task, "--num-shards", args.rollout_tasks, *env_args(args),
+                      *(("--max-queued", args.max_queued, "--queue", judged) if args.max_queued else ()))
                 for task in range(args.rollout_tasks)]
     judge = start("judge", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled, "--out", judged, "--poll-s", "0.1")
     trainer = start("train-grpo", "--config", RECIPE, "--checkpoint", sft, "--follow", judged, "--out", root, "--follow-records", "128",
@@ -113,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--rollout-tasks", type=int, default=1, help="rollout processes per side (sync: per iteration)")
+    parser.add_argument("--max-queued", type=int, default=None, help="async producers' --max-queued (shards waiting in both spools)")
     parser.add_argument("--median-s", type=float, default=0.02)
     parser.add_argument("--sigma", type=float, default=1.5)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_async")
@@ -130,7 +133,8 @@ def main() -> None:
     async_s, summary = run_async(args, sft, args.work, log)
     print(f"async: {async_s:.1f} s ({summary['versions']}, {summary['dropped_records']} records dropped)", flush=True)
     result = {
-        "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks, "latency": {"median_s": args.median_s, "sigma": args.sigma},
+        "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks,
+        "max_queued": args.max_queued, "latency": {"median_s": args.median_s, "sigma": args.sigma},
         "sync_s": round(sync_s, 1), "async_s": round(async_s, 1), "speedup": round(sync_s / async_s, 2),
         "async_versions": summary["versions"], "async_dropped_records": summary["dropped_records"],
         "async_trainer_idle_fraction": summary["idle_fraction"],

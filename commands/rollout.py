@@ -69,7 +69,7 @@ from glmpost.rollout.runner import RolloutConfig, RolloutRunner
 from glmpost.serving.sglang_client import without_api_key
 
 
-@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds"))
+@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue"))
 def rollout(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="Prompt JSONL files, or shards / shard directories / globs to resample."),

@@ -128,3 +128,33 @@ def test_the_slurm_template_runs_producer_and_trainer_roles(tiny_checkpoint, tmp
     assert CheckpointRoot(tmp_path / "run" / "policy").versions() == [1, 2]
     bad = subprocess.run(["bash", template, "nobody", *args], cwd=root, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "role must be all, producer or trainer" in bad.stderr
+
+
+def test_max_queued_holds_the_producer_until_the_consumer_catches_up(tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}"}) + "\n" for d in range(4)))
+    revision = tokenizer_revision(tiny_checkpoint)
+    spool, downstream = Spool(tmp_path / "rolled", tokenizer_revision=revision), Spool(tmp_path / "judged", tokenizer_revision=revision)
+    downstream_shard = None
+    producing = subprocess.Popen([*GLMPOST, "rollout", str(prompts), "--checkpoint", str(tiny_checkpoint), "--follow", str(spool.path),
+                                  "--group-size", "2", "--max-new-tokens", "4", "--prompts-per-shard", "2", "--max-queued", "2",
+                                  "--queue", str(downstream.path), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        _wait("two shards", lambda: len(_all_shards(spool)) == 2, timeout=120)
+        # A consumer moves one along to the downstream spool: still two waiting, so the producer waits.
+        (first,) = spool.claim("judge", limit=1)
+        downstream_shard = downstream.publish_path(first.name)
+        downstream_shard.write_bytes(first.read_bytes())
+        spool.commit("judge", [first], version=-1, ids={})
+        time.sleep(3)
+        assert len(_all_shards(spool)) == 2
+        (waiting,) = downstream.claim("trainer")
+        downstream.commit("trainer", [waiting], version=1, ids={})  # the trainer caught up: one more part
+        _wait("a third shard", lambda: len(_all_shards(spool)) == 3, timeout=60)
+    finally:
+        producing.send_signal(signal.SIGTERM)
+        out, err = producing.communicate(timeout=120)
+    assert producing.returncode == 0, err
+    summary = json.loads(out)
+    assert summary["stopped_by"] == "SIGTERM" and summary["idle_fraction"] > 0

@@ -12,7 +12,10 @@ is a root) if it moved; the records stamp the version they were sampled with.
 
 A restart skips every part the spool already holds (in any area), so a crash loses at most the part
 being sampled (never visible: shards publish atomically). SIGTERM / SIGINT stop after the part in
-progress; ``--max-rounds`` stops after that many rounds. Metrics and stage.json go to
+progress; ``--max-rounds`` stops after that many rounds. ``--max-queued N`` waits before a part
+while N shards are published and not yet consumed (here and in the ``--queue`` spools
+downstream): a producer-side bound on staleness (AReaL's ``max_head_offpolicyness`` plays this
+role), the time waited is the rollout's idle fraction. Metrics and stage.json go to
 ``SPOOL/producers/PRODUCER/``.
 """
 
@@ -51,6 +54,11 @@ class RolloutFollowConfig:
         None, "With --follow: the checkpoint root whose LATEST the engine switches to between parts (the trainer's "
         "--out); default: --checkpoint when it is a root.")
     max_rounds: Optional[int] = setting(None, "With --follow: stop after this many rounds over the prompts (default: until stopped).", min=1)
+    max_queued: Optional[int] = setting(
+        None, "With --follow: wait before a part while this many shards are published but not yet consumed (in the spool "
+        "and the --queue spools): bounds how many versions old a trajectory is when it is trained (default: no bound).", min=1)
+    queue: list[Path] = setting([], "With --max-queued: further spools whose waiting shards count (downstream ones, e.g. the "
+                                "judged spool the trainer consumes). Repeatable.")
 
 
 def default_producer(checkpoint: Path, shard_index: int) -> str:
@@ -64,6 +72,15 @@ def _newest(root: Path | None, current: PolicyCheckpoint) -> PolicyCheckpoint | 
         return None
     newest = PolicyCheckpoint.open(root)
     return newest if newest.version_dir != current.version_dir else None
+
+
+def _queued(spools: list[Spool]) -> int:
+    """Shards published and not yet consumed, over ``spools``."""
+    total = 0
+    for spool in spools:
+        depth = spool.depth()
+        total += depth.ready + depth.claimed
+    return total
 
 
 def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, options: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +105,9 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
     plan = plan_shards(prompts, replace(config, out=home / "parts", overwrite=True))
     parts = [(index, plan.parts[index]) for index, _ in plan.todo]  # this task's parts
     write_stage_json(home, STAGE, options, producer=producer, spool=str(spool.path))
+    watched = [spool] + [Spool(path, tokenizer_revision=checkpoint.revision) for path in follow.queue]
     backend = open_backend(checkpoint, config, device)
-    published, versions, rounds_done = 0, set(), 0
+    published, versions, rounds_done, waited, started_at = 0, set(), 0, 0.0, time.monotonic()
     with stop_on_signals() as stop:
         try:
             runner._prepare(backend, params, prompts)
@@ -107,6 +125,10 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                         name = f"{producer}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
                         if name in held:
                             continue
+                        while (follow.max_queued is not None and stop["signal"] is None
+                               and _queued(watched) >= follow.max_queued):
+                            time.sleep(0.1)  # backpressure: the trainer is behind
+                            waited += 0.1
                         if stop["signal"] is not None:
                             break
                         newer = _newest(reload_root, checkpoint)
@@ -125,7 +147,9 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                         aborted = sum(s.status() == "aborted" for s in samples)
                         metrics.write(**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,
                                                       policy_version=checkpoint.policy_version),
-                                      **refill_metrics(samples), **{"rollout/queue_ready": spool.depth().ready})
+                                      **refill_metrics(samples), **{"rollout/queue_ready": spool.depth().ready,
+                                                                    "rollout/queued": _queued(watched),
+                                                                    "rollout/idle_fraction": round(waited / max(time.monotonic() - started_at, 1e-9), 4)})
                         published += 1
                         versions.add(checkpoint.policy_version)
                     else:
@@ -134,4 +158,5 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
             backend.close()
     return {"spool": str(spool.path), "producer": producer, "shards_published": published, "rounds": rounds_done,
             "policy_versions": sorted(versions), "policy_version": checkpoint.policy_version,
+            "idle_fraction": round(waited / max(time.monotonic() - started_at, 1e-9), 4),
             "stopped_by": stop["signal"] or "max_rounds"}
