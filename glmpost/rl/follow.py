@@ -150,11 +150,16 @@ def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, optio
     """:func:`follow_spool` with ``train(run, inputs, skip_ids, manifest_extra)`` publishing each
     version (an interrupted update resumes from its saved state, or starts over)."""
     import dataclasses
+    import os
 
     from glmpost.checkpoints import load_tokenizer
+    from glmpost.errors import UsageError
     from glmpost.rl.run import TrainingRun
     from glmpost.rl.updates import NothingToTrain
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--follow trains in one process for now: every rank would claim its own shards; "
+                         "run it without torchrun / deepspeed")
     options = dataclasses.replace(options, resume=True)
     _, revision = load_tokenizer(checkpoint)
 
