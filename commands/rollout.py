@@ -101,6 +101,7 @@ def rollout(
     env_options: str = option(RolloutConfig, "env_options"),
     max_turns: int = option(RolloutConfig, "max_turns"),
     env_timeout: float = option(RolloutConfig, "env_timeout"),
+    env_workers: int = option(RolloutConfig, "env_workers"),
     refill_rounds: int = option(RolloutConfig, "refill_rounds"),
     zstd_level: int = option(RolloutConfig, "zstd_level"),
     overwrite: bool = option(RolloutConfig, "overwrite"),

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -365,3 +366,27 @@ def test_trajectories_a_lost_server_ends_are_counted_aborted(glmpost_cli, tiny_c
     assert all(len(r["segments"]) >= 1 for r in aborted)  # the first turn is kept
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["rollout/aborted"] for m in metrics if "rollout/aborted" in m) == len(aborted)
+
+
+def test_concurrent_environment_steps_write_the_same_records(glmpost_cli, tiny_checkpoint, tmp_path):
+    """--env-workers runs one turn's tool steps at once (each trajectory has its own environment):
+    the latency tail is paid once per turn, and the records are those of steps one after another."""
+    import json as _json
+
+    from glmpost.formats import ShardReader, resolve_shard_paths
+
+    prompts = tmp_path / "calc.jsonl"
+    source = Path(__file__).resolve().parents[1] / "recipes" / "data" / "calc-train.jsonl"
+    prompts.write_text("".join(source.read_text().splitlines(keepends=True)[:4]))
+    options = _json.dumps({"inner": "calculator", "median_s": 0.01, "sigma": 1.0})
+    outs = {}
+    for workers in (1, 8):
+        out = tmp_path / f"w{workers}"
+        result = glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", out, "--env", "latency", "--env-options",
+                             options, "--max-turns", "2", "--group-size", "2", "--max-new-tokens", "8", "--env-workers", workers)
+        assert result.exit_code == 0, result.stderr
+        outs[workers] = [r for p in resolve_shard_paths([out]) for r in ShardReader(p)]
+    for a, b in zip(outs[1], outs[8], strict=True):
+        assert a["id"] == b["id"] and a["status"] == b["status"]
+        assert a["response_token_ids"].tolist() == b["response_token_ids"].tolist()
+        assert a["extra"]["env"]["reward"] == b["extra"]["env"]["reward"]

@@ -19,6 +19,8 @@ when the engine failed it (the reason is kept in each case).
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import difflib
 import hashlib
 from dataclasses import dataclass, field
@@ -129,6 +131,7 @@ class MultiTurnSettings:
     max_new_tokens: int
     context: int
     env_timeout: float | None
+    env_workers: int = 1  # environment steps of one turn run at once (each trajectory has its own environment)
 
 
 # (prompts, turn keys, trajectory keys) -> one (completion or None, weight version, failure reason) per prompt
@@ -162,17 +165,27 @@ def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: S
             break
         outcomes = generate([trajectories[i].ids() for i in active], [turn_key(keys[i], turn) for i in active],
                             [keys[i] for i in active])
-        still = []
+        stepping = []
         for index, (completion, version, reason) in zip(active, outcomes):
             trajectory = trajectories[index]
             trajectory.version = version if version is not None else trajectory.version
             if completion is None:
                 trajectory.status, trajectory.reason = "aborted", reason
                 continue
-            if _take_turn(trajectory, Turn(completion, server=served(turn_key(keys[index], turn))), envs[index], renderer,
-                          settings, decode, last=turn + 1 == settings.max_turns):
-                still.append(index)
-        active = still
+            stepping.append((index, Turn(completion, server=served(turn_key(keys[index], turn)))))
+
+        def step(item: tuple[int, Turn]) -> bool:
+            index, taken = item
+            return _take_turn(trajectories[index], taken, envs[index], renderer, settings, decode,
+                              last=turn + 1 == settings.max_turns)
+
+        # A slow tool step (latency's long tail) then delays its turn once, not every trajectory after it.
+        if settings.env_workers > 1 and len(stepping) > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=settings.env_workers, thread_name_prefix="glmpost-step") as pool:
+                going = list(pool.map(step, stepping))
+        else:
+            going = [step(item) for item in stepping]
+        active = [index for (index, _), on in zip(stepping, going) if on]
     return trajectories
 
 

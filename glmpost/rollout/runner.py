@@ -55,8 +55,8 @@ from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_js
 STAGE = "rollout"
 ENGINES = ("local", "sglang")
 # Options that may differ between the tasks or reruns writing one output directory.
-PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "device", "config",
-                    "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
+PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
+                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
 
 @dataclass
 class RolloutConfig:
@@ -99,6 +99,9 @@ class RolloutConfig:
     max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
     env_timeout: float = setting(
         30.0, "With --env: seconds one reset() or step() may take (then the trajectory ends env_error).", min=0.001)
+    env_workers: int = setting(
+        8, "With --env: environment steps of one turn run at once, each trajectory on its own environment (1: one "
+        "after another); the records do not depend on it (for environments whose instances share no state).", min=1)
     refill_rounds: int = setting(
         0, "Rounds of resampling the failed samples (env_error, aborted) of groups with more than half valid, to "
         "full size (GLM-5); refills get the next sample indices and extra.refill. 0 = off.", min=0)
@@ -356,7 +359,8 @@ class RolloutRunner:
     def _trajectories(self, sequences: list[list[int]], keys: list[str], tasks: list[dict],
                       backend: LocalBackend | SGLangBackend) -> list[Outcome]:
         settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens,
-                                     backend.model_config.max_position_embeddings, self.config.env_timeout)
+                                     backend.model_config.max_position_embeddings, self.config.env_timeout,
+                                     self.config.env_workers)
         quiet = tqdm(disable=True)  # the bar counts trajectories, not turns
         servers = len(backend.pool.clients) if isinstance(backend, SGLangBackend) else 1
 
