@@ -31,10 +31,10 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option, with_options
+from glmpost.commands.options import config_from, follow_from, json_option, option, with_options
 from glmpost.config import domain_assignment
 from glmpost.errors import UsageError
-from glmpost.relay import RELAY_OPTIONS, RelayConfig
+from glmpost.relay import RELAY_OPTIONS, RelayConfig, relay_line
 from glmpost.rewards.follow import follow_judge
 from glmpost.rewards.judging import JudgeConfig, JudgeRun
 from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_string
@@ -134,15 +134,10 @@ def judge(
     **follow_options: Any,
 ) -> None:
     run = JudgeRun(config_from(ctx, JudgeConfig, options=effective_options(ctx)))
-    follow = config_from(ctx, RelayConfig)
-    if follow.follow is not None:
-        if inputs:
-            raise UsageError("--follow judges the spool's shards: drop the SHARDS")
+    follow = follow_from(ctx, RelayConfig, inputs, name="SHARDS", what="rollout shards to judge")
+    if follow is not None:
         summary = follow_judge(run, follow)
-        return print_summary(summary, as_json=as_json, human=(
-            f"{summary['out']}: {summary['shards']} shard(s) judged from {summary['spool']}, stopped by {summary['stopped_by']}"))
-    if not inputs:
-        raise UsageError("give the rollout shards to judge (SHARDS), or --follow SPOOL")
+        return print_summary(summary, as_json=as_json, human=relay_line(summary, "judged"))
     summary = run.run()
     print_summary(summary, as_json=as_json, human=_human(summary, run.specs))
 

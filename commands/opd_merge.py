@@ -30,9 +30,10 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
+from glmpost.commands.options import (FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, follow_from, json_option, option,
+                                      with_options)
 from glmpost.errors import UsageError
-from glmpost.rl.follow import FollowConfig, opd_follow
+from glmpost.rl.follow import FollowConfig, follow_line, opd_follow
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
 from glmpost.rl.updates import opd_update
@@ -74,17 +75,11 @@ def opd_merge(
 ) -> None:
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
-    follow = config_from(ctx, FollowConfig)
-    if follow.follow is not None:
-        if inputs:
-            raise UsageError("--follow consumes the spool: drop the INPUTS")
+    follow = follow_from(ctx, FollowConfig, inputs, name="INPUTS", what="teacher-scored shards to train on")
+    if follow is not None:
         summary = opd_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
                              config=config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
-        return print_summary(summary, as_json=as_json, human=(
-            f"{out}: {len(summary['versions'])} version(s) from {summary['spool']} (now v{summary['policy_version']}), "
-            f"{summary['dropped_records']} records dropped, stopped by {summary['stopped_by']}"))
-    if not inputs:
-        raise UsageError("give the teacher-scored shards to train on (INPUTS), or --follow SPOOL")
+        return print_summary(summary, as_json=as_json, human=follow_line(summary))
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
 

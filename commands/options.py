@@ -30,6 +30,19 @@ def config_from(ctx: typer.Context, cls: type, **overrides: Any):
     return from_values(cls, ctx.params, **overrides)
 
 
+def follow_from(ctx: typer.Context, cls: type, inputs, *, name: str, what: str):
+    """The follow settings (``cls``) when ``--follow`` is given, INPUTS then refused; else None,
+    INPUTS then required (``name`` the argument as --help shows it, ``what`` what it holds)."""
+    follow = config_from(ctx, cls)
+    if follow.follow is not None:
+        if inputs:
+            raise UsageError(f"--follow reads its input from the spool: drop the {name}")
+        return follow
+    if not inputs:
+        raise UsageError(f"give the {what} ({name}), or --follow SPOOL")
+    return None
+
+
 def json_option(what: str = "the result summary") -> Any:
     """``--json``: stdout carries ``what`` as one JSON document instead of text."""
     return typer.Option(False, "--json", help=f"Print {what} as JSON.")

@@ -35,9 +35,8 @@ import typer
 from glmpost.closure.teachers import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.closure.teacher_follow import follow_score_teacher
-from glmpost.commands.options import config_from, json_option, option, with_options
-from glmpost.errors import UsageError
-from glmpost.relay import RELAY_OPTIONS, RelayConfig
+from glmpost.commands.options import config_from, follow_from, json_option, option, with_options
+from glmpost.relay import RELAY_OPTIONS, RelayConfig, relay_line
 from glmpost.serving.sglang_client import check_api_key, without_api_key
 
 
@@ -74,14 +73,9 @@ def score_teacher(
 ) -> None:
     check_api_key(api_key)  # before any teacher loads
     run = ScoreTeacherRun(config_from(ctx, ScoreTeacherConfig, options=without_api_key(effective_options(ctx))))
-    follow = config_from(ctx, RelayConfig)
-    if follow.follow is not None:
-        if inputs:
-            raise UsageError("--follow scores the spool's shards: drop the SHARDS")
+    follow = follow_from(ctx, RelayConfig, inputs, name="SHARDS", what="student rollout shards to score")
+    if follow is not None:
         summary = follow_score_teacher(run, follow)
-        return print_summary(summary, as_json=as_json, human=(
-            f"{summary['out']}: {summary['shards']} shard(s) scored from {summary['spool']}, stopped by {summary['stopped_by']}"))
-    if not inputs:
-        raise UsageError("give the student rollout shards to score (SHARDS), or --follow SPOOL")
+        return print_summary(summary, as_json=as_json, human=relay_line(summary, "scored"))
     summary = run.run()
     print_summary(summary, as_json=as_json, human=run.human(summary))

@@ -40,9 +40,9 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
-from glmpost.errors import UsageError
-from glmpost.rl.follow import FollowConfig, grpo_follow
+from glmpost.commands.options import (FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, follow_from, json_option, option,
+                                      with_options)
+from glmpost.rl.follow import FollowConfig, follow_line, grpo_follow
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import GRPOConfig
 from glmpost.rl.updates import grpo_update
@@ -82,18 +82,12 @@ def train_grpo(
     config: Optional[Path] = config_option(),
     **shared: Any,
 ) -> None:
-    follow = config_from(ctx, FollowConfig)
-    if follow.follow is not None:
-        if inputs:
-            raise UsageError("--follow consumes the spool: drop the INPUTS")
+    follow = follow_from(ctx, FollowConfig, inputs, name="INPUTS", what="judged shards to train on")
+    if follow is not None:
         summary = grpo_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
                               config=config_from(ctx, GRPOConfig), temperature=temperature, ref_checkpoint=ref_checkpoint,
                               stage_options=effective_options(ctx))
-        return print_summary(summary, as_json=as_json, human=(
-            f"{out}: {len(summary['versions'])} version(s) from {summary['spool']} (now v{summary['policy_version']}), "
-            f"{summary['dropped_records']} records dropped, stopped by {summary['stopped_by']}"))
-    if not inputs:
-        raise UsageError("give the judged shards to train on (INPUTS), or --follow SPOOL")
+        return print_summary(summary, as_json=as_json, human=follow_line(summary))
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
                           ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))

@@ -20,18 +20,13 @@ kv_lora_rank, r = qk_rope_head_dim, k = min(index_topk, S)):
 
 from __future__ import annotations
 
+from glmpost.memory_plan import dtype_bytes
 from glmpost.models.native_attention import INDEXER_CHUNK_ELEMENTS
-
-
-def _bytes(dtype: str) -> int:
-    from glmpost.memory_plan import dtype_bytes
-
-    return dtype_bytes(dtype)
 
 
 def native_attention_saved_bytes(shape, *, batch: int, seq: int, dtype: str) -> int:
     """Bytes autograd keeps for the native attention of every layer of one micro-batch (see module doc)."""
-    a = _bytes(dtype)
+    a = dtype_bytes(dtype)
     n = batch * seq
     heads, c, r = shape.heads, shape.kv_lora_rank, shape.qk_rope_head_dim
     q_in, k = shape.q_lora_rank or 0, min(shape.index_topk, seq)
@@ -71,7 +66,7 @@ def native_indexer_workspace_bytes(shape, *, batch: int, queries: int, keys: int
 def native_gather_workspace_bytes(shape, *, batch: int, queries: int, keys: int, dtype: str) -> int:
     """One chunk's selected-key gather without autograd: ``[B, C, k, c + r]`` keys and ``[B, C, H, k]``
     logits, masked logits and probabilities (float32), the latent output ``[B, C, H, c]``."""
-    a = _bytes(dtype)
+    a = dtype_bytes(dtype)
     chunk = native_indexer_chunk(shape, batch=batch, keys=keys, queries=queries)
     k = min(shape.index_topk, keys)
     c, r, heads = shape.kv_lora_rank, shape.qk_rope_head_dim, shape.heads
@@ -93,6 +88,6 @@ def latent_cache_capacity(prompt: int, new_tokens: int) -> int:
 def native_cache_bytes(shape, *, batch: int, prompt: int, new_tokens: int, dtype: str) -> dict[str, int]:
     """``{"latent": ..., "indexer_keys": ...}`` bytes the rollout's latent caches hold (capacity)."""
     slots = batch * latent_cache_capacity(prompt, new_tokens)
-    a = _bytes(dtype)
+    a = dtype_bytes(dtype)
     return {"latent": slots * shape.layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * a,
             "indexer_keys": slots * shape.indexer_layers * shape.index_head_dim * a}

@@ -40,6 +40,11 @@ class RelayConfig:
 RELAY_OPTIONS = ("follow", "consumer", "poll_s", "lease_s", "idle_timeout")
 
 
+def relay_line(summary: dict[str, Any], verb: str) -> str:
+    """The human line of a relay run (``verb``: what the stage did to each shard)."""
+    return f"{summary['out']}: {summary['shards']} shard(s) {verb} from {summary['spool']}, stopped by {summary['stopped_by']}"
+
+
 def relay(config: RelayConfig, *, out: Path, revision: str, stage: str, options: dict[str, Any],
           process: Callable[[Path, Path], dict[str, Any]]) -> dict[str, Any]:
     """Run the loop (module doc): ``process(input shard, output path)`` writes the output shard

@@ -74,12 +74,12 @@ def _shard_ids(paths: list[Path]) -> dict[str, list[str]]:
 Update = Callable[[Path, list[Path], frozenset, dict], Optional[dict]]
 
 
-def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer_revision: str, update: Update,
-                 nothing_to_train: type[Exception]) -> dict[str, Any]:
+def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer_revision: str, update: Update) -> dict[str, Any]:
     """Run the follow loop (module doc). ``update(parent, shards, skip_ids, manifest_extra)``
     trains and publishes one version and returns its summary (``policy_version``); it raises
-    ``nothing_to_train`` when every record was excluded. Returns the run's summary."""
+    :class:`~glmpost.rl.updates.NothingToTrain` when every record was excluded. Returns the run's summary."""
     from glmpost.checkpoints import LATEST
+    from glmpost.rl.updates import NothingToTrain
 
     spool = Spool(config.follow, tokenizer_revision=tokenizer_revision)
     spool.bind_consumer_root(out)
@@ -120,7 +120,7 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
                 trained = spool.consumed_ids() | {i for _, shard_ids in committed.values() for i in shard_ids}
                 try:
                     summary = update(parent, claims, frozenset(trained), extra)
-                except nothing_to_train as exc:
+                except NothingToTrain as exc:
                     log(f"{spool.path}: {len(claims)} shard(s) dropped: {exc}")
                     spool.commit(consumer, claims, version=-1, ids=ids)
                     dropped += sum(map(len, ids.values()))
@@ -146,6 +146,12 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
             "stopped_by": stop["signal"] or "max_versions",
             "idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)}
 
+def follow_line(summary: dict[str, Any]) -> str:
+    """The human line of a trainer's follow run."""
+    return (f"{summary['out']}: {len(summary['versions'])} version(s) from {summary['spool']} (now v{summary['policy_version']}), "
+            f"{summary['dropped_records']} records dropped, stopped by {summary['stopped_by']}")
+
+
 def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, train) -> dict[str, Any]:
     """:func:`follow_spool` with ``train(run, inputs, skip_ids, manifest_extra)`` publishing each
     version (an interrupted update resumes from its saved state, or starts over)."""
@@ -155,7 +161,6 @@ def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, optio
     from glmpost.checkpoints import load_tokenizer
     from glmpost.errors import UsageError
     from glmpost.rl.run import TrainingRun
-    from glmpost.rl.updates import NothingToTrain
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--follow trains in one process for now: every rank would claim its own shards; "
@@ -166,8 +171,7 @@ def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, optio
     def update(parent: Path, shards: list[Path], skip_ids: frozenset, extra: dict) -> dict | None:
         return train(TrainingRun(parent, out, options), [str(s) for s in shards], skip_ids, extra)
 
-    return follow_spool(follow, out=Path(out), checkpoint=Path(checkpoint), tokenizer_revision=revision, update=update,
-                        nothing_to_train=NothingToTrain)
+    return follow_spool(follow, out=Path(out), checkpoint=Path(checkpoint), tokenizer_revision=revision, update=update)
 
 
 def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config, temperature: float | None,

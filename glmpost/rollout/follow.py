@@ -34,10 +34,10 @@ from glmpost.checkpoints import LATEST
 from glmpost.config import setting
 from glmpost.formats.spool import Spool
 from glmpost.npu import resolve_device
-from glmpost.rollout.engines import PolicyCheckpoint, engine_version, eos_id_list, open_backend
+from glmpost.rollout.engines import PolicyCheckpoint, engine_version, open_backend
 from glmpost.rollout.records import load_rollout_prompts
 from glmpost.rollout.refill import refill_metrics
-from glmpost.rollout.runner import STAGE, RolloutConfig, RolloutRunner, plan_shards, shard_metrics
+from glmpost.rollout.runner import STAGE, RolloutConfig, RolloutRunner, shard_metrics, task_parts
 from glmpost.stage import MetricsWriter, log, stop_on_signals, write_stage_json
 
 
@@ -102,15 +102,14 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
     prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
     home = spool.path / "producers" / producer
     home.mkdir(parents=True, exist_ok=True)
-    plan = plan_shards(prompts, replace(config, out=home / "parts", overwrite=True))
-    parts = [(index, plan.parts[index]) for index, _ in plan.todo]  # this task's parts
+    cut, mine = task_parts(prompts, config)
+    parts = [(index, cut[index]) for index in mine]
     write_stage_json(home, STAGE, options, producer=producer, spool=str(spool.path))
     watched = [spool] + [Spool(path, tokenizer_revision=checkpoint.revision) for path in follow.queue]
     backend = open_backend(checkpoint, config, device)
     published, versions, rounds_done, waited, started_at = 0, set(), 0, 0.0, time.monotonic()
     with stop_on_signals() as stop:
         try:
-            runner._prepare(backend, params, prompts)
             engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(),
                            "group_size": config.group_size, "seed_reproducible": backend.seed_reproducible}
             held = spool.names()
@@ -120,7 +119,7 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                     if stop["signal"] is not None or (follow.max_rounds is not None and round_number >= follow.max_rounds):
                         break
                     round_params = replace(params, seed=config.seed + round_number)
-                    backend.prepare(round_params, eos_id_list(backend.default_stops))
+                    runner._prepare(backend, round_params, prompts)
                     for part_index, part in parts:
                         name = f"{producer}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
                         if name in held:
@@ -137,8 +136,7 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                             backend.close()
                             checkpoint = newer
                             backend = open_backend(checkpoint, config, device)
-                            runner._prepare(backend, params, prompts)
-                            backend.prepare(round_params, eos_id_list(backend.default_stops))
+                            runner._prepare(backend, round_params, prompts)
                         started = time.perf_counter()
                         progress.total = (progress.total or 0) + len(part) * config.group_size
                         samples = runner._generate(part, backend, progress)

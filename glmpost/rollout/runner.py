@@ -189,16 +189,24 @@ class ShardPlan:
         return self.mine - len(self.todo)
 
 
-def plan_shards(prompts: list[RolloutPrompt], config: RolloutConfig) -> ShardPlan:
-    """Parts of ``prompts_per_shard`` prompts; this task's (``shard_index`` of ``num_shards``) that
-    are missing in ``out`` (all of them with ``overwrite``)."""
-    out, size = config.out, config.prompts_per_shard
+def task_parts(prompts: list[RolloutPrompt], config: RolloutConfig) -> tuple[list[list[RolloutPrompt]], list[int]]:
+    """``prompts`` cut into parts of ``prompts_per_shard``, and the indices of this task's
+    (``shard_index`` of ``num_shards``, the shards' round robin)."""
+    size = config.prompts_per_shard
     parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
     names = [f"rollout-{i:05d}{SHARD_SUFFIX}" for i in range(len(parts))]
     mine = select_shards([Path(n) for n in names], config.shard_index, config.num_shards)
-    todo = [(names.index(str(p)), out / p) for p in mine if config.overwrite or not (out / p).exists()]
+    return parts, [names.index(str(p)) for p in mine]
+
+
+def plan_shards(prompts: list[RolloutPrompt], config: RolloutConfig) -> ShardPlan:
+    """Parts of ``prompts_per_shard`` prompts; this task's (:func:`task_parts`) that are missing in
+    ``out`` (all of them with ``overwrite``)."""
+    parts, mine = task_parts(prompts, config)
+    paths = [config.out / f"rollout-{i:05d}{SHARD_SUFFIX}" for i in mine]
+    todo = [(i, path) for i, path in zip(mine, paths) if config.overwrite or not path.exists()]
     if len(todo) < len(mine):
-        log(f"{len(mine) - len(todo)} of this task's {len(mine)} shard(s) already exist in {out}; writing the rest")
+        log(f"{len(mine) - len(todo)} of this task's {len(mine)} shard(s) already exist in {config.out}; writing the rest")
     return ShardPlan(parts, len(mine), todo)
 
 
