@@ -18,8 +18,9 @@ ZeRO under `deepspeed`/`torchrun`, the new version under --out with LATEST moved
 after an interruption, metrics.jsonl beside the version and in the root.
 
 --follow SPOOL consumes teacher-scored shards from a spool as they land (asynchronous OPD): one
-version per --follow-records records, each trajectory id trained at most once, exactly as
-`train-grpo --follow` (see its --help and formats/SPEC.md §12).
+update per --follow-records records on a trainer kept in memory, a version every --publish-every
+updates, each trajectory id trained at most once, exactly as `train-grpo --follow` (see its --help
+and formats/SPEC.md §12).
 """
 
 from __future__ import annotations

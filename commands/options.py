@@ -123,6 +123,7 @@ def with_options(cls: type, names: tuple[str, ...]):
     return wrap
 
 
-FOLLOW_OPTIONS = ("follow", "consumer", "follow_records", "poll_s", "lease_s", "max_versions", "idle_timeout")
+FOLLOW_OPTIONS = ("follow", "consumer", "follow_records", "publish_every", "poll_s", "lease_s", "max_steps", "max_versions",
+                  "idle_timeout")
 TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "deterministic", "attention", "save_every", "resume",
                         "overwrite")

@@ -21,15 +21,21 @@ already exists is not trained again. Multi-process training runs under `deepspee
 with DeepSpeed ZeRO (--zero-stage or --deepspeed ds.json); rank 0 alone writes files.
 
 --follow SPOOL makes it a long-running stage of asynchronous RL: it claims judged shards from the
-spool as they land (oldest first), publishes one version per --follow-records records from --out's
-LATEST (the --checkpoint before the first), and commits each batch exactly once by trajectory id:
-the version's glmpost.json lists the shards and ids it trained, then the spool's ledger and done/
-area record them; a record trained before is skipped, a batch with nothing left to train is
-committed as dropped. Staleness and DIS are this stage's --max-staleness, --max-version-lag and
---trust-mask. A restart after a crash resumes an interrupted update (or starts it over) and
-finishes an interrupted commit; its lease (--lease-s) returns a dead trainer's claims to the
-spool. It stops on SIGTERM / SIGINT after the update in progress, at --max-versions, or after
---idle-timeout seconds without a new shard; unused claims go back to ready/.
+spool as they land (oldest first), trains one update per --follow-records records on a model it
+keeps in memory (set up once from --out's newest version, the --checkpoint before the first), and
+publishes a version every --publish-every updates (--reset-optimizer then starts AdamW fresh after
+each). Each batch is committed exactly once by trajectory id: the version's glmpost.json lists the
+shards and ids it trained, then the spool's ledger and done/ area record them; a record trained
+before is skipped, a batch with nothing left to train is committed as dropped. Staleness and DIS
+are this stage's --max-staleness, --max-version-lag and --trust-mask, in published versions; the
+KL reference is --ref-checkpoint or the version the run started from. A crash loses the updates
+since the last version (a restart trains them again and finishes an interrupted commit); its lease
+(--lease-s) returns a dead trainer's claims to the spool. It stops on SIGTERM / SIGINT after the
+update in progress, at --max-steps updates or --max-versions versions, or after --idle-timeout
+seconds without a new shard, publishing the updates since the last version first; unused claims go
+back to ready/. Metrics (root metrics.jsonl, follow/*): per version the staleness histogram
+(version_lag/L), records trained, stale-dropped count, queue depth and idle fraction; per dropped
+batch its records' lengths and rewards.
 """
 
 from __future__ import annotations

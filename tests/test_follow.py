@@ -115,6 +115,69 @@ def test_a_commit_interrupted_after_publishing_is_finished_not_retrained(glmpost
     assert spool.depth().done == 2
 
 
+def _optimizer_steps(version_dir: Path) -> int:
+    import torch
+
+    state = torch.load(version_dir / "trainer_state" / "optimizer.pt", weights_only=False)["state"]["state"]
+    return int(next(iter(state.values()))["step"])
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_publish_every_keeps_the_trainer_in_memory_and_max_steps_stops(glmpost_cli, tiny_checkpoint, tmp_path, reset):
+    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    shards = _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a") + _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "b")
+    for shard in shards:
+        _publish(spool, shard)
+    root = tmp_path / "policy"
+    extra = ["--reset-optimizer"] if reset else []
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "8", "--publish-every", "2",
+                     "--max-steps", "3", *extra)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    # Updates 1-2 make v1; the third stops the run at --max-steps and is published, not lost.
+    assert summary["versions"] == [1, 2] and summary["updates"] == 3 and summary["stopped_by"] == "max_steps"
+    versions = CheckpointRoot(root)
+    first, second = read_manifest(versions.version_dir(1)), read_manifest(versions.version_dir(2))
+    assert list(first.extra["spool"]["shards"]) == [s.name for s in shards[:2]]
+    assert list(second.extra["spool"]["shards"]) == [shards[2].name] and second.parent.endswith("v000001")
+    assert first.extra["trained_records"] == 16 and second.extra["trained_records"] == 8
+    stage = json.loads((versions.version_dir(1) / "stage.json").read_text())
+    assert stage["updates"] == 2 and len(stage["batches"]) == 2
+    steps_per_update = int(first.step) // 2
+    assert steps_per_update >= 1
+    # AdamW's state carries over within a version and across publishes, unless --reset-optimizer.
+    assert _optimizer_steps(versions.version_dir(1)) == 2 * steps_per_update
+    assert _optimizer_steps(versions.version_dir(2)) == (1 if reset else 3) * steps_per_update
+    assert spool.depth().ready == 1 and [e["version"] for e in spool.ledger()] == [1, 1, 2]
+
+    # A run that goes idle before --publish-every is reached publishes what it trained.
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "8", "--publish-every", "5", *extra)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["versions"] == [3] and summary["updates"] == 1 and summary["stopped_by"] == "idle"
+    trained = [i for e in spool.ledger() for i in e["ids"]]
+    assert len(trained) == len(set(trained)) == 32 and spool.depth().done == 4
+
+
+def test_a_wholly_stale_batch_is_dropped_with_its_lengths_and_rewards(glmpost_cli, tiny_checkpoint, tmp_path):
+    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    shards = _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a")
+    _publish(spool, shards[0])
+    root = tmp_path / "policy"
+    assert _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "8", "--max-versions", "1").exit_code == 0
+    _publish(spool, shards[1])  # sampled at v0, trained from v1: one version too old for --max-staleness 0
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "8", "--max-staleness", "0")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["versions"] == [] and summary["stale_dropped"] == 8 and summary["dropped_records"] == 8
+    records = list(ShardReader(shards[1]))
+    line = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines() if "follow/dropped_shards" in x][-1]
+    assert line["follow/stale_dropped"] == 8
+    assert line["follow/stale_dropped_response_length_mean"] == pytest.approx(np.mean([len(r["response_token_ids"]) for r in records]))
+    assert line["follow/stale_dropped_reward_mean"] == pytest.approx(np.mean([r["reward"] for r in records]))
+    assert [e["version"] for e in spool.ledger()] == [1, -1]
+
+
 def test_follow_refuses_inputs_and_an_empty_invocation(glmpost_cli, tiny_checkpoint, tmp_path):
     both = glmpost_cli("train-grpo", str(tmp_path), "--follow", tmp_path / "spool", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r")
     assert both.exit_code == 2 and "drop the INPUTS" in both.stderr

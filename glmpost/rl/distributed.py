@@ -60,7 +60,12 @@ class LocalBackend:
     def __init__(self, model: torch.nn.Module, config: Any):
         self.model = model
         self.config = config
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.reset_optimizer()
+
+    def reset_optimizer(self) -> None:
+        """AdamW with no state (moments and step count from zero)."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        config = self.config
         self.optimizer = torch.optim.AdamW(
             trainable, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay
         )

@@ -1,19 +1,25 @@
-"""A trainer in follow mode: consume a spool as trajectories land, publish a version per batch of
-them, commit each batch exactly once (brief, the asynchronous loop: "允许系统异步前进，同时只让仍然
-可信的 token 产生梯度"; formats/SPEC.md §12).
+"""A trainer in follow mode: consume a spool as trajectories land, train an update per batch of
+them, publish a version every ``--publish-every`` updates, commit each batch exactly once (brief,
+the asynchronous loop: "允许系统异步前进，同时只让仍然可信的 token 产生梯度", "sync every K steps";
+formats/SPEC.md §12).
 
-Each round: finish any commit a crash interrupted (:meth:`~glmpost.formats.spool.Spool.reconcile`
-from the published manifests, also for a shard claimed again after its lease was reaped), keep this
-trainer's claims and claim ready shards, oldest first,
-until they hold ``follow_records`` records; train one update from the output root's ``LATEST`` (the
-initial ``--checkpoint`` before the first), leaving out every record the ledger says was trained;
-the published version's manifest lists the shards and ids (the commit record); then ledger them and
-move them to ``done/``. Staleness and DIS are the update's own (``--max-staleness``,
-``--max-version-lag``, ``--trust-mask``). A batch with nothing left to train (all stale, all
-trained before) is committed as dropped (version -1) so it is not retried forever.
+The trainer stays in memory (:class:`~glmpost.rl.persistent.PersistentRun`), set up once from the
+output root's newest version (the initial ``--checkpoint`` before the first). Each round: finish
+any commit a crash interrupted (:meth:`~glmpost.formats.spool.Spool.reconcile` from the published
+manifests, also for a shard claimed again after its lease was reaped), take this trainer's claims
+not yet trained and claim ready shards, oldest first, until they hold ``follow_records`` records;
+train one update on them, leaving out every record the ledger says was trained. Every
+``publish_every`` updates the weights become the next version, whose manifest lists the shards and
+ids of its updates (the commit record); then they are ledgered and moved to ``done/``. Staleness
+and DIS are the update's own (``--max-staleness``, ``--max-version-lag``, ``--trust-mask``),
+counted in published versions. A batch with nothing left to train (all stale, all trained before)
+is committed as dropped (version -1) so it is not retried forever; its records' lengths and
+rewards are in the metrics.
 
-A background thread renews the lease; SIGTERM / SIGINT stop after the update in progress and
-return unused claims to ``ready/``. ``--max-versions`` and ``--idle-timeout`` stop it too.
+A background thread renews the lease; SIGTERM / SIGINT stop after the update in progress,
+publishing the updates since the last version, and return unused claims to ``ready/``;
+``--max-steps``, ``--max-versions`` and ``--idle-timeout`` stop it the same way. A crash loses the
+updates since the last version (their claims return after the lease; a restart trains them again).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from collections import Counter
+from typing import Any, Optional, Protocol
 
 from glmpost.config import setting
 from glmpost.formats import ShardReader
@@ -41,6 +48,10 @@ class FollowConfig:
     follow_records: int = setting(64, "Records per published version in --follow mode (whole shards are claimed until this many).", min=1)
     poll_s: float = setting(1.0, "Seconds between looks at the spool while waiting for shards.", min=0.01)
     lease_s: float = setting(DEFAULT_LEASE_S, "Seconds a claim stays this trainer's without a renewal (renewed every third of it).", min=0.1)
+    publish_every: int = setting(1, "Publish a version every N updates (an update per --follow-records records); the trainer "
+                                 "keeps its weights and optimizer state in memory between them.", min=1)
+    max_steps: Optional[int] = setting(None, "Stop after this many updates, publishing the ones since the last version "
+                                       "(default: run until stopped).", min=1)
     max_versions: Optional[int] = setting(None, "Stop after publishing this many versions (default: run until stopped).", min=1)
     idle_timeout: Optional[float] = setting(None, "Stop after this many seconds without a new shard (default: wait for ever).", min=0.0)
 
@@ -71,14 +82,24 @@ def _shard_ids(paths: list[Path]) -> dict[str, list[str]]:
     return {path.name: [record["id"] for record in ShardReader(path)] for path in paths}
 
 
-Update = Callable[[Path, list[Path], frozenset, dict], Optional[dict]]
+class FollowTrainer(Protocol):
+    """What :func:`follow_spool` drives: updates in memory, versions on disk."""
+
+    def train(self, shards: list[Path], skip_ids: frozenset) -> dict[str, Any]:
+        """One update on ``shards`` without the records ``skip_ids`` names: its ``records``,
+        ``trained_records``, ``version_lags`` and step ``metrics``; raises
+        :class:`~glmpost.rl.updates.NothingToTrain` when every record was excluded."""
+
+    def publish(self, manifest_extra: dict[str, Any]) -> int:
+        """Publish the updates since the last version as the next one; returns its number."""
 
 
-def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer_revision: str, update: Update) -> dict[str, Any]:
-    """Run the follow loop (module doc). ``update(parent, shards, skip_ids, manifest_extra)``
-    trains and publishes one version and returns its summary (``policy_version``); it raises
-    :class:`~glmpost.rl.updates.NothingToTrain` when every record was excluded. Returns the run's summary."""
-    from glmpost.checkpoints import LATEST
+def _sum_lags(total: Counter, lags: dict) -> None:
+    total.update({str(lag): n for lag, n in lags.items()})
+
+
+def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, trainer: FollowTrainer) -> dict[str, Any]:
+    """Run the follow loop (module doc); returns the run's summary."""
     from glmpost.rl.updates import NothingToTrain
 
     spool = Spool(config.follow, tokenizer_revision=tokenizer_revision)
@@ -86,19 +107,52 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
     consumer = config.consumer or default_consumer(out)
     out.mkdir(parents=True, exist_ok=True)
     started, waited, last_new = time.monotonic(), 0.0, time.monotonic()
-    versions, dropped = [], 0
+    versions, dropped, stale_dropped, steps = [], 0, 0, 0
+    pending: dict[str, list[str]] = {}  # shard name -> ids, trained since the last version
+    pending_claims: list[Path] = []
+    pending_lags, pending_counts = Counter(), Counter()
+
+    def publish() -> None:
+        extra = {"spool": {"path": str(spool.path.resolve()), "consumer": consumer, "shards": dict(pending)},
+                 "records": pending_counts["records"], "trained_records": pending_counts["trained_records"],
+                 "version_lags": dict(pending_lags)}
+        version = trainer.publish(extra)
+        spool.commit(consumer, pending_claims, version=version, ids=pending)
+        versions.append(version)
+        depth = spool.depth()
+        metrics.write(**{"follow/policy_version": version, "follow/updates": pending_counts["updates"],
+                         **{f"follow/version_lag/{lag}": n for lag, n in sorted(pending_lags.items(), key=lambda kv: int(kv[0]))},
+                         "follow/records": pending_counts["records"], "follow/trained_records": pending_counts["trained_records"],
+                         "follow/shards": len(pending_claims), "follow/queue_ready": depth.ready,
+                         "follow/queue_claimed": depth.claimed, "follow/dropped_records": dropped,
+                         "follow/stale_dropped": stale_dropped,
+                         "follow/idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)})
+        log(f"{spool.path}: v{version} from {pending_counts['updates']} update(s) on {len(pending_claims)} shard(s), "
+            f"{pending_counts['trained_records']} records trained; queue {depth.ready} ready")
+        pending.clear()
+        pending_claims.clear()
+        pending_lags.clear()
+        pending_counts.clear()
+
+    def finished() -> bool:
+        return ((config.max_versions is not None and len(versions) >= config.max_versions)
+                or (config.max_steps is not None and steps >= config.max_steps))
+
     with stop_on_signals() as stop, lease_kept(spool, consumer, config.lease_s), MetricsWriter(out / "metrics.jsonl") as metrics:
         try:
-            finished = spool.reconcile(consumer, committed_shards(out, spool))
-            if finished:
-                log(f"{spool.path}: finished {finished} commit(s) an interrupted run left")
-            while stop["signal"] is None and (config.max_versions is None or len(versions) < config.max_versions):
+            done_before = spool.reconcile(consumer, committed_shards(out, spool))
+            if done_before:
+                log(f"{spool.path}: finished {done_before} commit(s) an interrupted run left")
+            while stop["signal"] is None and not finished():
                 # A shard a published version already trained (its commit interrupted, then its
                 # claim reaped and claimed again) is committed, not trained again.
                 committed = committed_shards(out, spool)
                 spool.reconcile(consumer, committed)
-                claims = spool.claimed(consumer)
-                ids = _shard_ids(claims)
+                claims, ids = [], {}
+                for shard in spool.claimed(consumer):  # held from before a restart, or pending
+                    if shard.name not in pending and sum(map(len, ids.values())) < config.follow_records:
+                        claims.append(shard)
+                        ids.update(_shard_ids([shard]))
                 while sum(map(len, ids.values())) < config.follow_records and stop["signal"] is None:
                     new = spool.claim(consumer, limit=1, lease_s=config.lease_s)
                     if new and spool.reconcile(consumer, committed):
@@ -115,84 +169,117 @@ def follow_spool(config: FollowConfig, *, out: Path, checkpoint: Path, tokenizer
                     waited += config.poll_s
                 if stop["signal"] is not None:
                     break
-                parent = out if (out / LATEST).is_file() else checkpoint
-                extra = {"spool": {"path": str(spool.path.resolve()), "consumer": consumer, "shards": ids}}
-                trained = spool.consumed_ids() | {i for _, shard_ids in committed.values() for i in shard_ids}
+                trained = (spool.consumed_ids() | {i for _, shard_ids in committed.values() for i in shard_ids}
+                           | {i for shard_ids in pending.values() for i in shard_ids})
                 try:
-                    summary = update(parent, claims, frozenset(trained), extra)
+                    update = trainer.train(claims, frozenset(trained))
                 except NothingToTrain as exc:
                     log(f"{spool.path}: {len(claims)} shard(s) dropped: {exc}")
                     spool.commit(consumer, claims, version=-1, ids=ids)
                     dropped += sum(map(len, ids.values()))
+                    stale_dropped += int(exc.metrics.get("train/stale_dropped", 0))
+                    metrics.write(**{"follow/dropped_shards": len(claims), "follow/dropped_records": dropped,
+                                     **{key.replace("train/", "follow/"): value for key, value in exc.metrics.items()}})
                     continue
-                version = summary["policy_version"]
-                spool.commit(consumer, claims, version=version, ids=ids)
-                versions.append(version)
-                depth = spool.depth()
-                metrics.write(**{"follow/policy_version": version,
-                                 **{f"follow/version_lag/{lag}": n for lag, n in sorted(summary.get("version_lags", {}).items())},
-                                 "follow/records": summary.get("records"), "follow/trained_records": summary.get("trained_records"),
-                                 "follow/shards": len(claims), "follow/queue_ready": depth.ready,
-                                 "follow/queue_claimed": depth.claimed, "follow/dropped_records": dropped,
-                                 "follow/idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)})
-                log(f"{spool.path}: v{version} from {len(claims)} shard(s), {summary.get('trained_records')} records trained; "
-                    f"queue {depth.ready} ready")
+                steps += 1
+                pending.update(ids)
+                pending_claims.extend(claims)
+                _sum_lags(pending_lags, update["version_lags"])
+                pending_counts.update(updates=1, records=update["records"], trained_records=update["trained_records"])
+                stale_dropped += int(update["metrics"].get("train/stale_dropped", 0))
+                if steps % config.publish_every == 0 or finished():
+                    publish()
+            if pending:  # a clean stop: the updates since the last version are published, not lost
+                publish()
         finally:
-            released = spool.release(consumer)  # claims not trained: back to ready/ for anyone
+            released = spool.release(consumer)  # claims not published: back to ready/ for anyone
             if released:
-                log(f"{spool.path}: returned {released} unused claim(s) to ready/")
+                log(f"{spool.path}: returned {released} unpublished claim(s) to ready/")
     return {"out": str(out), "spool": str(spool.path), "consumer": consumer, "versions": versions,
-            "policy_version": versions[-1] if versions else None, "dropped_records": dropped,
-            "stopped_by": stop["signal"] or "max_versions",
+            "policy_version": versions[-1] if versions else None, "updates": steps, "dropped_records": dropped,
+            "stale_dropped": stale_dropped, "stopped_by": stop["signal"] or ("max_steps" if config.max_steps is not None
+                                                                             and steps >= config.max_steps else "max_versions"),
             "idle_fraction": round(waited / max(time.monotonic() - started, 1e-9), 4)}
+
 
 def follow_line(summary: dict[str, Any]) -> str:
     """The human line of a trainer's follow run."""
-    return (f"{summary['out']}: {len(summary['versions'])} version(s) from {summary['spool']} (now v{summary['policy_version']}), "
-            f"{summary['dropped_records']} records dropped, stopped by {summary['stopped_by']}")
+    return (f"{summary['out']}: {len(summary['versions'])} version(s) from {summary['updates']} update(s) on {summary['spool']} "
+            f"(now v{summary['policy_version']}), {summary['dropped_records']} records dropped "
+            f"({summary['stale_dropped']} stale), stopped by {summary['stopped_by']}")
 
 
-def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, train) -> dict[str, Any]:
-    """:func:`follow_spool` with ``train(run, inputs, skip_ids, manifest_extra)`` publishing each
-    version (an interrupted update resumes from its saved state, or starts over)."""
-    import dataclasses
+class _PersistentFollower:
+    """A :class:`FollowTrainer` over a :class:`~glmpost.rl.persistent.PersistentRun`:
+    ``make_batch(inputs, parent_version, skip_ids)`` makes an update's :class:`~glmpost.rl.updates.UpdateBatch`."""
+
+    def __init__(self, run, make_batch, *, revision: str, stage_options: dict[str, Any]):
+        self.run, self.make_batch, self.revision, self.stage_options = run, make_batch, revision, stage_options
+        self.batches: list[dict] = []  # the stage.json facts of each update since the last version
+
+    def train(self, shards: list[Path], skip_ids: frozenset) -> dict[str, Any]:
+        batch = self.make_batch([str(s) for s in shards], self.run.parent_version, skip_ids)
+        steps = self.run.train(batch.examples, batch.step_metrics)
+        self.batches.append(batch.stage_extra)
+        return {"records": batch.records, "trained_records": len(batch.examples), "version_lags": batch.summary["version_lags"],
+                "metrics": {**batch.step_metrics, **(steps[-1] if steps else {})}}
+
+    def publish(self, manifest_extra: dict[str, Any]) -> int:
+        version = self.run.publish(tokenizer_revision=self.revision, stage_options=self.stage_options,
+                                   manifest_extra=manifest_extra,
+                                   stage_extra={"version_lags": manifest_extra.get("version_lags", {}), "batches": self.batches})
+        self.batches = []
+        return version
+
+
+def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, stage: str, config, build, make_batch,
+                     revision: str, stage_options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`follow_spool` with a trainer kept in memory (``build`` makes it, ``make_batch`` each update's examples)."""
     import os
 
-    from glmpost.checkpoints import load_tokenizer
     from glmpost.errors import UsageError
-    from glmpost.rl.run import TrainingRun
+    from glmpost.rl.persistent import PersistentRun
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--follow trains in one process for now: every rank would claim its own shards; "
                          "run it without torchrun / deepspeed")
-    options = dataclasses.replace(options, resume=True)
-    _, revision = load_tokenizer(checkpoint)
-
-    def update(parent: Path, shards: list[Path], skip_ids: frozenset, extra: dict) -> dict | None:
-        return train(TrainingRun(parent, out, options), [str(s) for s in shards], skip_ids, extra)
-
-    return follow_spool(follow, out=Path(out), checkpoint=Path(checkpoint), tokenizer_revision=revision, update=update)
+    run = PersistentRun(Path(checkpoint), Path(out), options, stage=stage, config=config, build=build)
+    try:
+        return follow_spool(follow, out=Path(out), tokenizer_revision=revision,
+                            trainer=_PersistentFollower(run, make_batch, revision=revision, stage_options=stage_options))
+    finally:
+        run.close()
 
 
 def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config, temperature: float | None,
                 ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:
-    """``train-grpo --follow``: one :func:`~glmpost.rl.updates.grpo_update` per version."""
-    import copy
+    """``train-grpo --follow``: a :func:`~glmpost.rl.updates.grpo_batch` update per batch; the KL
+    reference (``kl_coef`` > 0) is ``ref_checkpoint``, else the version the run started from."""
+    from glmpost.checkpoints import load_tokenizer, resolve_checkpoint
+    from glmpost.rl.run import load_for_training
+    from glmpost.rl.updates import grpo_batch, grpo_trainer
 
-    from glmpost.rl.updates import grpo_update
-
-    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, train=lambda run, inputs, skip, extra: grpo_update(
-        run, inputs, copy.deepcopy(config), temperature=temperature, ref_checkpoint=ref_checkpoint, stage_options=stage_options,
-        skip_ids=skip, manifest_extra=extra))
+    tokenizer, revision = load_tokenizer(checkpoint)
+    reference_dir = resolve_checkpoint(ref_checkpoint or checkpoint)
+    build = grpo_trainer(config, pad_token_id=tokenizer.pad_token_id,
+                         reference=lambda session: load_for_training(reference_dir, session, options, trained=False))
+    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, stage="train-grpo", config=config,
+                            build=build, revision=revision, stage_options=stage_options,
+                            make_batch=lambda inputs, parent_version, skip: grpo_batch(
+                                inputs, config, parent_version=parent_version, revision=revision, temperature=temperature,
+                                skip_ids=skip))
 
 
 def opd_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, config,
                stage_options: dict[str, Any]) -> dict[str, Any]:
-    """``opd-merge --follow``: one :func:`~glmpost.rl.updates.opd_update` per version (group size 1:
-    a version per ``follow_records`` scored trajectories)."""
-    import copy
+    """``opd-merge --follow``: a :func:`~glmpost.rl.updates.opd_batch` update per batch (group size
+    1: an update per ``follow_records`` scored trajectories)."""
+    from glmpost.checkpoints import load_tokenizer
+    from glmpost.rl.updates import opd_batch, opd_trainer
 
-    from glmpost.rl.updates import opd_update
-
-    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, train=lambda run, inputs, skip, extra: opd_update(
-        run, inputs, copy.deepcopy(config), stage_options=stage_options, skip_ids=skip, manifest_extra=extra))
+    tokenizer, revision = load_tokenizer(checkpoint)
+    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, stage="opd-merge", config=config,
+                            build=opd_trainer(config, pad_token_id=tokenizer.pad_token_id), revision=revision,
+                            stage_options=stage_options,
+                            make_batch=lambda inputs, parent_version, skip: opd_batch(
+                                inputs, config, parent_version=parent_version, revision=revision, skip_ids=skip))

@@ -48,7 +48,8 @@ class RunOptions:
     save_every: int = setting(0, "Save resumable training state every N optimizer steps (0 = only at the end).", min=0)
     resume: bool = setting(False, "Continue an interrupted run from its saved state without repeating a step.")
     overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
-    reset_optimizer: bool = setting(False, "Start AdamW fresh instead of from the parent version's optimizer state.")
+    reset_optimizer: bool = setting(False, "Start AdamW fresh instead of from the parent version's optimizer state (--follow: after "
+                                    "every published version too).")
 
 
 class Trainer(Protocol):
@@ -125,11 +126,7 @@ class TrainingRun:
                                      deepspeed_config=o.deepspeed_config)
 
     def load(self, checkpoint: Path, session: TrainingSession, *, trained: bool = True):
-        """A model on this rank's device: the one trained holds float32 master weights on a CPU; another
-        (a KL reference) keeps the checkpoint's dtype."""
-        dtype = "float32" if trained and session.device.type == "cpu" else None
-        return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=self.options.deterministic_topk,
-                          attention=self.options.attention)
+        return load_for_training(checkpoint, session, self.options, trained=trained)
 
     def run(self, job: TrainingJob, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
         """Train ``job`` and publish; the result on rank 0, None on the other ranks."""
@@ -185,17 +182,31 @@ class TrainingRun:
             if finish_lines:
                 with open(metrics_path, "a") as f:
                     f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in finish_lines)
-            write_stage_json(staging, job.stage, stage_options, parent=str(self.parent), world_size=session.world_size,
-                              **job.stage_extra)
-            plan.publish(CheckpointManifest(
-                policy_version=plan.version, tokenizer_revision=tokenizer_revision, stage=job.stage, step=total,
-                parent=str(self.parent), extra=job.manifest_extra,
-            ))
-            with open(plan.root.path / "metrics.jsonl", "a") as f:  # the run's history across versions
-                f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
+            publish_staged(plan, stage=job.stage, stage_options=stage_options, world_size=session.world_size,
+                           stage_extra=job.stage_extra, manifest_extra=job.manifest_extra, steps=total,
+                           tokenizer_revision=tokenizer_revision, history=history)
         session.barrier()
         session.close()
         if not session.is_main:
             return None
         return RunResult(plan.target, plan.version, self.parent, history, session.world_size, total)
 
+
+
+def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):
+    """A model on this rank's device: the one trained holds float32 master weights on a CPU; another
+    (a KL reference) keeps the checkpoint's dtype."""
+    dtype = "float32" if trained and session.device.type == "cpu" else None
+    return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=options.deterministic_topk,
+                      attention=options.attention)
+
+
+def publish_staged(plan: NextVersion, *, stage: str, stage_options: dict[str, Any], world_size: int, stage_extra: dict[str, Any],
+                   manifest_extra: dict[str, Any], steps: int, tokenizer_revision: str, history: list[dict]) -> None:
+    """Rank 0, the weights in ``plan.staging``: stage.json, the manifest, the move into place and
+    ``LATEST``; the steps' metrics appended to the root's ``metrics.jsonl`` (its history across versions)."""
+    write_stage_json(plan.staging, stage, stage_options, parent=str(plan.parent), world_size=world_size, **stage_extra)
+    plan.publish(CheckpointManifest(policy_version=plan.version, tokenizer_revision=tokenizer_revision, stage=stage, step=steps,
+                                    parent=str(plan.parent), extra=manifest_extra))
+    with open(plan.root.path / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)

@@ -8,8 +8,9 @@ update and returns the facts its command reports (a dict, the same keys as ``--j
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,7 +31,25 @@ from glmpost.stage import log
 
 
 class NothingToTrain(GlmpostError):
-    """An update whose records were all excluded (stale, already trained, failed): nothing to publish."""
+    """An update whose records were all excluded (stale, already trained, failed): nothing to publish.
+    ``metrics``: what the exclusion measured (the stale-dropped records' lengths and rewards)."""
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = dict(metrics or {})
+
+
+@dataclass
+class UpdateBatch:
+    """What one update trains, made from its records: the examples, and what its step metrics,
+    manifest, stage.json and summary record."""
+
+    records: int  # records left after the ledger and the staleness filter
+    examples: list
+    excluded: dict[str, int]
+    step_metrics: dict[str, Any]
+    stage_extra: dict[str, Any]
+    summary: dict[str, Any]
 
 
 def _validated(config) -> None:
@@ -99,13 +118,13 @@ def _unseen(records: list[dict], skip_ids: frozenset[str], stage: str) -> tuple[
     return kept, len(records) - len(kept)
 
 
-def _fresh(records: list[dict], run: TrainingRun, config, stage: str) -> tuple[list[dict], dict[str, float]]:
+def _fresh(records: list[dict], parent_version: int, config, stage: str) -> tuple[list[dict], dict[str, float]]:
     """The records ``max_staleness`` keeps (:func:`~glmpost.rl.batches.drop_stale`) and its metrics;
-    none left is an error."""
-    kept, metrics = drop_stale(records, run.plan.parent_version, config.max_staleness)
+    none left is :class:`NothingToTrain` (carrying the metrics)."""
+    kept, metrics = drop_stale(records, parent_version, config.max_staleness)
     if records and not kept:
         raise NothingToTrain(f"{stage}: no usable records: all {len(records)} were sampled more than --max-staleness "
-                           f"{config.max_staleness} policy versions before --checkpoint's {run.plan.parent_version}")
+                             f"{config.max_staleness} policy versions before --checkpoint's {parent_version}", metrics)
     return kept, metrics
 
 
@@ -116,21 +135,16 @@ def _group_metrics(batch) -> dict[str, int]:
             **{f"train/failed/{reason}": count for reason, count in batch.failed.items()}}
 
 
-def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
-                ref_checkpoint: Path | None, stage_options: dict[str, Any], skip_ids: frozenset[str] = frozenset(),
-                manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """One GRPO + IcePop update on judged shards (``temperature`` None: the records' own). Records
-    whose id is in ``skip_ids`` (already trained: the spool's ledger) are left out and counted;
-    ``manifest_extra`` goes into the published version's manifest (a spool's commit record)."""
+def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int, revision: str, temperature: float | None,
+               skip_ids: frozenset[str] = frozenset()) -> UpdateBatch:
+    """The examples of one GRPO + IcePop update on judged shards, from a parent at ``parent_version``
+    (``temperature`` None: the records' own; ``skip_ids``: records trained before, left out and
+    counted). Sets ``config``'s log-prob distribution to the records'."""
     stage = "train-grpo"
-    if run.done:
-        return _skipped(run)
-    run.check_staging()
-    tokenizer, revision = load_tokenizer(run.parent)
     records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
     records, already = _unseen(records, skip_ids, stage)
-    records, stale = _fresh(records, run, config, stage)
-    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
+    records, stale = _fresh(records, parent_version, config, stage)
+    lags = check_version_lags(records, parent_version, max_lag=config.accepted_lag(), stage=stage)
     recorded = sampled_distribution(records, stage)
     scored = _use_distribution(config, recorded if temperature is None else sampled_distribution(records, stage, temperature=temperature))
     _validated(config)
@@ -139,45 +153,61 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
             "IcePop will compare different distributions")
     batch = prepare_batch(records, advantage_eps=config.advantage_eps)
     if not batch.examples:
-        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})")
-
-    def build(model, backend, session):
-        reference = None
-        if config.kl_coef > 0:
-            reference = run.load(ref_checkpoint or run.parent, session, trained=False)
-        return PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend, reference=reference)
-
-    job = TrainingJob(
-        stage, config, batch.examples, build,
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
+    return UpdateBatch(
+        len(records), batch.examples, batch.excluded,
         step_metrics={
             "train/reward_mean": float(batch.rewards.mean()), "train/reward_std": float(batch.rewards.std()),
             "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
             "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
-            "train/policy_version": run.plan.version, "train/already_trained": already, **_lag_metrics(lags), **stale,
+            "train/policy_version": parent_version + 1, "train/already_trained": already, **_lag_metrics(lags), **stale,
             **_group_metrics(batch),
         },
-        manifest_extra={"records": len(records), "trained_records": len(batch.examples), **(manifest_extra or {})},
         stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags,
                      "log_prob_distribution": scored, "stale_dropped": int(stale.get("train/stale_dropped", 0)),
                      "group_sizes": {str(k): v for k, v in batch.group_sizes.items()}, "failed": batch.failed},
+        summary={"zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean()),
+                 "version_lags": lags},
     )
-    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
-    if result is None:
-        return None
-    return {**_published(result, len(records), len(batch.examples), batch.excluded),
-            "zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean()),
-            "version_lags": lags}
 
 
-def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, stage_options: dict[str, Any],
-               skip_ids: frozenset[str] = frozenset(), manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """One OPD / MOPD update on teacher-scored shards (the temperature is the records'); ``skip_ids``
-    and ``manifest_extra`` as :func:`grpo_update`'s."""
-    stage = "opd-merge"
+def grpo_trainer(config: GRPOConfig, *, pad_token_id: int, reference: Callable[[Any], Any] | None):
+    """``build(model, backend, session)`` of the GRPO trainer; ``reference(session)`` loads the KL
+    reference model (called when ``kl_coef`` > 0)."""
+    def build(model, backend, session):
+        ref = reference(session) if config.kl_coef > 0 and reference is not None else None
+        return PolicyTrainer(model, config, pad_token_id=pad_token_id, backend=backend, reference=ref)
+
+    return build
+
+
+def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
+                ref_checkpoint: Path | None, stage_options: dict[str, Any], skip_ids: frozenset[str] = frozenset(),
+                manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """One GRPO + IcePop update on judged shards (:func:`grpo_batch`), published as the next version;
+    ``manifest_extra`` goes into its manifest."""
     if run.done:
         return _skipped(run)
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
+    batch = grpo_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision, temperature=temperature,
+                       skip_ids=skip_ids)
+    build = grpo_trainer(config, pad_token_id=tokenizer.pad_token_id,
+                         reference=lambda session: run.load(ref_checkpoint or run.parent, session, trained=False))
+    job = TrainingJob("train-grpo", config, batch.examples, build, step_metrics=batch.step_metrics,
+                      manifest_extra={"records": batch.records, "trained_records": len(batch.examples), **(manifest_extra or {})},
+                      stage_extra=batch.stage_extra)
+    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    if result is None:
+        return None
+    return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary}
+
+
+def opd_batch(inputs: Sequence[str], config: OPDConfig, *, parent_version: int, revision: str,
+              skip_ids: frozenset[str] = frozenset()) -> UpdateBatch:
+    """The examples of one OPD / MOPD update on teacher-scored shards (the temperature is the
+    records'); ``skip_ids`` as :func:`grpo_batch`'s."""
+    stage = "opd-merge"
 
     def has_topk(record: dict, where: str) -> None:
         if config.loss == "topk" and "teacher_topk_ids" not in record:
@@ -187,8 +217,8 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
     need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
     records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
     records, already = _unseen(records, skip_ids, stage)
-    records, stale = _fresh(records, run, config, stage)
-    lags = check_version_lags(records, run.plan.parent_version, max_lag=config.accepted_lag(), stage=stage)
+    records, stale = _fresh(records, parent_version, config, stage)
+    lags = check_version_lags(records, parent_version, max_lag=config.accepted_lag(), stage=stage)
     student = sampled_distribution(records, stage)
     scored = _use_distribution(config, student)
     if student != ScoredDistribution():
@@ -199,7 +229,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
     batch = prepare_opd_batch(records, loss=config.loss, task_advantage_weight=config.task_advantage_weight,
                               advantage_eps=config.advantage_eps)
     if not batch.examples:
-        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})")
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
     if config.task_advantage_weight > 0 and batch.zero_advantage_groups == batch.groups:
         log("warning: every group has one member or equal rewards, so the task advantage is 0; sample groups of G > 1 for it")
     domains: dict[str, dict[str, int]] = {}
@@ -208,27 +238,42 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
         counts[example.teacher] = counts.get(example.teacher, 0) + 1
     step_metrics = {
         "train/records": len(batch.examples), "train/excluded_status": batch.excluded["status"],
-        "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": run.plan.version,
+        "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": parent_version + 1,
         "train/already_trained": already,
         **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags), **stale,
     }
     if batch.rewards.size:
         step_metrics["train/reward_mean"] = float(batch.rewards.mean())
-    job = TrainingJob(
-        stage, config, batch.examples,
-        lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend),
-        step_metrics=step_metrics,
-        manifest_extra={"records": len(records), "trained_records": len(batch.examples), "teachers": domains,
-                        **(manifest_extra or {})},
-        stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags, "log_prob_distribution": scored},
-    )
+    return UpdateBatch(len(records), batch.examples, batch.excluded, step_metrics=step_metrics,
+                       stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags,
+                                    "log_prob_distribution": scored},
+                       summary={"loss_kind": config.loss, "teachers": domains, "version_lags": lags})
+
+
+def opd_trainer(config: OPDConfig, *, pad_token_id: int):
+    """``build(model, backend, session)`` of the OPD trainer."""
+    return lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=pad_token_id, backend=backend)
+
+
+def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, stage_options: dict[str, Any],
+               skip_ids: frozenset[str] = frozenset(), manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """One OPD / MOPD update on teacher-scored shards (:func:`opd_batch`), published as the next version."""
+    if run.done:
+        return _skipped(run)
+    run.check_staging()
+    tokenizer, revision = load_tokenizer(run.parent)
+    batch = opd_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision, skip_ids=skip_ids)
+    job = TrainingJob("opd-merge", config, batch.examples, opd_trainer(config, pad_token_id=tokenizer.pad_token_id),
+                      step_metrics=batch.step_metrics,
+                      manifest_extra={"records": batch.records, "trained_records": len(batch.examples),
+                                      "teachers": batch.summary["teachers"], **(manifest_extra or {})},
+                      stage_extra=batch.stage_extra)
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
         return None
     first = result.history[0] if result.history else {}
     teacher_kl = {key.split("/", 1)[1]: value for key, value in first.items() if key.startswith("teacher_kl/")}
-    return {**_published(result, len(records), len(batch.examples), batch.excluded),
-            "loss_kind": config.loss, "teachers": domains, "teacher_kl": teacher_kl, "version_lags": lags}
+    return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary, "teacher_kl": teacher_kl}
 
 
 def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
