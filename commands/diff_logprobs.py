@@ -30,6 +30,11 @@ them), so per version lag (A's version - v) the report gives the pure engine mis
 (log pi_v - log pi_rollout) apart from the lag effect (log pi_A - log pi_v), and the fractions DIS
 and IcePop keep.
 
+Records of a rollout that kept KV caches across a weight switch (rollout --follow --kv-on-switch
+keep; extra.kv_cache.stale_turns) get the slices kv-fresh / kv-stale: the tokens sampled on keys
+and values an older version computed, apart from the rest (with --by-version, their engine
+mismatch at the version that sampled them).
+
 --fail-above METRIC=VALUE turns it into a CI gate: exit 1 when the metric exceeds the value.
 """
 

@@ -44,9 +44,13 @@ next sample index, records extra.refill {replaces, round}, and the failed sample
 
 --follow SPOOL makes it a long-running producer of asynchronous RL: round after round (round r at
 --seed + r, so trajectory ids never repeat) it publishes each part into the spool the moment its
-groups are complete, switching between parts to the newest version of --reload-root (the
-trainer's --out; default --checkpoint when it is a root) and stamping the version of every token;
-a restart skips the parts the spool holds; SIGTERM stops after the part in progress, --max-rounds
+groups are complete, switching between parts (and, with the local engine, between the turns of
+multi-turn trajectories) to the newest version of --reload-root (the trainer's --out; default
+--checkpoint when it is a root) and stamping every token with the version that sampled it. At a
+switch between turns, --kv-on-switch recompute drops the trajectories' KV caches (the next turn
+prefills under the new weights) and keep reuses them, recording in extra.kv_cache.stale_turns the
+turns that attended to the old weights' keys and values (diff-logprobs reports them apart). A
+restart skips the parts the spool holds; SIGTERM stops after the part in progress, --max-rounds
 after that many rounds (formats/SPEC.md §12).
 
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
@@ -69,7 +73,7 @@ from glmpost.rollout.runner import RolloutConfig, RolloutRunner
 from glmpost.serving.sglang_client import without_api_key
 
 
-@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue"))
+@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue", "kv_on_switch"))
 def rollout(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="Prompt JSONL files, or shards / shard directories / globs to resample."),

@@ -13,7 +13,9 @@ path A (the trainer's ``--checkpoint``, version ``c``):
 - **DIS** keeps the token iff ``1 - eps_low < pi_c / pi_rollout < 1 + eps_high``: its kept fraction.
 
 Reported per lag bucket ``c - v``: tokens, mean / max |engine|, mean / max |lag|, DIS and IcePop
-kept fractions. No peer keeps the trainer's log-probs at the rollout version; the root does.
+kept fractions; and the engine mismatch of the tokens sampled on a stale KV cache (a rollout that kept
+a trajectory's cache across a weight switch, :mod:`glmpost.closure.kv_cache`) apart from the rest.
+No peer keeps the trainer's log-probs at the rollout version; the root does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
+from glmpost.closure.kv_cache import stale_cache_tokens
 from glmpost.closure.mismatch import PathScores, action_positions
 
 
@@ -62,7 +65,7 @@ def version_split(records: Sequence[dict[str, Any]], path_a: PathScores, *, curr
     if missing:
         raise CheckpointError(f"--by-version {root}: no checkpoint of policy version(s) {missing} "
                               f"(kept: {sorted(directories)})")
-    engine, lag, dis, icepop, lags = [], [], [], [], []
+    engine, lag, dis, icepop, lags, stale = [], [], [], [], [], []
     for version, indices in sorted(rows.items()):
         subset = [records[i] for i in indices]
         at_version = score_with(directories[version], subset)
@@ -78,7 +81,8 @@ def version_split(records: Sequence[dict[str, Any]], path_a: PathScores, *, curr
             engine_ratio = np.exp(trained_v - rollout)
             icepop.append((engine_ratio >= 1 / beta) & (engine_ratio <= beta))
             lags.append(np.full(int(mask.sum()), current_version - version))
-    engine_all, lag_all, dis_all, icepop_all, lag_of = map(np.concatenate, (engine, lag, dis, icepop, lags))
+            stale.append(stale_cache_tokens(record)[mask])
+    engine_all, lag_all, dis_all, icepop_all, lag_of, stale_all = map(np.concatenate, (engine, lag, dis, icepop, lags, stale))
     buckets = {}
     for value in sorted(set(lag_of.tolist())):
         pick = lag_of == value
@@ -88,5 +92,11 @@ def version_split(records: Sequence[dict[str, Any]], path_a: PathScores, *, curr
             "lag_mean_abs": float(np.abs(lag_all[pick]).mean()), "lag_max_abs": float(np.abs(lag_all[pick]).max()),
             "dis_kept": float(dis_all[pick].mean()), "icepop_kept": float(icepop_all[pick].mean()),
         }
+    # The KV owner contract: a turn sampled at v on keys and values an older version computed is an
+    # engine mismatch the trainer's whole-trajectory forward at v does not share.
+    by_cache = {label: {"tokens": int(pick.sum()), "engine_mean_abs": float(np.abs(engine_all[pick]).mean()),
+                        "engine_max_abs": float(np.abs(engine_all[pick]).max())}
+                for label, pick in (("fresh", ~stale_all), ("stale", stale_all)) if pick.any()}
     return {"root": str(root), "current_version": current_version, "versions_scored": sorted(rows),
-            "by_lag": buckets, "engine_max_abs": float(np.abs(engine_all).max()), "lag_max_abs": float(np.abs(lag_all).max())}
+            "by_lag": buckets, "engine_by_kv_cache": by_cache,
+            "engine_max_abs": float(np.abs(engine_all).max()), "lag_max_abs": float(np.abs(lag_all).max())}

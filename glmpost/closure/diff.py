@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointError, load_tokenizer, resolve_checkpoint
+from glmpost.closure.kv_cache import any_stale, kv_cache_labels
 from glmpost.closure.mismatch import (
     DTYPES,
     GATE_METRICS,
@@ -32,6 +33,7 @@ from glmpost.closure.mismatch import (
     load_path_model,
     local_path,
     mismatch_report,
+    summarize,
     parse_gates,
     rollout_path,
     server_path,
@@ -300,6 +302,12 @@ class LogprobDiff:
                        "temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p,
                        "log_prob_kind": next(iter(settings))[0], "resampled": deltas.agree is not None,
                        "checkpoint": str(self.version_dir), "deterministic_topk": c.deterministic_topk})
+        if any_stale(records):  # the KV owner contract: turns sampled on an older version's cache
+            labels = kv_cache_labels(records, deltas.record_index, deltas.position)
+            report["by_kv_cache"] = {
+                label: summarize(deltas.delta[labels == label], agree=None if deltas.agree is None else deltas.agree[labels == label],
+                                 beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high)
+                for label in ("fresh", "stale") if (labels == label).any()}
         if c.by_version is not None:
             report["by_version"] = self._by_version(records, path_a, distribution)
         if c.indexer:
@@ -391,7 +399,8 @@ def diff_table(report: dict[str, Any], out: Path) -> str:
     agree = report["resampled"]
     lines.append(f"{'slice':12} {'tokens':>7} {'mean|d|':>9} {'p99|d|':>9} {'max|d|':>9} {'k3':>9} {'icepop':>7} {'dis':>7}"
                  + (f" {'agree':>7}" if agree else ""))
-    for label, stats in [("all", overall), *report["by_position"].items(), *report["by_status"].items()]:
+    kv_rows = [(f"kv-{label}", stats) for label, stats in report.get("by_kv_cache", {}).items()]
+    for label, stats in [("all", overall), *report["by_position"].items(), *report["by_status"].items(), *kv_rows]:
         if stats.get("tokens"):
             lines.append(f"{label:12} {stats['tokens']:>7} {stats['mean_abs']:9.2e} {stats['p99_abs']:9.2e} {stats['max_abs']:9.2e} "
                          f"{stats['k3']:9.2e} {stats['icepop_kept']:7.1%} {stats['dis_kept']:7.1%}"
@@ -401,6 +410,10 @@ def diff_table(report: dict[str, Any], out: Path) -> str:
         lines.append(f"lag {lag}: {row['tokens']} tokens, engine mean|d| {row['engine_mean_abs']:.2e} max {row['engine_max_abs']:.2e}, "
                      f"lag mean|d| {row['lag_mean_abs']:.2e} max {row['lag_max_abs']:.2e}, DIS keeps {row['dis_kept']:.1%}, "
                      f"IcePop {row['icepop_kept']:.1%}")
+    by_cache = report.get("by_version", {}).get("engine_by_kv_cache", {})
+    for label, row in by_cache.items() if "stale" in by_cache else ():
+        lines.append(f"engine on a {label} KV cache: {row['tokens']} tokens, mean|d| {row['engine_mean_abs']:.2e} "
+                     f"max {row['engine_max_abs']:.2e}")
     for row in report["worst"][:5]:
         lines.append(f"  worst {row['delta']:+.3g} {row['record']} @{row['position']}: ...{row.get('context', '')!r} -> {row.get('token', '')!r}")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ class Turn:
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     server: str | None = None  # the server that sampled it (None: in this process)
+    version: Any = None  # the weight version that sampled it, as the engine reported it
 
 
 @dataclass
@@ -140,12 +141,14 @@ GenerateFn = Callable[[list[list[int]], list[str], list[str]], list[tuple[Comple
 
 def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: Sequence[str], tasks: Sequence[dict],
                      make_env: Callable[[], Any], renderer: ObservationRenderer, settings: MultiTurnSettings,
-                     decode: Callable[[list[int]], str], served: Callable[[str], str | None] = lambda key: None
-                     ) -> list[Trajectory]:
+                     decode: Callable[[list[int]], str], served: Callable[[str], str | None] = lambda key: None,
+                     between_turns: Callable[[], None] | None = None) -> list[Trajectory]:
     """Run one trajectory per prompt, every still-active trajectory's turn in one ``generate`` call
     (the engine's batches; the trajectory keys let an engine keep each trajectory's KV cache between
     its turns), each with its own fresh environment; ``served(turn key)`` names the server that
-    sampled a turn (kept per turn: a move to another server is recorded)."""
+    sampled a turn (kept per turn: a move to another server is recorded). ``between_turns()`` runs
+    before every turn after the first (a rollout switching to new weights there: each turn keeps
+    the version that sampled it, so a trajectory may span versions)."""
     trajectories, envs, active = [], [], []
     for index, (prompt, task) in enumerate(zip(prompts, tasks)):
         trajectory = Trajectory(list(prompt))
@@ -163,6 +166,8 @@ def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: S
     for turn in range(settings.max_turns):
         if not active:
             break
+        if turn and between_turns is not None:
+            between_turns()
         outcomes = generate([trajectories[i].ids() for i in active], [turn_key(keys[i], turn) for i in active],
                             [keys[i] for i in active])
         stepping = []
@@ -172,7 +177,7 @@ def run_trajectories(generate: GenerateFn, prompts: Sequence[list[int]], keys: S
             if completion is None:
                 trajectory.status, trajectory.reason = "aborted", reason
                 continue
-            stepping.append((index, Turn(completion, server=served(turn_key(keys[index], turn)))))
+            stepping.append((index, Turn(completion, server=served(turn_key(keys[index], turn)), version=version)))
 
         def step(item: tuple[int, Turn]) -> bool:
             index, taken = item

@@ -54,6 +54,12 @@ class TurnCaches:
     reused_tokens: int = 0  # prompt tokens read from a cache instead of prefilled
     prefilled_tokens: int = 0  # prompt tokens run through the model
     last_reused: list[int] = field(default_factory=list)  # per prompt of the last call: ids read from a cache
+    # Session lookups: the policy version of the weights sampling now, the oldest version whose keys
+    # and values each session's cache holds (a rollout that kept caches across a weight switch),
+    # and, per prompt of the last call, that version for a prompt read from a cache (else None).
+    version: int | None = None
+    built_by: dict[str, int | None] = field(default_factory=dict)
+    last_cache_versions: list[int | None] = field(default_factory=list)
 
     def plan(self, prompts: Sequence[Sequence[int]], sessions: Sequence[str] | None,
              batch_size: int) -> list[tuple[CachedBatch | None, list[int], list[int]]]:
@@ -79,11 +85,17 @@ class TurnCaches:
         self.prefilled_tokens += sum(len(p) for p in prompts) - sum(self.last_reused)
         if sessions is not None:
             self.batches = []
+            self._track_versions(sessions, found)
         else:
             self._set_apart([(batch, rows) for batch, _, rows in continuing.values()])
         plan: list[tuple[CachedBatch | None, list[int], list[int]]] = list(continuing.values())
         plan += [(None, fresh[start : start + batch_size], []) for start in range(0, len(fresh), batch_size)]
         return plan
+
+    def _track_versions(self, sessions: Sequence[str], found: list) -> None:
+        self.last_cache_versions = [self.built_by.get(session) if hit is not None else None for session, hit in zip(sessions, found)]
+        self.built_by = {session: (self.built_by.get(session) if hit is not None else self.version)
+                         for session, hit in zip(sessions, found)}
 
     def _by_session(self, prompts, sessions) -> list[tuple[CachedBatch, int] | None]:
         where = {session: (batch, row) for batch in self.batches for row, session in enumerate(batch.sessions)}
@@ -126,5 +138,6 @@ class TurnCaches:
             del self.batches[: len(self.batches) - self.retain]
 
     def clear(self) -> None:
-        """Release every cache (the trajectories ended)."""
+        """Release every cache (the trajectories ended, or the weights changed and they are recomputed)."""
         self.batches = []
+        self.built_by = {}

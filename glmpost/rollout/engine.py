@@ -103,6 +103,9 @@ class Completion:
     # sampling distribution and their log-probs (ties to the lower id).
     top_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
+    # Read from a trajectory's KV cache: the oldest policy version whose keys and values it attended
+    # to (None: its prompt was prefilled by the weights that sampled it, or no version is known).
+    cache_version: int | None = None
 
 
 @dataclass

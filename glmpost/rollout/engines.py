@@ -78,7 +78,7 @@ class LocalBackend:
 
     seed_reproducible = True
 
-    def __init__(self, model: Any, *, batch_size: int, pad_token_id: int):
+    def __init__(self, model: Any, *, batch_size: int, pad_token_id: int, version: int | None = None):
         self.model = model
         self.model_config = model.config
         self.default_stops = model.generation_config.eos_token_id
@@ -86,14 +86,30 @@ class LocalBackend:
         self.pad_token_id = pad_token_id
         self.engine: LocalEngine | None = None
         self.params: SamplingParams | None = None
-        self.turn_caches = TurnCaches()
+        self.version = version  # the policy version of the weights sampling now
+        self.turn_caches = TurnCaches(version=version)
 
     @classmethod
     def open(cls, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> "LocalBackend":
         """Load the model on ``device`` (``config.device`` resolved)."""
         model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
                            attention=config.attention)
-        return cls(model, batch_size=config.batch_size, pad_token_id=checkpoint.tokenizer.pad_token_id)
+        return cls(model, batch_size=config.batch_size, pad_token_id=checkpoint.tokenizer.pad_token_id,
+                   version=checkpoint.policy_version)
+
+    def switch(self, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any, *, keep_cache: bool) -> None:
+        """Sample with ``checkpoint``'s weights from now on, trajectories in flight included (the KV
+        owner contract; brief: "多轮会话的 ... KV Cache owner 同步迁移或显式失效"): their caches are
+        dropped, so the next turn prefills the whole history under the new weights, or with
+        ``keep_cache`` kept: the next turns attend to keys and values the old weights computed, and
+        each such completion's ``cache_version`` names the version that built them."""
+        self.model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
+                                attention=config.attention)
+        if self.engine is not None:
+            self.engine = LocalEngine(self.model, batch_size=self.batch_size, pad_token_id=self.pad_token_id)
+        self.version = self.turn_caches.version = checkpoint.policy_version
+        if not keep_cache:
+            self.turn_caches.clear()
 
     def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
         """Sample with ``params`` from now on."""
@@ -111,14 +127,16 @@ class LocalBackend:
         cache for the trajectories' next turn, which then prefills only its new tokens."""
         if sessions is not None:
             completions = self.engine.generate(sequences, keys, self.params, sessions=sessions, caches=self.turn_caches)
+            for completion, built_by in zip(completions, self.turn_caches.last_cache_versions):
+                completion.cache_version = built_by
             progress.update(len(sequences))
-            return [(c, None, None) for c in completions]
+            return [(c, self.version, None) for c in completions]
         completions: list[Completion] = []
         for start in range(0, len(sequences), self.batch_size):
             batch = sequences[start : start + self.batch_size]
             completions += self.engine.generate(batch, keys[start : start + self.batch_size], self.params)
             progress.update(len(batch))
-        return [(c, None, None) for c in completions]
+        return [(c, self.version, None) for c in completions]
 
     def served(self, key: str) -> Optional[str]:
         """No server answers a local sequence."""

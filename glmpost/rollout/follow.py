@@ -6,9 +6,15 @@ Round after round the prompts of this task (``--shard-index`` of ``--num-shards`
 again, round ``r`` with seed ``--seed + r`` (so ids, ``PROMPT@vVERSIONsSEED/SAMPLE``, never repeat).
 Each part of ``--prompts-per-shard`` prompts is published as ``PRODUCER-rROUND-pPART.msgpack.zst``
 the moment its groups are complete: no barrier across parts, a group whole in one shard (group
-size 1 for SAO / OPD: one trajectory per prompt). Before each part the engine switches to the
-newest version of ``--reload-root`` (the trainer's ``--out``; by default ``--checkpoint`` when it
-is a root) if it moved; the records stamp the version they were sampled with.
+size 1 for SAO / OPD: one trajectory per prompt). Before each part, and with the local engine
+before each turn of a multi-turn part, the engine switches to the newest version of
+``--reload-root`` (the trainer's ``--out``; by default ``--checkpoint`` when it is a root) if it
+moved; each action token carries the version that sampled it, so a trajectory may span versions.
+Trajectories in flight at a switch either drop their KV caches, the next turn prefilling the
+history under the new weights (``--kv-on-switch recompute``), or keep them (``keep``: faster, and
+the turns that attended to the old weights' keys and values are listed in the record's
+``extra.kv_cache.stale_turns``; ``diff-logprobs`` reports their mismatch apart). The record's
+``policy_version`` (and group id) is the version its part started with.
 
 A restart skips every part the spool already holds (in any area), so a crash loses at most the part
 being sampled (never visible: shards publish atomically). SIGTERM / SIGINT stop after the part in
@@ -30,11 +36,11 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import LATEST
-from glmpost.config import setting
+from glmpost.checkpoints import LATEST, CheckpointRoot
+from glmpost.config import ConfigError, setting
 from glmpost.formats.spool import Spool
 from glmpost.npu import resolve_device
-from glmpost.rollout.engines import PolicyCheckpoint, engine_version, open_backend
+from glmpost.rollout.engines import LocalBackend, PolicyCheckpoint, engine_version, open_backend
 from glmpost.rollout.records import load_rollout_prompts
 from glmpost.rollout.refill import refill_metrics
 from glmpost.rollout.runner import STAGE, RolloutConfig, RolloutRunner, shard_metrics, task_parts
@@ -59,6 +65,18 @@ class RolloutFollowConfig:
         "and the --queue spools): bounds how many versions old a trajectory is when it is trained (default: no bound).", min=1)
     queue: list[Path] = setting([], "With --max-queued: further spools whose waiting shards count (downstream ones, e.g. the "
                                 "judged spool the trainer consumes). Repeatable.")
+    kv_on_switch: str = setting(
+        "recompute", "With --follow, multi-turn, local engine: at a weight switch between turns, recompute the trajectories' "
+        "KV caches under the new weights (recompute) or keep the old weights' caches and record the turns that used them "
+        "(keep: extra.kv_cache.stale_turns).")
+
+    def check(self) -> None:
+        if self.kv_on_switch not in KV_ON_SWITCH:
+            raise ConfigError("{kv_on_switch} must be one of {choices}, got {value!r}", choices=", ".join(KV_ON_SWITCH),
+                              value=self.kv_on_switch)
+
+
+KV_ON_SWITCH = ("recompute", "keep")
 
 
 def default_producer(checkpoint: Path, shard_index: int) -> str:
@@ -69,6 +87,8 @@ def default_producer(checkpoint: Path, shard_index: int) -> str:
 def _newest(root: Path | None, current: PolicyCheckpoint) -> PolicyCheckpoint | None:
     """The root's LATEST version when it is not ``current``'s, else None."""
     if root is None or not (root / LATEST).is_file():
+        return None
+    if CheckpointRoot(root).latest_dir() == current.version_dir:  # the cheap look, before every turn
         return None
     newest = PolicyCheckpoint.open(root)
     return newest if newest.version_dir != current.version_dir else None
@@ -89,6 +109,7 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
     device = resolve_device(config.device)
     checkpoint = PolicyCheckpoint.open(config.checkpoint)
     config.check_engine()
+    follow.check()
     spool = Spool(follow.follow, tokenizer_revision=checkpoint.revision)
     producer = follow.producer or default_producer(config.checkpoint, config.shard_index)
     reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
@@ -108,6 +129,18 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
     watched = [spool] + [Spool(path, tokenizer_revision=checkpoint.revision) for path in follow.queue]
     backend = open_backend(checkpoint, config, device)
     published, versions, rounds_done, waited, started_at = 0, set(), 0, 0.0, time.monotonic()
+    current = {"checkpoint": checkpoint, "switches": 0}
+
+    def switch_between_turns() -> None:
+        newer = _newest(reload_root, current["checkpoint"])
+        if newer is not None and isinstance(backend, LocalBackend):
+            log(f"{producer}: switching from v{current['checkpoint'].policy_version} to v{newer.policy_version} "
+                f"between turns ({follow.kv_on_switch} the KV caches)")
+            backend.switch(newer, config, device, keep_cache=follow.kv_on_switch == "keep")
+            current["checkpoint"] = newer
+            current["switches"] += 1
+
+    runner.between_turns = switch_between_turns if reload_root is not None else None
     with stop_on_signals() as stop:
         try:
             engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(),
@@ -130,11 +163,12 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                             waited += 0.1
                         if stop["signal"] is not None:
                             break
+                        checkpoint = current["checkpoint"]  # where the last part's turns left it
                         newer = _newest(reload_root, checkpoint)
                         if newer is not None:
                             log(f"{producer}: switching from v{checkpoint.policy_version} to v{newer.policy_version}")
                             backend.close()
-                            checkpoint = newer
+                            checkpoint = current["checkpoint"] = newer
                             backend = open_backend(checkpoint, config, device)
                             runner._prepare(backend, round_params, prompts)
                         started = time.perf_counter()
@@ -146,15 +180,17 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                         metrics.write(**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,
                                                       policy_version=checkpoint.policy_version),
                                       **refill_metrics(samples), **{"rollout/queue_ready": spool.depth().ready,
+                                                                    "rollout/switches_between_turns": current["switches"],
                                                                     "rollout/queued": _queued(watched),
                                                                     "rollout/idle_fraction": round(waited / max(time.monotonic() - started_at, 1e-9), 4)})
                         published += 1
-                        versions.add(checkpoint.policy_version)
+                        versions.update({checkpoint.policy_version, current["checkpoint"].policy_version})
                     else:
                         rounds_done += 1
         finally:
             backend.close()
     return {"spool": str(spool.path), "producer": producer, "shards_published": published, "rounds": rounds_done,
-            "policy_versions": sorted(versions), "policy_version": checkpoint.policy_version,
+            "policy_versions": sorted(versions), "policy_version": current["checkpoint"].policy_version,
+            "switches_between_turns": current["switches"],
             "idle_fraction": round(waited / max(time.monotonic() - started_at, 1e-9), 4),
             "stopped_by": stop["signal"] or "max_rounds"}

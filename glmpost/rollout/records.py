@@ -135,13 +135,22 @@ def trajectory_record(
     """The record of one multi-turn trajectory (:class:`glmpost.rollout.agentic.Trajectory`): the
     model's tokens are actions with their log-probs and policy version, the environment's are
     observations (NaN log-prob, version -1), one segment each with its turn (formats/SPEC.md §6);
+    each turn's tokens carry the version that sampled it (a trajectory may span versions), and the
+    turns sampled on a KV cache an older version built are listed in ``extra.kv_cache.stale_turns``;
     the environment's reward, turns and per-step info go to ``extra.env`` (with ``drift``, the
     action tokens a text round trip would have changed: :func:`glmpost.rollout.agentic.retokenize_drift`)."""
     record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
                             policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
+    from glmpost.rollout.engines import as_version
+
     stamp = policy_version if token_policy_version is None else token_policy_version
-    ids, actions, log_probs, segments = [], [], [], []
+    ids, actions, log_probs, segments, versions, stale = [], [], [], [], [], []
     for number, turn in enumerate(trajectory.turns):
+        turn_version = as_version(turn.version)
+        turn_version = stamp if turn_version is None else turn_version
+        built_by = turn.action.cache_version
+        if built_by is not None and built_by != turn_version:  # sampled on keys and values older weights computed
+            stale.append({"turn": number, "version": turn_version, "cache_version": built_by})
         for kind, part, lps in (("action", turn.action.token_ids, turn.action.log_probs),
                                 ("observation", turn.observation_ids, [float("nan")] * len(turn.observation_ids))):
             if part:
@@ -149,6 +158,7 @@ def trajectory_record(
                 ids += part
                 actions += [kind == "action"] * len(part)
                 log_probs += lps
+                versions += [turn_version if kind == "action" else -1] * len(part)
     action_mask = np.asarray(actions, dtype=bool)
     record.update({
         "prompt_token_ids": np.asarray(trajectory.prompt_ids, dtype=np.int32),
@@ -156,7 +166,7 @@ def trajectory_record(
         "action_mask": action_mask,
         "observation_mask": ~action_mask,
         "rollout_log_probs": np.asarray(log_probs, dtype=np.float32),
-        "policy_versions": np.where(action_mask, stamp, -1).astype(np.int32),
+        "policy_versions": np.asarray(versions, dtype=np.int32),
         "segments": segments,
         "status": trajectory.status,
     })
@@ -168,6 +178,8 @@ def trajectory_record(
     if servers:  # sampled by servers: where it lived, and every move to another one
         record["extra"]["env"]["server"] = servers[0]
         record["extra"]["env"]["server_moves"] = trajectory.server_moves()
+    if stale:  # the KV owner contract: which turns attended to another version's cache
+        record["extra"]["kv_cache"] = {"stale_turns": stale}
     if trajectory.reason:
         record["extra"]["status_reason"] = trajectory.reason
     return record

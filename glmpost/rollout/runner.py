@@ -264,6 +264,7 @@ class RolloutRunner:
         self.config = config
         self.options = config.as_options() if options is None else options
         self.environment = None  # (name, factory) of a multi-turn run
+        self.between_turns = None  # () -> None before each turn after the first (rollout --follow's weight switch)
 
     def run(self) -> dict[str, Any]:
         """Check, load, claim the output, write this task's missing shards; the run's summary."""
@@ -377,7 +378,7 @@ class RolloutRunner:
             return backend.generate(seqs, turn_keys, quiet, homes=homes, sessions=sessions)
 
         trajectories = run_trajectories(generate, sequences, keys, tasks, self.environment[1], self.renderer, settings,
-                                        self.decode, served=backend.served)
+                                        self.decode, served=backend.served, between_turns=self.between_turns)
         return [_as_outcome(t) for t in trajectories]
 
     def _write_shard(self, path: Path, samples: Sequence[Sample], params: SamplingParams,
