@@ -17,9 +17,11 @@ trajectories (the 16 ``calc-train`` prompts x group 8) with ``tiny-agentic.toml`
 producer-side staleness bound). ``--rollout-tasks N`` runs N rollout processes on each side (sync: a Slurm array's N tasks per
 iteration, side by side; async: N producers of the spool). Reported: wall-clock per side and the ratio sync / async (goal >= 2x), records trained and dropped,
 and the held-out tool-use reward of each final policy (``calc-heldout``, 4 samples per prompt, seed
-1000, no latency) with the warm start's for reference.
+1000, no latency) with the warm start's for reference. The async side's outcome depends on which
+shards land before which version: ``--repeats R`` runs it R times and reports mean and sd of its
+wall-clock and held-out reward, and per run the trained records per version lag.
 
-    .venv/bin/python benchmarks/bench_async.py --out runs/bench_async.json
+    .venv/bin/python benchmarks/bench_async.py --repeats 3 --out runs/bench_async.json
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def run_sync(args, sft: Path, work: Path, log: Path) -> float:
 
 def run_async(args, sft: Path, work: Path, log: Path) -> tuple[float, dict]:
     root, rolled, judged = work / "async-policy", work / "async-rolled", work / "async-judged"
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
 
     def start(*cli):
         return subprocess.Popen([*GLMPOST, *map(str, cli)], stdout=subprocess.PIPE, stderr=open(log, "ab"), env=ENV, text=True)
@@ -103,6 +107,23 @@ def run_async(args, sft: Path, work: Path, log: Path) -> tuple[float, dict]:
     return seconds, json.loads(out)
 
 
+def staleness(root: Path) -> dict[str, int]:
+    """Trained records per version lag, over the async trainer's versions (its follow/version_lag/L)."""
+    lags: dict[str, int] = {}
+    for line in (root / "metrics.jsonl").read_text().splitlines():
+        for key, value in json.loads(line).items():
+            if key.startswith("follow/version_lag/"):
+                lag = key.rsplit("/", 1)[1]
+                lags[lag] = lags.get(lag, 0) + int(value)
+    return dict(sorted(lags.items()))
+
+
+def mean_sd(values: list[float]) -> dict[str, float]:
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"mean": round(mean, 3), "sd": round(sd, 3), "runs": [round(v, 3) for v in values]}
+
+
 def held_out(checkpoint: Path, out: Path, log: Path) -> float:
     if not (out / "metrics.jsonl").is_file():
         glmpost("rollout", ROOT / "recipes/data/calc-heldout.jsonl", "--config", RECIPE, "--checkpoint", checkpoint, "--out", out,
@@ -118,30 +139,40 @@ def main() -> None:
     parser.add_argument("--max-queued", type=int, default=None, help="async producers' --max-queued (shards waiting in both spools)")
     parser.add_argument("--median-s", type=float, default=0.02)
     parser.add_argument("--sigma", type=float, default=1.5)
+    parser.add_argument("--repeats", type=int, default=1, help="async runs (the sync loop is deterministic: one run)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_async")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "stages.log"
     sft = warm_start(args.work, log)
-    for stale in ("sync-policy", "async-policy", "async-rolled", "async-judged", "eval-sync", "eval-async"):
+    for stale in ("sync-policy", "eval-sync"):
         subprocess.run(["rm", "-rf", str(args.work / stale)], check=True)
     for i in range(1, args.iterations + 1):
         subprocess.run(["rm", "-rf", str(args.work / f"sync-it{i}")], check=True)
     sync_s = run_sync(args, sft, args.work, log)
     print(f"sync: {sync_s:.1f} s", flush=True)
-    async_s, summary = run_async(args, sft, args.work, log)
-    print(f"async: {async_s:.1f} s ({summary['versions']}, {summary['dropped_records']} records dropped)", flush=True)
+    runs = []
+    for repeat in range(args.repeats):
+        work = args.work / f"async-{repeat}"
+        async_s, summary = run_async(args, sft, work, log)
+        runs.append({"seconds": async_s, "summary": summary, "staleness": staleness(work / "async-policy"),
+                     "shards_sampled": len(list((work / "async-rolled").glob("*/*.msgpack.zst"))),
+                     "reward": held_out(work / "async-policy", work / "eval", log)})
+        print(f"async {repeat}: {async_s:.1f} s ({summary['versions']}, {summary['dropped_records']} records dropped, "
+              f"staleness {runs[-1]['staleness']}, held-out reward {runs[-1]['reward']:.3f})", flush=True)
+    async_s = mean_sd([run["seconds"] for run in runs])
     result = {
         "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks,
         "max_queued": args.max_queued, "latency": {"median_s": args.median_s, "sigma": args.sigma},
-        "sync_s": round(sync_s, 1), "async_s": round(async_s, 1), "speedup": round(sync_s / async_s, 2),
-        "async_versions": summary["versions"], "async_dropped_records": summary["dropped_records"],
-        "async_trainer_idle_fraction": summary["idle_fraction"],
-        "async_shards_sampled": len(list((args.work / "async-rolled").glob("*/*.msgpack.zst"))),
+        "sync_s": round(sync_s, 1), "async_s": async_s, "speedup": round(sync_s / async_s["mean"], 2),
+        "async_dropped_records": [run["summary"]["dropped_records"] for run in runs],
+        "async_trainer_idle_fraction": mean_sd([run["summary"]["idle_fraction"] for run in runs]),
+        "async_shards_sampled": [run["shards_sampled"] for run in runs],
+        "async_staleness": [run["staleness"] for run in runs],
         "held_out_reward": {"warm_start": held_out(sft, args.work / "eval-warm", log),
                             "sync": held_out(args.work / "sync-policy", args.work / "eval-sync", log),
-                            "async": held_out(args.work / "async-policy", args.work / "eval-async", log)},
+                            "async": mean_sd([run["reward"] for run in runs])},
     }
     print(json.dumps(result, indent=1))
     if args.out:

@@ -33,6 +33,25 @@ class SwitchOnFirstStep(Countdown):
         return super().step(action)
 
 
+class SyncOnFirstStep(Countdown):
+    """Countdown whose first step anywhere in this process tells the server at ``url`` to load
+    ``model_path`` as ``version`` (what ``sync-weights`` does), mid-trajectory."""
+
+    synced: set = set()
+
+    def __init__(self, url: str, model_path: str, version: int, turns: int = 3):
+        super().__init__(turns)
+        self.url, self.model_path, self.version = url, model_path, version
+
+    def step(self, action):
+        from glmpost.serving.sglang_client import SGLangClient
+
+        if self.url not in SyncOnFirstStep.synced:
+            SyncOnFirstStep.synced.add(self.url)
+            SGLangClient(self.url).update_weights_from_disk(self.model_path, weight_version=str(self.version))
+        return super().step(action)
+
+
 @pytest.fixture(scope="module")
 def two_versions(tiny_checkpoint, tmp_path_factory):
     """A root holding v0 (the tiny model) and v1 (its weights perturbed), LATEST at v0."""
@@ -53,18 +72,19 @@ def two_versions(tiny_checkpoint, tmp_path_factory):
     return root
 
 
-def _rollout(glmpost_cli, root, tmp_path, policy: str):
+def _rollout(glmpost_cli, root, tmp_path, policy: str, *engine):
     CheckpointRoot(root).set_latest(0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "task": {"digit": d}}) + "\n" for d in range(4)))
     spool = tmp_path / f"spool-{policy}"
-    result = glmpost_cli("rollout", prompts, "--checkpoint", root, "--follow", spool, "--max-rounds", "1",
-                         "--env", "test_kv_owner:SwitchOnFirstStep", "--env-options", json.dumps({"root": str(root), "version": 1}),
+    env = engine or ("--env", "test_kv_owner:SwitchOnFirstStep", "--env-options", json.dumps({"root": str(root), "version": 1}))
+    result = glmpost_cli("rollout", prompts, "--checkpoint", root, "--follow", spool, "--max-rounds", "1", *env,
                          "--env-workers", "1", "--kv-on-switch", policy, "--group-size", "2", "--max-new-tokens", "16",
                          "--max-turns", "4", "--stop-token-ids", STOPS, "--temperature", "0.8", "--json")
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["switches_between_turns"] == 1 and summary["policy_versions"] == [0, 1]
+    if not engine:
+        assert summary["switches_between_turns"] == 1 and summary["policy_versions"] == [0, 1]
     records = [r for path in resolve_shard_paths([spool / "ready"]) for r in ShardReader(path)]
     multi = [r for r in records if len({s["turn"] for s in r["segments"]}) > 1]
     assert len(multi) >= 4  # most trajectories outlive the switch
@@ -123,3 +143,23 @@ def test_an_unknown_kv_policy_is_one_error(glmpost_cli, tiny_checkpoint, tmp_pat
                          "--kv-on-switch", "maybe")
     assert result.exit_code == 2 and "--kv-on-switch must be one of recompute, keep, got 'maybe'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_server_told_by_sync_weights_mid_trajectory_stamps_the_version_it_reports(glmpost_cli, two_versions, tmp_path):
+    """``--engine sglang`` against ``glmpost serve``: the rollout does not switch anything itself;
+    the server loads v1 when told (as by ``sync-weights``) and flushes its caches, and each turn
+    carries the weight version the server answered with ("不把'传输完成'等同于'新策略已生效'")."""
+    from serve_process import start_server, stop_server
+
+    server, url = start_server(two_versions / "v000000")
+    try:
+        env = ("--engine", "sglang", "--server", url, "--env", "test_kv_owner:SyncOnFirstStep", "--env-options",
+               json.dumps({"url": url, "model_path": str(two_versions / "v000001"), "version": 1}))
+        spool, records, multi = _rollout(glmpost_cli, two_versions, tmp_path, "recompute", *env)
+    finally:
+        stop_server(server)
+    for record in multi:
+        versions = _turn_versions(record)
+        assert versions[0] == {0} and all(versions[t] == {1} for t in versions if t > 0)
+    split = _engine_split(glmpost_cli, two_versions, spool, tmp_path, "diff")["by_version"]
+    assert split["versions_scored"] == [0, 1] and split["engine_max_abs"] < 1e-3  # the server flushed its v0 caches
