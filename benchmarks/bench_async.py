@@ -17,9 +17,10 @@ trajectories (the 16 ``calc-train`` prompts x group 8) with ``tiny-agentic.toml`
 producer-side staleness bound). ``--rollout-tasks N`` runs N rollout processes on each side (sync: a Slurm array's N tasks per
 iteration, side by side; async: N producers of the spool). Reported: wall-clock per side and the ratio sync / async (goal >= 2x), records trained and dropped,
 and the held-out tool-use reward of each final policy (``calc-heldout``, 4 samples per prompt, seed
-1000, no latency) with the warm start's for reference. The async side's outcome depends on which
-shards land before which version: ``--repeats R`` runs it R times and reports mean and sd of its
-wall-clock and held-out reward, and per run the trained records per version lag.
+1000, no latency) with the warm start's for reference. Both outcomes depend on the sampling seed,
+the async one also on which shards land before which version: ``--repeats R`` runs each side R
+times (run k from seed 1 + 1000 k) and reports mean and sd of wall-clock and held-out reward, and
+per async run the trained records per version lag.
 
     .venv/bin/python benchmarks/bench_async.py --repeats 3 --out runs/bench_async.json
 """
@@ -61,14 +62,16 @@ def env_args(args) -> list[str]:
     return ["--env", "latency", "--env-options", json.dumps(options)]
 
 
-def run_sync(args, sft: Path, work: Path, log: Path) -> float:
+def run_sync(args, sft: Path, work: Path, log: Path, *, seed: int) -> float:
     root = work / "sync-policy"
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
     started = time.perf_counter()
     for i in range(1, args.iterations + 1):
         checkpoint = root if (root / "LATEST").is_file() else sft
         it = work / f"sync-it{i}"
         tasks = [subprocess.Popen([*GLMPOST, *map(str, ("rollout", ROOT / "recipes/data/calc-train.jsonl", "--config", RECIPE,
-                                                         "--checkpoint", checkpoint, "--out", it / "rollout", "--seed", i,
+                                                         "--checkpoint", checkpoint, "--out", it / "rollout", "--seed", seed + i - 1,
                                                          "--prompts-per-shard", 16 // args.rollout_tasks, "--shard-index", task,
                                                          "--num-shards", args.rollout_tasks, *env_args(args)))],
                                   stdout=subprocess.DEVNULL, stderr=open(log, "ab"), env=ENV)
@@ -80,7 +83,7 @@ def run_sync(args, sft: Path, work: Path, log: Path) -> float:
     return time.perf_counter() - started
 
 
-def run_async(args, sft: Path, work: Path, log: Path) -> tuple[float, dict]:
+def run_async(args, sft: Path, work: Path, log: Path, *, seed: int) -> tuple[float, dict]:
     root, rolled, judged = work / "async-policy", work / "async-rolled", work / "async-judged"
     subprocess.run(["rm", "-rf", str(work)], check=True)
     work.mkdir(parents=True)
@@ -90,7 +93,7 @@ def run_async(args, sft: Path, work: Path, log: Path) -> tuple[float, dict]:
 
     started = time.perf_counter()
     rollouts = [start("rollout", ROOT / "recipes/data/calc-train.jsonl", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled,
-                      "--reload-root", root, "--max-rounds", 2 * args.iterations, "--prompts-per-shard", "2", "--seed", "1",
+                      "--reload-root", root, "--max-rounds", 2 * args.iterations, "--prompts-per-shard", "2", "--seed", seed,
                       "--shard-index", task, "--num-shards", args.rollout_tasks, *env_args(args),
                       *(("--max-queued", args.max_queued, "--queue", judged) if args.max_queued else ()))
                 for task in range(args.rollout_tasks)]
@@ -139,40 +142,40 @@ def main() -> None:
     parser.add_argument("--max-queued", type=int, default=None, help="async producers' --max-queued (shards waiting in both spools)")
     parser.add_argument("--median-s", type=float, default=0.02)
     parser.add_argument("--sigma", type=float, default=1.5)
-    parser.add_argument("--repeats", type=int, default=1, help="async runs (the sync loop is deterministic: one run)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per side, run k sampling from seed 1 + 1000 k (both sides alike)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_async")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "stages.log"
     sft = warm_start(args.work, log)
-    for stale in ("sync-policy", "eval-sync"):
-        subprocess.run(["rm", "-rf", str(args.work / stale)], check=True)
-    for i in range(1, args.iterations + 1):
-        subprocess.run(["rm", "-rf", str(args.work / f"sync-it{i}")], check=True)
-    sync_s = run_sync(args, sft, args.work, log)
-    print(f"sync: {sync_s:.1f} s", flush=True)
-    runs = []
+    sync_runs, async_runs = [], []
     for repeat in range(args.repeats):
+        seed = 1 + 1000 * repeat
+        work = args.work / f"sync-{repeat}"
+        seconds = run_sync(args, sft, work, log, seed=seed)
+        sync_runs.append({"seconds": seconds, "reward": held_out(work / "sync-policy", work / "eval", log)})
+        print(f"sync {repeat}: {seconds:.1f} s, held-out reward {sync_runs[-1]['reward']:.3f}", flush=True)
         work = args.work / f"async-{repeat}"
-        async_s, summary = run_async(args, sft, work, log)
-        runs.append({"seconds": async_s, "summary": summary, "staleness": staleness(work / "async-policy"),
-                     "shards_sampled": len(list((work / "async-rolled").glob("*/*.msgpack.zst"))),
-                     "reward": held_out(work / "async-policy", work / "eval", log)})
-        print(f"async {repeat}: {async_s:.1f} s ({summary['versions']}, {summary['dropped_records']} records dropped, "
-              f"staleness {runs[-1]['staleness']}, held-out reward {runs[-1]['reward']:.3f})", flush=True)
-    async_s = mean_sd([run["seconds"] for run in runs])
+        seconds, summary = run_async(args, sft, work, log, seed=seed)
+        async_runs.append({"seconds": seconds, "summary": summary, "staleness": staleness(work / "async-policy"),
+                           "shards_sampled": len(list((work / "async-rolled").glob("*/*.msgpack.zst"))),
+                           "reward": held_out(work / "async-policy", work / "eval", log)})
+        print(f"async {repeat}: {seconds:.1f} s ({summary['versions']}, {summary['dropped_records']} records dropped, "
+              f"staleness {async_runs[-1]['staleness']}, held-out reward {async_runs[-1]['reward']:.3f})", flush=True)
+    sync_s, async_s = mean_sd([run["seconds"] for run in sync_runs]), mean_sd([run["seconds"] for run in async_runs])
     result = {
         "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks,
-        "max_queued": args.max_queued, "latency": {"median_s": args.median_s, "sigma": args.sigma},
-        "sync_s": round(sync_s, 1), "async_s": async_s, "speedup": round(sync_s / async_s["mean"], 2),
-        "async_dropped_records": [run["summary"]["dropped_records"] for run in runs],
-        "async_trainer_idle_fraction": mean_sd([run["summary"]["idle_fraction"] for run in runs]),
-        "async_shards_sampled": [run["shards_sampled"] for run in runs],
-        "async_staleness": [run["staleness"] for run in runs],
+        "max_queued": args.max_queued, "latency": {"median_s": args.median_s, "sigma": args.sigma}, "repeats": args.repeats,
+        "sync_s": sync_s, "async_s": async_s, "speedup": round(sync_s["mean"] / async_s["mean"], 2),
+        "async_dropped_records": [run["summary"]["dropped_records"] for run in async_runs],
+        "async_trainer_idle_fraction": mean_sd([run["summary"]["idle_fraction"] for run in async_runs]),
+        "async_shards_sampled": [run["shards_sampled"] for run in async_runs],
+        "async_staleness": [run["staleness"] for run in async_runs],
         "held_out_reward": {"warm_start": held_out(sft, args.work / "eval-warm", log),
-                            "sync": held_out(args.work / "sync-policy", args.work / "eval-sync", log),
-                            "async": mean_sd([run["reward"] for run in runs])},
+                            "sync": mean_sd([run["reward"] for run in sync_runs]),
+                            "async": mean_sd([run["reward"] for run in async_runs])},
     }
     print(json.dumps(result, indent=1))
     if args.out:

@@ -116,6 +116,22 @@ def test_bin_async_rl_runs_the_three_stages_from_one_recipe(tiny_checkpoint, tmp
     assert CheckpointRoot(run_dir / "policy").versions()[:1] == [1]
 
 
+def test_bin_async_rl_serve_puts_a_server_and_the_weight_sync_between_trainer_and_rollout(tiny_checkpoint, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "async"
+    done = subprocess.run([root / "bin" / "async-rl", "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", "--checkpoint",
+                           tiny_checkpoint, "--run-dir", run_dir, "--serve", "--max-rounds", "2", "--idle-timeout", "8"], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo", "sync-weights"))
+    trained = CheckpointRoot(run_dir / "policy").versions()
+    served = [json.loads(line) for line in (run_dir / "served" / "metrics.jsonl").read_text().splitlines()]
+    assert trained and {line.get("sync/policy_version") for line in served} & set(trained)  # the server was moved to trained versions
+    rolled = Spool(run_dir / "rolled", tokenizer_revision=tokenizer_revision(tiny_checkpoint), create=False)
+    stamps = {int(v) for path in _all_shards(rolled) for r in ShardReader(path) for v in set(r["policy_versions"].tolist()) if v >= 0}
+    assert 0 in stamps and stamps <= {0, *trained}  # every token carries the weight version the server reported
+
+
 def test_the_slurm_template_runs_producer_and_trainer_roles(tiny_checkpoint, tmp_path):
     """bin/slurm/async-rl.sbatch as two jobs sharing a run folder (run here with bash, one after the other)."""
     root = Path(__file__).resolve().parents[1]

@@ -241,3 +241,36 @@ def test_score_teacher_and_opd_merge_follow_spools(glmpost_cli, tiny_checkpoint,
     assert set(read_manifest(CheckpointRoot(root).version_dir(2)).extra["spool"]["shards"]) == {"rollout-00001.msgpack.zst"}
     refused = glmpost_cli("score-teacher", str(rollout), "--follow", rolled.path, "--teacher", wide_checkpoint, "--out", scored)
     assert refused.exit_code == 2 and "drop the SHARDS" in refused.stderr
+
+
+def test_sigterm_publishes_the_updates_since_the_last_version(glmpost_cli, tiny_checkpoint, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    shards = _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a")
+    _publish(spool, shards[0])
+    root = tmp_path / "policy"
+    log = tmp_path / "trainer.log"
+    trainer = subprocess.Popen([sys.executable, "-m", "glmpost.commands.app", "train-grpo", "--follow", str(spool.path),
+                                "--checkpoint", str(tiny_checkpoint), "--out", str(root), "--poll-s", "0.05",
+                                "--follow-records", "8", "--publish-every", "10", "--max-version-lag", "3", "--json"],
+                               stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    deadline = time.monotonic() + 240
+    while "update 1 " not in log.read_text():
+        assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    _publish(spool, shards[1])  # lands after the update: claimed or still ready when the signal comes
+    trainer.send_signal(signal.SIGTERM)
+    out, _ = trainer.communicate(timeout=240)
+    assert trainer.returncode == 0, log.read_text()
+    summary = json.loads(out)
+    assert summary["stopped_by"] == "SIGTERM" and summary["versions"] == [1]
+    manifest = read_manifest(CheckpointRoot(root).version_dir(1))
+    assert shards[0].name in manifest.extra["spool"]["shards"]  # the update trained before the signal, published
+    trained = [i for e in spool.ledger() for i in e["ids"]]
+    assert set(_ids(shards[0])) <= set(trained) and len(trained) == len(set(trained))
+    depth = spool.depth()
+    assert depth.claimed == 0 and depth.ready + depth.done == 2  # nothing left claimed, nothing lost

@@ -187,6 +187,8 @@ def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, tr
                 _sum_lags(pending_lags, update["version_lags"])
                 pending_counts.update(updates=1, records=update["records"], trained_records=update["trained_records"])
                 stale_dropped += int(update["metrics"].get("train/stale_dropped", 0))
+                log(f"{spool.path}: update {steps} on {len(claims)} shard(s), {update['trained_records']} records trained "
+                    f"({pending_counts['updates']} since the last version)")
                 if steps % config.publish_every == 0 or finished():
                     publish()
             if pending:  # a clean stop: the updates since the last version are published, not lost

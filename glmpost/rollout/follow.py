@@ -133,14 +133,15 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
 
     def switch_between_turns() -> None:
         newer = _newest(reload_root, current["checkpoint"])
-        if newer is not None and isinstance(backend, LocalBackend):
+        if newer is not None:
             log(f"{producer}: switching from v{current['checkpoint'].policy_version} to v{newer.policy_version} "
                 f"between turns ({follow.kv_on_switch} the KV caches)")
             backend.switch(newer, config, device, keep_cache=follow.kv_on_switch == "keep")
             current["checkpoint"] = newer
             current["switches"] += 1
 
-    runner.between_turns = switch_between_turns if reload_root is not None else None
+    # A server's weights are switched by sync-weights; each answer says which version sampled it.
+    runner.between_turns = switch_between_turns if reload_root is not None and isinstance(backend, LocalBackend) else None
     with stop_on_signals() as stop:
         try:
             engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(),
