@@ -33,7 +33,8 @@ since the last version (a restart trains them again and finishes an interrupted 
 (--lease-s) returns a dead trainer's claims to the spool. It stops on SIGTERM / SIGINT after the
 update in progress, at --max-steps updates or --max-versions versions, or after --idle-timeout
 seconds without a new shard, publishing the updates since the last version first; unused claims go
-back to ready/. Metrics (root metrics.jsonl, follow/*): per version the staleness histogram
+back to ready/. The published version is the unit of durability, so --save-every, --resume and
+--overwrite do not apply there. Metrics (root metrics.jsonl, follow/*): per version the staleness histogram
 (version_lag/L), records trained, stale-dropped count, queue depth and idle fraction; per dropped
 batch its records' lengths and rewards.
 """

@@ -189,7 +189,7 @@ def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, tr
                 stale_dropped += int(update["metrics"].get("train/stale_dropped", 0))
                 log(f"{spool.path}: update {steps} on {len(claims)} shard(s), {update['trained_records']} records trained "
                     f"({pending_counts['updates']} since the last version)")
-                if steps % config.publish_every == 0 or finished():
+                if pending_counts["updates"] >= config.publish_every or finished():
                     publish()
             if pending:  # a clean stop: the updates since the last version are published, not lost
                 publish()
