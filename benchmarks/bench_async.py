@@ -99,7 +99,8 @@ def run_async(args, sft: Path, work: Path, log: Path, *, seed: int) -> tuple[flo
                 for task in range(args.rollout_tasks)]
     judge = start("judge", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled, "--out", judged, "--poll-s", "0.1")
     trainer = start("train-grpo", "--config", RECIPE, "--checkpoint", sft, "--follow", judged, "--out", root, "--follow-records", "128",
-                    "--max-versions", args.iterations, "--max-version-lag", "4", "--poll-s", "0.1", "--idle-timeout", "120", "--json")
+                    "--max-versions", args.iterations, "--max-version-lag", "4", "--poll-s", "0.1", "--idle-timeout", "120", "--json",
+                    *(("--max-staleness", args.max_staleness) if args.max_staleness is not None else ()))
     out, _ = trainer.communicate()
     seconds = time.perf_counter() - started
     for process in (*rollouts, judge):
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--rollout-tasks", type=int, default=1, help="rollout processes per side (sync: per iteration)")
     parser.add_argument("--max-queued", type=int, default=None, help="async producers' --max-queued (shards waiting in both spools)")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="the async trainer's --max-staleness (default: the recipe's 2)")
     parser.add_argument("--median-s", type=float, default=0.02)
     parser.add_argument("--sigma", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=1,
@@ -167,9 +170,10 @@ def main() -> None:
     sync_s, async_s = mean_sd([run["seconds"] for run in sync_runs]), mean_sd([run["seconds"] for run in async_runs])
     result = {
         "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks,
-        "max_queued": args.max_queued, "latency": {"median_s": args.median_s, "sigma": args.sigma}, "repeats": args.repeats,
+        "max_queued": args.max_queued, "max_staleness": args.max_staleness, "latency": {"median_s": args.median_s, "sigma": args.sigma}, "repeats": args.repeats,
         "sync_s": sync_s, "async_s": async_s, "speedup": round(sync_s["mean"] / async_s["mean"], 2),
         "async_dropped_records": [run["summary"]["dropped_records"] for run in async_runs],
+        "async_stale_dropped": [run["summary"]["stale_dropped"] for run in async_runs],
         "async_trainer_idle_fraction": mean_sd([run["summary"]["idle_fraction"] for run in async_runs]),
         "async_shards_sampled": [run["shards_sampled"] for run in async_runs],
         "async_staleness": [run["staleness"] for run in async_runs],

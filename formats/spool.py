@@ -101,6 +101,7 @@ class Spool:
             raise SpoolError(f"{self.path}: spool of tokenizer revision {meta.get('tokenizer_revision')}, this stage's "
                              f"checkpoint has {tokenizer_revision}; one spool carries one tokenizer's ids")
         self.tokenizer_revision = tokenizer_revision
+        self._ledger_read: tuple[int, list[dict[str, Any]]] = (0, [])  # bytes parsed so far, their entries
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -207,6 +208,8 @@ class Spool:
                                          "ids": list(ids.get(shard.name, [])), "time": time.time()}) + "\n")
         if lines:
             with open(self.ledger_path, "a") as ledger:
+                if self._torn():
+                    lines.insert(0, "\n")  # end a torn line (a crash mid-append) so this one stays whole
                 ledger.write("".join(lines))
                 ledger.flush()
                 os.fsync(ledger.fileno())
@@ -228,19 +231,36 @@ class Spool:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def ledger(self) -> list[dict[str, Any]]:
-        """The ledger's entries, in order (a torn last line, from a crash mid-append, is ignored)."""
+    def _torn(self) -> bool:
+        """The ledger's last line lacks its newline (a crash mid-append)."""
         try:
-            text = self.ledger_path.read_text()
+            with open(self.ledger_path, "rb") as ledger:
+                size = ledger.seek(0, os.SEEK_END)
+                return size > 0 and ledger.seek(size - 1) >= 0 and ledger.read(1) != b"\n"
+        except FileNotFoundError:
+            return False
+
+    def ledger(self) -> list[dict[str, Any]]:
+        """The ledger's entries, in order (a torn line, from a crash mid-append, is ignored). The
+        ledger only grows: each call parses the complete lines appended since the last one."""
+        offset, entries = self._ledger_read
+        try:
+            with open(self.ledger_path, "rb") as ledger:
+                if os.fstat(ledger.fileno()).st_size < offset:  # replaced by another file: read it all
+                    offset, entries = 0, []
+                ledger.seek(offset)
+                data = ledger.read()
         except FileNotFoundError:
             return []
-        entries = []
-        for line in text.splitlines():
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being appended waits for its newline
+        entries = list(entries)
+        for line in whole.splitlines():
             try:
                 entries.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-        return entries
+        self._ledger_read = (offset + len(whole), entries)
+        return list(entries)
 
     def consumed_ids(self) -> set[str]:
         """Trajectory ids the ledger records as trained."""

@@ -105,6 +105,14 @@ def test_commit_ledgers_ids_moves_to_done_and_reconcile_finishes_a_crashed_commi
     with open(spool.ledger_path, "a") as ledger:
         ledger.write('{"shard": "torn", "ids": ["t9"')  # a crash mid-append
     assert spool.consumed_ids() == {"t1", "t2", "t3"}
+    # The next commit (here by another process's Spool of the same directory) starts on a line of
+    # its own, and a reader that parsed the ledger before sees it too.
+    _publish(spool, "c", ["t4"])
+    other = Spool(spool.path, tokenizer_revision=REVISION)
+    (c,) = other.claim("trainer-2")
+    other.commit("trainer-2", [c], version=3, ids={c.name: ["t4"]})
+    assert spool.consumed_ids() == other.consumed_ids() == {"t1", "t2", "t3", "t4"}
+    assert [e["shard"] for e in spool.ledger()] == [a.name, b.name, c.name]
 
 
 def test_refusals_name_the_spool(tmp_path):

@@ -60,18 +60,22 @@ def default_consumer(out: Path) -> str:
     return "trainer-" + hashlib.blake2b(str(Path(out).resolve()).encode(), digest_size=5).hexdigest()
 
 
-def committed_shards(root: Path, spool: Spool) -> dict[str, tuple[int, list[str]]]:
+def committed_shards(root: Path, spool: Spool, read: dict[int, dict] | None = None) -> dict[str, tuple[int, list[str]]]:
     """``{shard name: (version, ids)}`` of every version under ``root`` whose manifest commits
-    shards of ``spool`` (its ``extra.spool``)."""
+    shards of ``spool`` (its ``extra.spool``). ``read`` keeps each version's commit record between
+    calls (a published version never changes), so a long run reads each manifest once."""
     from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
 
+    read = {} if read is None else read
     found: dict[str, tuple[int, list[str]]] = {}
     checkpoints = CheckpointRoot(root)
     for version in checkpoints.versions():
-        try:
-            extra = read_manifest(checkpoints.version_dir(version)).extra.get("spool") or {}
-        except CheckpointError:
-            continue
+        if version not in read:
+            try:
+                read[version] = read_manifest(checkpoints.version_dir(version)).extra.get("spool") or {}
+            except CheckpointError:
+                continue
+        extra = read[version]
         if Path(extra.get("path", "")).resolve() == spool.path.resolve():
             for name, ids in extra.get("shards", {}).items():
                 found[name] = (version, list(ids))
@@ -111,6 +115,7 @@ def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, tr
     pending: dict[str, list[str]] = {}  # shard name -> ids, trained since the last version
     pending_claims: list[Path] = []
     pending_lags, pending_counts = Counter(), Counter()
+    manifests: dict[int, dict] = {}  # the commit records read so far
 
     def publish() -> None:
         extra = {"spool": {"path": str(spool.path.resolve()), "consumer": consumer, "shards": dict(pending)},
@@ -140,13 +145,13 @@ def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, tr
 
     with stop_on_signals() as stop, lease_kept(spool, consumer, config.lease_s), MetricsWriter(out / "metrics.jsonl") as metrics:
         try:
-            done_before = spool.reconcile(consumer, committed_shards(out, spool))
+            done_before = spool.reconcile(consumer, committed_shards(out, spool, manifests))
             if done_before:
                 log(f"{spool.path}: finished {done_before} commit(s) an interrupted run left")
             while stop["signal"] is None and not finished():
                 # A shard a published version already trained (its commit interrupted, then its
                 # claim reaped and claimed again) is committed, not trained again.
-                committed = committed_shards(out, spool)
+                committed = committed_shards(out, spool, manifests)
                 spool.reconcile(consumer, committed)
                 claims, ids = [], {}
                 for shard in spool.claimed(consumer):  # held from before a restart, or pending
