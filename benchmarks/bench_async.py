@@ -62,6 +62,11 @@ def env_args(args) -> list[str]:
     return ["--env", "latency", "--env-options", json.dumps(options)]
 
 
+def train_args(args) -> list[str]:
+    """Both sides' train-grpo overrides of the recipe (matched hyper-parameters)."""
+    return [*(("--lr", str(args.lr)) if args.lr is not None else ()), *(("--epochs", str(args.epochs)) if args.epochs is not None else ())]
+
+
 def run_sync(args, sft: Path, work: Path, log: Path, *, seed: int) -> float:
     root = work / "sync-policy"
     subprocess.run(["rm", "-rf", str(work)], check=True)
@@ -79,7 +84,7 @@ def run_sync(args, sft: Path, work: Path, log: Path, *, seed: int) -> float:
         if any(task.wait() != 0 for task in tasks):
             raise SystemExit(f"sync rollout failed (see {log})")
         glmpost("judge", it / "rollout", "--config", RECIPE, "--checkpoint", checkpoint, "--out", it / "judged", log=log)
-        glmpost("train-grpo", it / "judged", "--config", RECIPE, "--checkpoint", checkpoint, "--out", root, log=log)
+        glmpost("train-grpo", it / "judged", "--config", RECIPE, "--checkpoint", checkpoint, "--out", root, *train_args(args), log=log)
     return time.perf_counter() - started
 
 
@@ -100,6 +105,7 @@ def run_async(args, sft: Path, work: Path, log: Path, *, seed: int) -> tuple[flo
     judge = start("judge", "--config", RECIPE, "--checkpoint", sft, "--follow", rolled, "--out", judged, "--poll-s", "0.1")
     trainer = start("train-grpo", "--config", RECIPE, "--checkpoint", sft, "--follow", judged, "--out", root, "--follow-records", "128",
                     "--max-versions", args.iterations, "--max-version-lag", "4", "--poll-s", "0.1", "--idle-timeout", "120", "--json",
+                    *train_args(args),
                     *(("--max-staleness", args.max_staleness) if args.max_staleness is not None else ()))
     out, _ = trainer.communicate()
     seconds = time.perf_counter() - started
@@ -143,6 +149,8 @@ def main() -> None:
     parser.add_argument("--max-queued", type=int, default=None, help="async producers' --max-queued (shards waiting in both spools)")
     parser.add_argument("--max-staleness", type=int, default=None,
                         help="the async trainer's --max-staleness (default: the recipe's 2)")
+    parser.add_argument("--lr", type=float, default=None, help="both sides' train-grpo --lr (default: the recipe's)")
+    parser.add_argument("--epochs", type=int, default=None, help="both sides' train-grpo --epochs (default: the recipe's)")
     parser.add_argument("--median-s", type=float, default=0.02)
     parser.add_argument("--sigma", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=1,
@@ -170,7 +178,7 @@ def main() -> None:
     sync_s, async_s = mean_sd([run["seconds"] for run in sync_runs]), mean_sd([run["seconds"] for run in async_runs])
     result = {
         "iterations": args.iterations, "trajectories_per_version": 128, "rollout_tasks": args.rollout_tasks,
-        "max_queued": args.max_queued, "max_staleness": args.max_staleness, "latency": {"median_s": args.median_s, "sigma": args.sigma}, "repeats": args.repeats,
+        "max_queued": args.max_queued, "max_staleness": args.max_staleness, "lr": args.lr, "epochs": args.epochs, "latency": {"median_s": args.median_s, "sigma": args.sigma}, "repeats": args.repeats,
         "sync_s": sync_s, "async_s": async_s, "speedup": round(sync_s["mean"] / async_s["mean"], 2),
         "async_dropped_records": [run["summary"]["dropped_records"] for run in async_runs],
         "async_stale_dropped": [run["summary"]["stale_dropped"] for run in async_runs],
