@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,32 @@ def test_bin_async_rl_serve_puts_a_server_and_the_weight_sync_between_trainer_an
     rolled = Spool(run_dir / "rolled", tokenizer_revision=tokenizer_revision(tiny_checkpoint), create=False)
     stamps = {int(v) for path in _all_shards(rolled) for r in ShardReader(path) for v in set(r["policy_versions"].tolist()) if v >= 0}
     assert 0 in stamps and stamps <= {0, *trained}  # every token carries the weight version the server reported
+    server = int(re.search(r"serve started \(pid (\d+)\)", done.stderr).group(1))
+    _wait("the server to exit", lambda: not _alive(server), timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_stops_every_stage_of_bin_async_rl(tiny_checkpoint, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "async"
+    script = subprocess.Popen([root / "bin" / "async-rl", "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl",
+                               "--checkpoint", tiny_checkpoint, "--run-dir", run_dir], cwd=root, stderr=subprocess.PIPE, text=True)
+    _wait("the first version", lambda: (run_dir / "policy" / "LATEST").is_file())
+    script.send_signal(signal.SIGTERM)
+    _, stderr = script.communicate(timeout=240)
+    assert script.returncode == 0, stderr
+    stages = [int(pid) for pid in re.findall(r"started \(pid (\d+)\)", stderr)]
+    assert len(stages) == 3 and all(f"{stage} done" in stderr for stage in ("rollout", "judge", "train-grpo"))
+    assert not [pid for pid in stages if _alive(pid)]  # the signal reached the stages themselves
+    rolled = Spool(run_dir / "rolled", tokenizer_revision=tokenizer_revision(tiny_checkpoint), create=False)
+    assert rolled.depth().claimed == 0  # the judge returned what it held
 
 
 def test_the_slurm_template_runs_producer_and_trainer_roles(tiny_checkpoint, tmp_path):
