@@ -7,7 +7,8 @@ training engine's log-probs on the weights before the update, ``advantages`` bro
 micro-batch (none yet). The trainer uses the one ``config.advantage_estimator`` names.
 
 Brief: GRPO's group advantage ("GRPO 在优化什么"), OPD's teacher log-ratio ("OPD：把教师变成逐 token
-优势") and the task advantage OPD may add ("OPD 和 RL 的关系").
+优势"), the task advantage OPD may add ("OPD 和 RL 的关系") and SAO's skip-observation GAE over a
+critic's values (:func:`skip_observation_gae`; its estimator comes with ``train-sao``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,53 @@ def opd_advantages(
     if task_advantages is not None and task_weight:
         delta = delta + task_weight * task_advantages.detach().double()
     return torch.where(mask, delta, torch.zeros_like(delta)).float()
+
+
+def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, *, gamma: float,
+                         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over a multi-turn trajectory's action tokens only (brief, SAO: "skip-observation GAE").
+
+    Within a turn, the usual token-level recursion; across an observation, the last action token
+    ``a_{i,N}`` of turn ``i`` bootstraps from the first action token ``a_{i+1,0}`` of turn ``i+1``:
+
+        delta(a_{i,N}) = r + gamma * V(a_{i+1,0}) - V(a_{i,N})
+        A(a_{i,N})     = delta(a_{i,N}) + gamma * lambda * A(a_{i+1,0})
+
+    so observation tokens never enter the recursion (their values are never read) and the result is
+    plain GAE on the sequence with the observations cut out. After the last action token the value
+    is 0 (the trajectory ended). ``returns = A + V`` are the critic's targets.
+
+    Args:
+        rewards: ``[B, T]`` float, non-zero only at action tokens (a turn's reward at its last
+            action token, the outcome reward at the trajectory's last one).
+        values: ``[B, T]`` float, the critic's value of each position (read at action tokens only).
+        action_mask: ``[B, T]`` bool, the model's tokens (False at observations and padding).
+        gamma, lam: the discount and GAE's lambda, in [0, 1].
+    Returns:
+        ``(advantages, returns)``, float32 ``[B, T]``, 0 off the action tokens.
+    """
+    if not (rewards.shape == values.shape == action_mask.shape) or rewards.ndim != 2:
+        raise ValueError(f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and action_mask "
+                         f"{tuple(action_mask.shape)} must be the same [B, T]")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma {gamma} and lambda {lam} must be in [0, 1]")
+    mask = action_mask.bool()
+    rewards, values = rewards.to(torch.float64), values.to(torch.float64)
+    if bool((rewards[~mask] != 0).any()):
+        raise ValueError("a reward sits on a non-action token: put a turn's reward on its last action token")
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(values.shape[0], dtype=torch.float64, device=values.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(values.shape[1])):
+        acting = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(acting, advantage, 0.0)
+        # Off the action tokens nothing moves: the next action token's value and advantage carry over.
+        next_value = torch.where(acting, values[:, t], next_value)
+        next_advantage = torch.where(acting, advantage, next_advantage)
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages.float(), returns.float()
 
 
 @register_advantage_estimator("grpo")
