@@ -98,3 +98,36 @@ def test_bad_input_is_refused():
         skip_observation_gae(torch.zeros(1, 4), VALUES, MASK, gamma=1.0, lam=1.0)
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         skip_observation_gae(_rewards(), VALUES, MASK, gamma=1.5, lam=1.0)
+
+
+def test_value_loss_by_hand_with_and_without_clipping():
+    from glmpost.rl.losses import value_loss
+
+    values, returns, old = torch.tensor([[1.0, 0.0, 2.0]]), torch.tensor([[0.5, 1.0, 0.0]]), torch.tensor([[0.8, 0.5, 1.0]])
+    losses, clipped = value_loss(values, returns, old)
+    # 0.5 (V - R)^2: 0.5 * 0.25, 0.5 * 1, 0.5 * 4
+    assert losses.tolist()[0] == pytest.approx([0.125, 0.5, 2.0]) and not clipped.any()
+    losses, clipped = value_loss(values, returns, old, clip=0.1)
+    # clamp(V, V_old -+ 0.1): 0.9, 0.4, 1.1 -> (V_c - R)^2: 0.16, 0.36, 1.21; max with the unclipped (0.25, 1, 4)
+    assert losses.tolist()[0] == pytest.approx([0.125, 0.5, 2.0])
+    assert clipped.tolist()[0] == [False, False, False]
+    losses, clipped = value_loss(torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.tensor([[0.95]]), clip=0.1)
+    # V fell from 0.95 to 0: the clamp gives 0.85, (0.85 - 1)^2 = 0.0225 < (0 - 1)^2 = 1: unclipped wins
+    assert losses.item() == pytest.approx(0.5) and not clipped.item()
+    losses, clipped = value_loss(torch.tensor([[1.2]]), torch.tensor([[1.0]]), torch.tensor([[0.0]]), clip=0.1)
+    # the clamped value 0.1 is further from R: 0.5 * (0.1 - 1)^2 = 0.405 > 0.5 * 0.04
+    assert losses.item() == pytest.approx(0.405) and clipped.item()
+
+
+def test_the_gae_estimator_reads_the_critics_advantages():
+    from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS
+    from glmpost.rl.batches import MicroBatch
+
+    estimator = ADVANTAGE_ESTIMATORS["gae"]
+    batch = MicroBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.ones(1, 3, dtype=torch.bool),
+                       torch.zeros(1, 3), torch.zeros(1, 1), {"gae_advantages": torch.tensor([[0.5, float("nan"), -1.0]])})
+    advantages, _ = estimator(batch, torch.zeros(1, 3), None)
+    assert advantages.tolist() == [[0.5, 0.0, -1.0]]
+    batch.token_fields.clear()
+    with pytest.raises(ValueError, match="train-sao"):
+        estimator(batch, torch.zeros(1, 3), None)

@@ -159,3 +159,13 @@ def weighted_task_estimator(batch, old_log_probs: torch.Tensor, config) -> tuple
     """``w * A_task`` (``[B, 1]``): MOPD's top-k loss distils in its own loss term, so the policy
     gradient carries only the weighted task advantage (0 for pure distillation)."""
     return config.task_advantage_weight * batch.advantages, {}
+
+
+@register_advantage_estimator("gae")
+def gae_estimator(batch, old_log_probs: torch.Tensor, config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAO: each action token's skip-observation GAE advantage (:func:`skip_observation_gae`),
+    computed from the critic's values before the policy update and carried in the batch as the
+    ``gae_advantages`` token field ``[B, L-1]``."""
+    if "gae_advantages" not in batch.token_fields:
+        raise ValueError("the gae estimator needs the critic's advantages (token field gae_advantages): train with train-sao")
+    return batch.token_fields["gae_advantages"].nan_to_num(0.0), {}

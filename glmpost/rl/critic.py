@@ -125,3 +125,10 @@ def freeze_critic(model: ValueModel, train: Sequence[str] = DEFAULT_TRAINED) -> 
         if not trained:
             frozen.append(name)
     return frozen
+
+
+def critic_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]`` values aligned with the trainer's log-probs: entry ``t`` is the value of the state
+    that predicts token ``t + 1`` (the backbone's hidden state at position ``t``), so the action
+    mask and the GAE of a :class:`~glmpost.rl.batches.MicroBatch` index it directly."""
+    return critic(input_ids, attention_mask)[:, :-1]

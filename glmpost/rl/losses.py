@@ -52,6 +52,26 @@ def clipped_policy_loss(
     return PolicyLossTerms(losses=losses, ratio=ratio.detach(), clipped=(clipped_term < unclipped).detach())
 
 
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, *,
+               clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's per-token loss (brief, SAO: the value model ``V_phi``), PPO's value clipping
+    optional (as verl's ``compute_value_loss``):
+
+        l_t = 0.5 * (V_t - R_t)^2                                              (clip None)
+        l_t = 0.5 * max((V_t - R_t)^2, (clamp(V_t, V_old - c, V_old + c) - R_t)^2)   (clip c)
+
+    ``returns`` ``R_t = A_t + V_old_t`` (:func:`~glmpost.rl.advantages.skip_observation_gae`).
+    Returns ``(losses [B, T], clipped [B, T] bool)``: where the clipped term is the larger one.
+    Reduce with :func:`masked_sum_over` over the action tokens.
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
+
+
 def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi_theta || pi_ref) per sampled token, always >= 0.
 
