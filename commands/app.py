@@ -10,6 +10,7 @@ import typer
 from glmpost import __version__
 from glmpost.commands import (
     diff_logprobs,
+    init_critic,
     init_model,
     judge,
     opd_merge,
@@ -60,6 +61,7 @@ def root(
 
 # In the order of GLM-5's pipeline, then the tools around it.
 app.command("init-model", help=init_model.__doc__)(spelled_with_flags(init_model.init_model))
+app.command("init-critic", help=init_critic.__doc__)(spelled_with_flags(init_critic.init_critic))
 app.command("qat", help=qat.__doc__)(spelled_with_flags(qat.qat))
 app.command("rollout", help=rollout.__doc__)(spelled_with_flags(rollout.rollout))
 app.command("judge", help=judge.__doc__)(spelled_with_flags(judge.judge))

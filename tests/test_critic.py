@@ -16,7 +16,10 @@ from glmpost.rl.critic import CRITIC_GROUPS, VALUE_HEAD, freeze_critic, init_cri
 
 @pytest.fixture(scope="module")
 def critic_dir(tiny_checkpoint, tmp_path_factory):
-    return init_critic(tiny_checkpoint, tmp_path_factory.mktemp("critic") / "critic", seed=3)
+    out = tmp_path_factory.mktemp("critic") / "critic"
+    facts = init_critic(tiny_checkpoint, out, seed=3)
+    assert facts["frozen"] and 0 < facts["trainable_parameters"] < facts["parameters"]
+    return out
 
 
 def _ids(model, length=12):
@@ -79,3 +82,25 @@ def test_a_critic_of_another_tokenizer_or_architecture_is_refused(tiny_checkpoin
         load_critic(bigger, policy=tiny_checkpoint)
     with pytest.raises(CheckpointError, match="not a critic"):
         load_critic(tiny_checkpoint)
+
+
+def test_init_critic_publishes_version_0_and_refuses_a_missing_policy(glmpost_cli, tiny_checkpoint, tmp_path):
+    root = tmp_path / "critic"
+    result = glmpost_cli("init-critic", "--from", tiny_checkpoint, "--out", root, "--seed", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    version = root / "v000000"
+    assert (root / "LATEST").read_text().strip() == "v000000" and (version / VALUE_HEAD).is_file()
+    assert 0 < summary["trainable_parameters"] < summary["parameters"]
+    stage = json.loads((version / "stage.json").read_text())
+    frozen = stage["frozen_by_default"]
+    assert len(frozen) == summary["frozen_tensors"] and any("self_attn" in n for n in frozen)
+    assert not any(".mlp." in n or n.startswith("value_head.") for n in frozen)
+    metrics = [json.loads(line) for line in (version / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["critic/parameters"] == summary["parameters"]
+    load_critic(root, policy=tiny_checkpoint)  # the root's LATEST loads as a critic of this policy
+    again = glmpost_cli("init-critic", "--from", tiny_checkpoint, "--out", root, "--json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["skipped"] is True
+    missing = glmpost_cli("init-critic", "--from", tmp_path / "nowhere", "--out", tmp_path / "c2")
+    assert missing.exit_code != 0 and len(missing.stderr.strip().splitlines()) == 1 and "nowhere" in missing.stderr
+    assert not (tmp_path / "c2" / "LATEST").exists()

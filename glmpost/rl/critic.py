@@ -16,13 +16,15 @@ them). Embeddings, norms and the unused language-model head stay frozen.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from glmpost.checkpoints import (CheckpointError, CheckpointManifest, load_model, read_manifest, resolve_checkpoint,
+from glmpost.config import setting
+from glmpost.checkpoints import (TOKENIZER_FILES, CheckpointError, CheckpointManifest, load_model, read_manifest, resolve_checkpoint,
                                  tokenizer_revision, write_manifest)
 
 VALUE_HEAD = "value_head.safetensors"
@@ -57,23 +59,57 @@ def new_value_head(hidden_size: int, *, seed: int = 0) -> nn.Linear:
     return head
 
 
-def init_critic(policy: Path | str, out: Path | str, *, seed: int = 0) -> Path:
-    """Write a critic initialised from ``policy`` (a root or version directory) into ``out`` (a
-    directory, created); returns it."""
+@dataclass
+class InitCriticConfig:
+    """``init-critic``'s settings."""
+
+    seed: int = setting(0, "Seed of the value head's initial weights (N(0, 0.02^2); its bias is 0).")
+
+
+def init_critic_root(policy: Path | str, out: Path | str, config: InitCriticConfig, *, options: dict[str, Any]) -> dict[str, Any]:
+    """``init-critic``: a critic made from ``policy`` published as ``out``'s version 0 (``LATEST``),
+    with ``stage.json`` (the tensors frozen by default) and ``metrics.jsonl``; a root that holds a
+    version already is left as it is. Returns the summary."""
+    import shutil
+
+    from glmpost.checkpoints import CheckpointRoot
+    from glmpost.stage import MetricsWriter, write_stage_json
+
+    root = CheckpointRoot(out)
+    if root.versions():
+        return {"out": str(out), "skipped": True, "policy_version": root.latest()}
+    staging = root.path / ".staging-init-critic"
+    if staging.exists():  # an interrupted earlier run
+        shutil.rmtree(staging)
+    facts = init_critic(policy, staging, seed=config.seed)
+    with MetricsWriter(staging / "metrics.jsonl") as metrics:
+        metrics.write(**{f"critic/{key}": value for key, value in facts.items() if key != "frozen"})
+    write_stage_json(staging, "init-critic", options, policy=str(resolve_checkpoint(policy)), frozen_by_default=facts["frozen"])
+    root.publish(staging, 0)
+    return {"out": str(out), "skipped": False, "policy_version": 0, "from": str(resolve_checkpoint(policy)),
+            **{key: value for key, value in facts.items() if key != "frozen"}, "frozen_tensors": len(facts["frozen"])}
+
+
+def init_critic(policy: Path | str, out: Path | str, *, seed: int = 0) -> dict[str, Any]:
+    """Write a critic initialised from ``policy`` (a root or version directory) into the directory
+    ``out`` (created); returns its parameter counts and the tensors frozen by default."""
     from safetensors.torch import save_file
 
     source = resolve_checkpoint(policy)
     out = Path(out)
     model = load_model(source, dtype="float32")
     model.save_pretrained(out)
-    for path in source.iterdir():  # tokenizer and generation files
-        if path.is_file() and ".safetensors" not in path.name and path.name != "glmpost.json" and not (out / path.name).exists():
-            (out / path.name).write_bytes(path.read_bytes())
+    for name in (*TOKENIZER_FILES, "generation_config.json"):  # not the policy's stage.json, metrics or manifest
+        if (source / name).is_file() and not (out / name).exists():
+            (out / name).write_bytes((source / name).read_bytes())
     head = new_value_head(model.config.hidden_size, seed=seed)
     save_file({"weight": head.weight.detach().contiguous(), "bias": head.bias.detach().contiguous()}, str(out / VALUE_HEAD))
     write_manifest(out, CheckpointManifest(policy_version=0, tokenizer_revision=tokenizer_revision(out), stage="init-critic",
                                            parent=str(source), extra={"critic": {"from": str(source), "seed": seed}}))
-    return out
+    critic = ValueModel(model, head)
+    frozen = freeze_critic(critic)
+    return {"parameters": sum(p.numel() for p in critic.parameters()),
+            "trainable_parameters": sum(p.numel() for p in critic.parameters() if p.requires_grad), "frozen": frozen}
 
 
 def load_critic(critic: Path | str, *, policy: Path | str | None = None, device: Any = "cpu", **load: Any) -> ValueModel:
