@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from glmpost.checkpoints import CheckpointError
-from glmpost.rl.critic import CRITIC_GROUPS, VALUE_HEAD, freeze_critic, init_critic, load_critic
+from glmpost.rl.critic import CRITIC_GROUPS, VALUE_HEAD, critic_values, freeze_critic, init_critic, load_critic
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,13 @@ def test_a_critic_round_trips_and_gives_a_value_per_position(tiny_checkpoint, cr
     with torch.no_grad():
         assert torch.equal(again(ids, torch.ones_like(ids)), values)  # same files, same shapes, same kernels
     assert (critic_dir / VALUE_HEAD).is_file() and json.loads((critic_dir / "glmpost.json").read_text())["stage"] == "init-critic"
+    # critic_values' entry t is the value of the prefix ids[: t + 1] (the state predicting token t + 1),
+    # as the trainer's log-prob entry t is; the prefix runs in another shape, so compared within float noise.
+    with torch.no_grad():
+        aligned = critic_values(critic, ids, torch.ones_like(ids))
+        prefix = critic(ids[:, :5], torch.ones_like(ids[:, :5]))
+    assert aligned.shape == (2, ids.shape[1] - 1)
+    assert torch.allclose(aligned[:, 4], prefix[:, -1], atol=1e-5)
 
 
 def test_k_critic_steps_move_only_the_unfrozen_parameters(critic_dir):

@@ -98,10 +98,6 @@ class FollowTrainer(Protocol):
         """Publish the updates since the last version as the next one; returns its number."""
 
 
-def _sum_lags(total: Counter, lags: dict) -> None:
-    total.update({str(lag): n for lag, n in lags.items()})
-
-
 def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, trainer: FollowTrainer) -> dict[str, Any]:
     """Run the follow loop (module doc); returns the run's summary."""
     from glmpost.rl.updates import NothingToTrain
@@ -189,7 +185,7 @@ def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, tr
                 steps += 1
                 pending.update(ids)
                 pending_claims.extend(claims)
-                _sum_lags(pending_lags, update["version_lags"])
+                pending_lags.update({str(lag): n for lag, n in update["version_lags"].items()})
                 pending_counts.update(updates=1, records=update["records"], trained_records=update["trained_records"])
                 stale_dropped += int(update["metrics"].get("train/stale_dropped", 0))
                 log(f"{spool.path}: update {steps} on {len(claims)} shard(s), {update['trained_records']} records trained "

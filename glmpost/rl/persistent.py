@@ -34,8 +34,9 @@ def newest_parent(out: Path, checkpoint: Path) -> Path:
     versions = root.versions()
     if not versions:
         return Path(checkpoint)
-    if root.latest() != versions[-1]:
-        log(f"{out}: {LATEST} named v{root.latest()}, but v{versions[-1]} was published; moving it")
+    latest = root.latest()
+    if latest != versions[-1]:
+        log(f"{out}: {LATEST} named {'nothing' if latest is None else f'v{latest}'}, but v{versions[-1]} was published; moving it")
         root.set_latest(versions[-1])
     return Path(out)
 

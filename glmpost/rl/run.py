@@ -192,7 +192,6 @@ class TrainingRun:
         return RunResult(plan.target, plan.version, self.parent, history, session.world_size, total)
 
 
-
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):
     """A model on this rank's device: the one trained holds float32 master weights on a CPU; another
     (a KL reference) keeps the checkpoint's dtype."""
