@@ -25,6 +25,7 @@ from glmpost.commands import (
     shards_import,
     sync_weights,
     train_grpo,
+    train_sao,
 )
 from glmpost.commands.options import spelled_with_flags
 from glmpost.errors import GlmpostError
@@ -66,6 +67,7 @@ app.command("qat", help=qat.__doc__)(spelled_with_flags(qat.qat))
 app.command("rollout", help=rollout.__doc__)(spelled_with_flags(rollout.rollout))
 app.command("judge", help=judge.__doc__)(spelled_with_flags(judge.judge))
 app.command("train-grpo", help=train_grpo.__doc__)(spelled_with_flags(train_grpo.train_grpo))
+app.command("train-sao", help=train_sao.__doc__)(spelled_with_flags(train_sao.train_sao))
 app.command("sync-weights", help=sync_weights.__doc__)(spelled_with_flags(sync_weights.sync_weights))
 app.command("serve", help=serve.__doc__)(spelled_with_flags(serve.serve))
 app.command("score-teacher", help=score_teacher.__doc__)(spelled_with_flags(score_teacher.score_teacher))

@@ -175,10 +175,11 @@ def trainer_config_errors(stage: str, values: dict[str, Any], command: Any) -> l
     """Run the trainer's own ``validate()`` and DeepSpeed-config checks on the section's values."""
     from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
     from glmpost.rl.sft import SFTConfig
+    from glmpost.rl.sao import SAOConfig
     from glmpost.rl.trainer import GRPOConfig, OPDConfig
 
     errors = []
-    config_class = {"train-grpo": GRPOConfig, "qat": SFTConfig, "opd-merge": OPDConfig}.get(stage)
+    config_class = {"train-grpo": GRPOConfig, "train-sao": SAOConfig, "qat": SFTConfig, "opd-merge": OPDConfig}.get(stage)
     if config_class is not None:
         names = {f.name for f in fields(config_class)}
         kwargs = {k: v for k, v in values.items() if k in names and v is not None}

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from glmpost.checkpoints import CheckpointRoot, tokenizer_revision
+from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
 from glmpost.formats import ShardReader
 from glmpost.formats.spool import Spool
 
@@ -115,6 +115,21 @@ def test_bin_async_rl_runs_the_three_stages_from_one_recipe(tiny_checkpoint, tmp
     assert (depth.ready, depth.claimed, depth.done) == (1, 0, 4)
     assert sorted(e["shard"] for e in judged.ledger()) == sorted(p.name for p in judged.done_dir.glob("*.msgpack.zst"))
     assert CheckpointRoot(run_dir / "policy").versions()[:1] == [1]
+
+
+def test_bin_async_rl_trains_with_sao_when_the_recipe_has_a_train_sao_section(tiny_checkpoint, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    recipe = tmp_path / "async-sao.toml"  # tiny-async-rl.toml's trainer settings, for train-sao
+    recipe.write_text((root / "recipes" / "tiny-async-rl.toml").read_text().replace("[train-grpo]", "[train-sao]"))
+    run_dir = tmp_path / "async"
+    done = subprocess.run([root / "bin" / "async-rl", recipe, "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
+                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "5"], cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-sao"))
+    policies = CheckpointRoot(run_dir / "policy").versions()
+    assert policies and CheckpointRoot(run_dir / "critic").versions() == [0, *policies]  # a critic with every version
+    assert read_manifest(CheckpointRoot(run_dir / "policy").version_dir(policies[-1])).stage == "train-sao"
 
 
 def test_bin_async_rl_serve_puts_a_server_and_the_weight_sync_between_trainer_and_rollout(tiny_checkpoint, tmp_path):

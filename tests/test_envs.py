@@ -18,6 +18,7 @@ from glmpost.envs import (
     call_environment,
     checked_reset,
     checked_step,
+    kv_lookup_demos,
     kv_lookup_tasks,
     resolve_environment,
 )
@@ -83,6 +84,21 @@ def test_kv_lookup_chains_lead_to_the_answer_in_exactly_hops_look_ups(hops):
     missing = ENVIRONMENTS["kv-lookup"]()
     missing.reset({"store": {"ab": "1"}, "answer": "1"})
     assert missing.step(act("<get>zz</get>")) == Step("no key zz", 0.0, False, {"tool": "get", "ok": False})
+
+
+def test_kv_lookup_demos_replay_to_the_full_reward_one_conversation_per_turn():
+    lines = kv_lookup_tasks(6, seed=3, hops=2, keys=64)
+    demos = kv_lookup_demos(lines)
+    assert [d["id"] for d in demos[:3]] == ["kv-3-0-get1", "kv-3-0-get2", "kv-3-0-answer"] and len(demos) == 18
+    for line, (first, second, last) in zip(lines, zip(demos[0::3], demos[1::3], demos[2::3])):
+        assert first["messages"][-1]["content"].endswith("<|observation|>") and second["messages"][:-1] == last["messages"][:3]
+        env = ENVIRONMENTS["kv-lookup"](tool_reward=1.0)
+        env.reset(line["task"])
+        turns = [m["content"] for m in last["messages"] if m["role"] == "assistant"]
+        observations = [m["content"] for m in last["messages"] if m["role"] == "observation"]
+        steps = [env.step(act(text)) for text in turns]
+        assert [s.reward for s in steps] == [1.0, 1.0, 1.0] and steps[-1].done
+        assert [s.observation for s in steps[:-1]] == observations
 
 
 def test_latency_delays_each_step_and_passes_the_inner_answer_through():

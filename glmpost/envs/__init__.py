@@ -12,7 +12,7 @@ from glmpost.envs.protocol import (
     checked_step,
     resolve_environment,
 )
-from glmpost.envs.builtin import calculator_tasks, kv_lookup_tasks  # also registers the built-in environments
+from glmpost.envs.builtin import calculator_tasks, kv_lookup_demos, kv_lookup_tasks  # also registers the built-in environments
 
-__all__ = ["calculator_tasks", "kv_lookup_tasks", "ENVIRONMENTS", "Action", "Environment", "EnvironmentFailure", "Step", "call_environment", "checked_reset",
+__all__ = ["calculator_tasks", "kv_lookup_demos", "kv_lookup_tasks", "ENVIRONMENTS", "Action", "Environment", "EnvironmentFailure", "Step", "call_environment", "checked_reset",
            "checked_step", "resolve_environment"]

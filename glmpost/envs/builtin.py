@@ -13,7 +13,7 @@ call: the observation says so and ``info["malformed"]`` counts it; the trajector
   ``median_s`` and shape ``sigma``: what the asynchronous issue measures overlap against.
 
 :func:`calculator_tasks` and :func:`kv_lookup_tasks` write prompt lines for them (``glmpost rollout``'s
-prompt format: ``id``, ``prompt``, ``domain``, ``task``).
+prompt format: ``id``, ``prompt``, ``domain``, ``task``); :func:`kv_lookup_demos` their SFT demonstrations.
 """
 
 from __future__ import annotations
@@ -188,6 +188,27 @@ def kv_lookup_tasks(count: int, *, seed: int = 0, hops: int = 2, keys: int = 6) 
                                 "look-ups in all; reply <answer>VALUE</answer> with the last value.",
                       "task": {"store": store, "start": chain[0], "hops": hops, "answer": answer}})
     return lines
+
+
+def kv_lookup_demos(lines: list[dict[str, Any]], *, marker: str = "<|observation|>") -> list[dict[str, Any]]:
+    """SFT demonstrations of :func:`kv_lookup_tasks` lines: per task one conversation per model turn
+    (each look-up along the chain, then the answer), the turn trained being the last; a look-up turn
+    ends with the turn ``marker`` that calls the environment (``shards import`` trains on it)."""
+    demos = []
+    for line in lines:
+        task = line["task"]
+        keys = [task["start"]]
+        for _ in range(task["hops"]):
+            keys.append(task["store"][keys[-1]])
+        history: list[dict[str, str]] = [{"role": "user", "content": line["prompt"]}]
+        for turn, key in enumerate(keys[:-1]):
+            call = f"<get>{key}</get>"
+            demos.append({"id": f"{line['id']}-get{turn + 1}", "messages": [*history, {"role": "assistant", "content": call + marker}],
+                          "domain": line["domain"], "task": task})
+            history += [{"role": "assistant", "content": call}, {"role": "observation", "content": keys[turn + 1]}]
+        demos.append({"id": f"{line['id']}-answer", "messages": [*history, {"role": "assistant", "content": f"<answer>{keys[-1]}</answer>"}],
+                      "domain": line["domain"], "task": task})
+    return demos
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class TrainExample:
     group_id: str
     domain: str = ""
     teacher: str = ""
+    reward: float = math.nan  # the trajectory's reward where the update reads it per token (SAO's GAE)
     # Further per-response-token arrays ([T] or [T, k]) that collate lays out like rollout_log_probs,
     # e.g. the teacher's log-probs for on-policy distillation.
     token_fields: dict[str, np.ndarray] = field(default_factory=dict)
@@ -83,10 +84,11 @@ def version_lag(record: dict[str, Any], version: int) -> int | None:
     return int(version - np.asarray(versions)[actions].min())
 
 
-def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_lag: int, stage: str) -> dict[str, int]:
+def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_lag: int, stage: str,
+                       dis: bool = False) -> dict[str, int]:
     """Refuse a record sampled by a policy newer than ``version`` (the checkpoint old log-probs are
     recomputed on) or more than ``max_lag`` versions older (IcePop's ratio assumes the same weights,
-    brief "IcePop 为什么有两层 ratio"); returns how many records have each lag (``"unknown"``:
+    brief "IcePop 为什么有两层 ratio"; ``dis``: the update masks with DIS already); returns how many records have each lag (``"unknown"``:
     records without versions)."""
     counts: dict[str, int] = {}
     for record in records:
@@ -95,10 +97,12 @@ def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_l
             raise ConfigError("{stage}: record {id!r} was sampled by policy version {sampled}, newer than {checkpoint}'s "
                               "{version}", stage=stage, id=record["id"], sampled=version - lag, version=version)
         if lag is not None and lag > max_lag:
+            why = ("DIS masks the tokens a lag moved too far, within the lag accepted: pass {max_version_lag} {lag} "
+                   "to accept it" if dis else "IcePop assumes the same weights: resample it, or pass {max_version_lag} {lag} "
+                   "(lagged records are then masked with DIS)")
             raise ConfigError("{stage}: record {id!r} was sampled by policy version {sampled}, {lag} behind {checkpoint}'s "
-                              "{version}; IcePop assumes the same weights: resample it, or pass {max_version_lag} {lag} "
-                              "(lagged records are then masked with DIS)", stage=stage, id=record["id"],
-                              sampled=version - lag, lag=lag, version=version)
+                              "{version}; " + why, stage=stage, id=record["id"], sampled=version - lag, lag=lag,
+                              version=version)
         key = "unknown" if lag is None else str(lag)
         counts[key] = counts.get(key, 0) + 1
     return counts

@@ -48,6 +48,17 @@ class ValueModel(nn.Module):
         hidden = self.language_model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
+    def save_pretrained(self, directory: Path | str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """The critic directory's weights (the module doc): the language model's Hugging Face files
+        and :data:`VALUE_HEAD`; ``state_dict`` (a ZeRO-3 gathered one) instead of the module's own."""
+        from safetensors.torch import save_file
+
+        state = self.state_dict() if state_dict is None else state_dict
+        model = {k.removeprefix("language_model."): v for k, v in state.items() if k.startswith("language_model.")}
+        self.language_model.save_pretrained(directory, state_dict=model)
+        head = {k.removeprefix("value_head."): v.detach().contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        save_file(head, str(Path(directory) / VALUE_HEAD))
+
 
 def new_value_head(hidden_size: int, *, seed: int = 0) -> nn.Linear:
     """A float32 head with a zero bias and N(0, 0.02^2) weights from ``seed`` (small initial values)."""
@@ -93,20 +104,16 @@ def init_critic_root(policy: Path | str, out: Path | str, config: InitCriticConf
 def init_critic(policy: Path | str, out: Path | str, *, seed: int = 0) -> dict[str, Any]:
     """Write a critic initialised from ``policy`` (a root or version directory) into the directory
     ``out`` (created); returns its parameter counts and the tensors frozen by default."""
-    from safetensors.torch import save_file
-
     source = resolve_checkpoint(policy)
     out = Path(out)
     model = load_model(source, dtype="float32")
-    model.save_pretrained(out)
+    critic = ValueModel(model, new_value_head(model.config.hidden_size, seed=seed))
+    critic.save_pretrained(out)
     for name in (*TOKENIZER_FILES, "generation_config.json"):  # not the policy's stage.json, metrics or manifest
         if (source / name).is_file() and not (out / name).exists():
             (out / name).write_bytes((source / name).read_bytes())
-    head = new_value_head(model.config.hidden_size, seed=seed)
-    save_file({"weight": head.weight.detach().contiguous(), "bias": head.bias.detach().contiguous()}, str(out / VALUE_HEAD))
     write_manifest(out, CheckpointManifest(policy_version=0, tokenizer_revision=tokenizer_revision(out), stage="init-critic",
                                            parent=str(source), extra={"critic": {"from": str(source), "seed": seed}}))
-    critic = ValueModel(model, head)
     frozen = freeze_critic(critic)
     return {"parameters": sum(p.numel() for p in critic.parameters()),
             "trainable_parameters": sum(p.numel() for p in critic.parameters() if p.requires_grad), "frozen": frozen}
@@ -168,3 +175,134 @@ def critic_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask: t
     that predicts token ``t + 1`` (the backbone's hidden state at position ``t``), so the action
     mask and the GAE of a :class:`~glmpost.rl.batches.MicroBatch` index it directly."""
     return critic(input_ids, attention_mask)[:, :-1]
+
+
+class CriticVersions:
+    """The critic's versioned root beside the policy's (``train-sao --critic ROOT``): the critic
+    trained with policy version ``N`` is published as the critic root's ``vN`` with its optimizer
+    state, right after the policy's ``vN`` (the commit); a crash between the two leaves the complete
+    critic in the root's staging, which the next run publishes (:meth:`finish_interrupted`). The
+    parent is the root's ``LATEST``, made from the policy by :func:`init_critic_root` when the root
+    holds no version and ``init`` is set. Methods are the :class:`~glmpost.rl.run.Companion`'s."""
+
+    name = "critic"
+
+    def __init__(self, root: Path | str, *, policy: Path, version: int, groups: Sequence[str], optimizer: Any, init: bool,
+                 seed: int = 0):
+        from glmpost.checkpoints import CheckpointRoot
+        from glmpost.config import ConfigError
+
+        self.root, self.groups, self.optimizer_config = CheckpointRoot(root), tuple(groups), optimizer
+        path = self.root.path
+        if (path / "config.json").is_file() or (path / VALUE_HEAD).is_file():
+            raise ConfigError("{critic} {path}: a critic version directory; pass the critic root (the directory "
+                              "holding LATEST and its versions)", path=path)
+        if not self.root.versions():
+            if not init:
+                raise ConfigError("{critic} {path}: no critic version there; pass {init_critic} to make one from the "
+                                  "policy, or run `glmpost init-critic --from POLICY --out {path}`", path=path)
+            init_critic_root(policy, path, InitCriticConfig(seed=seed), options={"from": str(policy), "seed": seed})
+        latest = self.root.latest()
+        if latest is None:
+            raise CheckpointError(f"{path}: critic root without {'LATEST'}")
+        if latest >= version:
+            raise ConfigError("{critic} {path}: its LATEST critic v{latest} is not older than the policy version this "
+                              "update makes (v{version}); it was trained with a later policy", path=path, latest=latest,
+                              version=version)
+        self.parent = self.root.version_dir(latest)
+        check_critic(self.parent, resolve_checkpoint(policy))
+        self.version = version
+        self.model = self.backend = None
+        self.frozen: list[str] = []
+
+    @staticmethod
+    def finish_interrupted(root: Path | str, policy_root: Path | str) -> list[int]:
+        """Publish every complete critic staged in ``root`` whose policy version ``policy_root``
+        published (a crash between the two publishes); returns their versions."""
+        from glmpost.checkpoints import MANIFEST, CheckpointRoot
+
+        critics, policies, done = CheckpointRoot(root), CheckpointRoot(policy_root), []
+        if not critics.path.is_dir():
+            return done
+        for staged in sorted(critics.path.glob(".staging-v*")):
+            version = int(staged.name.removeprefix(".staging-v"))
+            if (staged / MANIFEST).is_file() and version in policies.versions() and version not in critics.versions():
+                _publish_critic(critics, staged, version)
+                done.append(version)
+        return done
+
+    @property
+    def staging(self) -> Path:
+        from glmpost.checkpoints import version_dir_name
+
+        return self.root.path / f".staging-{version_dir_name(self.version)}"
+
+    def setup(self, session: Any, *, dtype: str | None, **load: Any) -> tuple[ValueModel, Any]:
+        """The parent critic on this rank's device with its groups frozen, and its optimisation backend."""
+        self.model = load_critic(self.parent, device=session.device, dtype=dtype, **load)
+        self.frozen = freeze_critic(self.model, self.groups)
+        self.backend = session.backend(self.model, self.optimizer_config)
+        return self.model, self.backend
+
+    def load_optimizer(self) -> None:
+        self.backend.load_optimizer(self.parent / "trainer_state" / "optimizer.pt")
+
+    def reset_optimizer(self) -> None:
+        self.backend.reset_optimizer()
+
+    def save_resume_state(self, directory: Path, step: int) -> None:
+        """Step ``step``'s state as ``directory/resume-<step>.pt``, written before the policy's resume
+        state (the commit), so the two newest are kept: the one the policy's names survives a kill."""
+        self.backend.save_resume_state(directory / f"resume-{step:08d}.pt", step, [])
+        if self.backend.rank == 0:
+            import shutil
+
+            for old in sorted(directory.glob("resume-*.pt"))[:-2]:
+                old.unlink()
+                shutil.rmtree(directory / "resume-deepspeed" / old.stem.replace("resume-", "step-"), ignore_errors=True)
+
+    def load_resume_state(self, directory: Path, step: int) -> None:
+        path = directory / f"resume-{step:08d}.pt"
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: no critic state of step {step} to resume with; pass --overwrite to start over")
+        self.backend.load_resume_state(path)
+
+    def save(self, *, tokenizer_revision: str, stage: str, stage_options: dict[str, Any], world_size: int,
+             history: list[dict]) -> None:
+        """Every rank (ZeRO-3 gathers the weights); rank 0 writes the critic version into the root's
+        staging, its manifest last (a staged critic with a manifest is complete)."""
+        import shutil
+
+        from glmpost.stage import write_stage_json
+
+        staging = self.staging
+        if self.backend.rank == 0 and staging.exists():
+            shutil.rmtree(staging)
+        self.backend.save_model(staging)
+        self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
+        if self.backend.rank != 0:
+            return
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (self.parent / name).is_file() and not (staging / name).exists():
+                shutil.copy2(self.parent / name, staging / name)
+        lines = [{k: v for k, v in m.items() if k.startswith("sao/") or k in ("train/step", "train/update")} for m in history]
+        (staging / "metrics.jsonl").write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
+        write_stage_json(staging, stage, stage_options, parent=str(self.parent), world_size=world_size,
+                         trained_groups=list(self.groups), frozen=self.frozen)
+        write_manifest(staging, CheckpointManifest(policy_version=self.version, tokenizer_revision=tokenizer_revision,
+                                                   stage=stage, step=len(history), parent=str(self.parent),
+                                                   extra={"critic": {"groups": list(self.groups)}}))
+
+    def publish(self) -> None:
+        """Rank 0, after the policy's version: the staged critic into place and ``LATEST``; the next
+        version (``--follow``) has it as its parent."""
+        self.parent = _publish_critic(self.root, self.staging, self.version)
+
+
+def _publish_critic(root, staged: Path, version: int) -> Path:
+    """Move a staged critic into ``root`` (and ``LATEST``); its metrics join the root's history."""
+    lines = (staged / "metrics.jsonl").read_text() if (staged / "metrics.jsonl").is_file() else ""
+    target = root.publish(staged, version)
+    with open(root.path / "metrics.jsonl", "a") as f:
+        f.write(lines)
+    return target

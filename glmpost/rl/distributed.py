@@ -86,6 +86,10 @@ class LocalBackend:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def optimizer_steps(self) -> int:
+        """Steps AdamW has taken, from its state (carried over with a loaded optimizer state)."""
+        return max((int(state["step"]) for state in self.optimizer.state.values() if "step" in state), default=0)
+
     def save_model(self, directory: Path) -> None:
         self.model.save_pretrained(directory)
 
@@ -152,6 +156,10 @@ class DeepSpeedBackend:
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
+
+    def optimizer_steps(self) -> int:
+        """Steps the engine's optimizer has taken (carried over with a loaded checkpoint)."""
+        return int(self.engine.global_steps)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -236,7 +236,7 @@ class _PersistentFollower:
 
 
 def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, stage: str, config, build, make_batch,
-                     revision: str, stage_options: dict[str, Any]) -> dict[str, Any]:
+                     revision: str, stage_options: dict[str, Any], companion=None) -> dict[str, Any]:
     """:func:`follow_spool` with a trainer kept in memory (``build`` makes it, ``make_batch`` each update's examples)."""
     import os
 
@@ -246,7 +246,7 @@ def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, optio
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--follow trains in one process for now: every rank would claim its own shards; "
                          "run it without torchrun / deepspeed")
-    run = PersistentRun(Path(checkpoint), Path(out), options, stage=stage, config=config, build=build)
+    run = PersistentRun(Path(checkpoint), Path(out), options, stage=stage, config=config, build=build, companion=companion)
     try:
         return follow_spool(follow, out=Path(out), tokenizer_revision=revision,
                             trainer=_PersistentFollower(run, make_batch, revision=revision, stage_options=stage_options))
@@ -285,4 +285,25 @@ def opd_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, co
                             build=opd_trainer(config, pad_token_id=tokenizer.pad_token_id), revision=revision,
                             stage_options=stage_options,
                             make_batch=lambda inputs, parent_version, skip: opd_batch(
+                                inputs, config, parent_version=parent_version, revision=revision, skip_ids=skip))
+
+
+def sao_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, critic_root: Path, init_critic: bool, options, config,
+               stage_options: dict[str, Any]) -> dict[str, Any]:
+    """``train-sao --follow``: a :func:`~glmpost.rl.updates.sao_batch` update per batch (group size 1),
+    the critic kept in memory beside the policy and published with each version under ``critic_root``."""
+    from glmpost.checkpoints import NextVersion, load_tokenizer
+    from glmpost.rl.critic import CriticVersions
+    from glmpost.rl.persistent import newest_parent
+    from glmpost.rl.updates import sao_batch, sao_trainer
+
+    CriticVersions.finish_interrupted(critic_root, out)
+    plan = NextVersion.plan(newest_parent(Path(out), Path(checkpoint)), out)
+    tokenizer, revision = load_tokenizer(plan.parent)
+    critic = CriticVersions(critic_root, policy=plan.parent, version=plan.version, groups=config.critic_groups(),
+                            optimizer=config.critic_optimizer(), init=init_critic, seed=config.seed)
+    return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, stage="train-sao", config=config,
+                            build=sao_trainer(config, critic, pad_token_id=tokenizer.pad_token_id, options=options),
+                            revision=revision, stage_options=stage_options, companion=critic,
+                            make_batch=lambda inputs, parent_version, skip: sao_batch(
                                 inputs, config, parent_version=parent_version, revision=revision, skip_ids=skip))

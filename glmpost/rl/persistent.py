@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from glmpost.checkpoints import LATEST, CheckpointRoot, NextVersion
 from glmpost.config import ConfigError
-from glmpost.rl.run import RunOptions, load_for_training, publish_staged
+from glmpost.rl.run import Companion, RunOptions, load_for_training, publish_staged
 from glmpost.rl.distributed import TrainingSession
 from glmpost.stage import log
 
@@ -43,11 +43,12 @@ def newest_parent(out: Path, checkpoint: Path) -> Path:
 
 class PersistentRun:
     """One training session across many batches and versions (the module doc). ``build(model,
-    backend, session)`` makes the stage's trainer (``prepare`` / ``train``), on the first batch."""
+    backend, session)`` makes the stage's trainer (``prepare`` / ``train``), on the first batch, and
+    sets ``companion`` up (SAO's critic), published after each version."""
 
     def __init__(self, checkpoint: Path, out: Path, options: RunOptions, *, stage: str, config: Any,
-                 build: Callable[[Any, Any, TrainingSession], Any]):
-        self.out, self.options, self.stage, self.config = Path(out), options, stage, config
+                 build: Callable[[Any, Any, TrainingSession], Any], companion: Companion | None = None):
+        self.out, self.options, self.stage, self.config, self.companion = Path(out), options, stage, config, companion
         self.plan = NextVersion.plan(newest_parent(self.out, checkpoint), self.out)
         self.session = TrainingSession.start(device=options.device, deterministic=options.deterministic,
                                              zero_stage=options.zero_stage, deepspeed_config=options.deepspeed_config)
@@ -74,7 +75,9 @@ class PersistentRun:
     def train(self, examples: list, step_metrics: dict[str, Any]) -> list[dict]:
         """One update on ``examples``; each step's metrics (with ``step_metrics``) are returned and kept."""
         if self.trainer is None:
-            self.trainer = self._build(self.model, self.backend, self.session)
+            self.trainer = self._build(self.model, self.backend, self.session)  # sets the companion up
+            if self.companion is not None and not self.options.reset_optimizer:
+                self.companion.load_optimizer()
         prepared = self.trainer.prepare(examples)  # the weights as they are now: the proximal policy
         steps: list[dict] = []
 
@@ -97,14 +100,23 @@ class PersistentRun:
         self.backend.save_model(plan.staging)
         self.backend.save_optimizer(plan.staging / "trainer_state" / "optimizer.pt")
         (plan.staging / "metrics.jsonl").write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in self.history))
+        companion = self.companion if self.trainer is not None else None
+        if companion is not None:
+            companion.save(tokenizer_revision=tokenizer_revision, stage=self.stage, stage_options=stage_options,
+                           world_size=self.session.world_size, history=self.history)
         publish_staged(plan, stage=self.stage, stage_options=stage_options, world_size=self.session.world_size,
                        stage_extra={**stage_extra, "updates": self.updates}, manifest_extra=manifest_extra,
                        steps=len(self.history), tokenizer_revision=tokenizer_revision, history=self.history)
         version = plan.version
         self.plan = NextVersion.plan(plan.target, self.out)
         self.history, self.updates = [], 0
+        if companion is not None:
+            companion.publish()
+            companion.version = self.plan.version
         if self.options.reset_optimizer:
             self.backend.reset_optimizer()
+            if companion is not None:
+                companion.reset_optimizer()
         return version
 
     def close(self) -> None:

@@ -64,6 +64,29 @@ class Trainer(Protocol):
     def train(self, prepared: Any, *, start_step: int, on_step: Callable[[int, dict], None]) -> Any: ...
 
 
+class Companion(Protocol):
+    """A second model the stage's trainer updates beside the policy (SAO's critic), versioned in a
+    root of its own (:class:`~glmpost.rl.critic.CriticVersions`): its resume state is saved with the
+    policy's, under ``trainer_state/<name>``; its version is written before the policy's is published
+    and moved into its root right after."""
+
+    name: str
+    version: int  # the version it publishes next (the policy's)
+
+    def load_optimizer(self) -> None: ...
+
+    def reset_optimizer(self) -> None: ...
+
+    def save_resume_state(self, directory: Path, step: int) -> None: ...
+
+    def load_resume_state(self, directory: Path, step: int) -> None: ...
+
+    def save(self, *, tokenizer_revision: str, stage: str, stage_options: dict[str, Any], world_size: int,
+             history: list[dict]) -> None: ...
+
+    def publish(self) -> None: ...
+
+
 @dataclass
 class TrainingJob:
     """What a stage brings to a run: its trainer, its examples and what it records."""
@@ -84,6 +107,7 @@ class TrainingJob:
     finish: Callable[[Any], list[dict]] | None = None
     manifest_extra: dict[str, Any] = field(default_factory=dict)
     stage_extra: dict[str, Any] = field(default_factory=dict)  # stage.json fields
+    companion: Companion | None = None  # set up by ``build``
 
 
 @dataclass
@@ -139,8 +163,12 @@ class TrainingRun:
         backend = session.backend(model, job.config)
         trainer = job.build(model, backend, session)
         resuming = options.resume and resume_state.exists()
+        companion = job.companion
+        companion_state = staging / "trainer_state" / companion.name if companion is not None else None
         if job.keep_optimizer_state and not options.reset_optimizer and not resuming:
             backend.load_optimizer(self.parent / "trainer_state" / "optimizer.pt")
+            if companion is not None:
+                companion.load_optimizer()
         if session.is_main:
             if staging.exists() and (options.overwrite or not resuming):
                 shutil.rmtree(staging)  # --overwrite, or an interruption before the first saved state
@@ -152,6 +180,8 @@ class TrainingRun:
         start_step, history = 0, []
         if resuming:  # weights, optimizer state, step and metrics of the last save
             start_step, history = backend.load_resume_state(resume_state)
+            if companion is not None:
+                companion.load_resume_state(companion_state, start_step)
             log(f"resuming at optimizer step {start_step} of {total}")
             if session.is_main:  # drop lines of steps that ran after the last saved state
                 metrics_path.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in history))
@@ -166,6 +196,8 @@ class TrainingRun:
                     f.write(json.dumps(metrics, sort_keys=True) + "\n")
             progress.update(1)
             if options.save_every and (step + 1) % options.save_every == 0 and step + 1 < total:
+                if companion is not None:  # first: the policy's resume state names the step to resume at
+                    companion.save_resume_state(companion_state, step + 1)
                 backend.save_resume_state(resume_state, step + 1, history)
 
         with progress:
@@ -174,7 +206,12 @@ class TrainingRun:
         backend.save_model(staging)
         if job.keep_optimizer_state:
             backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
+        if companion is not None:
+            companion.save(tokenizer_revision=tokenizer_revision, stage=job.stage, stage_options=stage_options,
+                           world_size=session.world_size, history=history)
         if session.is_main:
+            if companion is not None:
+                shutil.rmtree(companion_state, ignore_errors=True)
             if job.keep_optimizer_state:
                 resume_state.unlink(missing_ok=True)
             else:  # resume state is not part of the checkpoint
@@ -185,6 +222,8 @@ class TrainingRun:
             publish_staged(plan, stage=job.stage, stage_options=stage_options, world_size=session.world_size,
                            stage_extra=job.stage_extra, manifest_extra=job.manifest_extra, steps=total,
                            tokenizer_revision=tokenizer_revision, history=history)
+            if companion is not None:
+                companion.publish()
         session.barrier()
         session.close()
         if not session.is_main:

@@ -316,6 +316,7 @@ class PolicyTrainer:
         *,
         start_step: int = 0,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
+        before_step: Callable[[list[int], int, int], dict[str, float]] | None = None,
     ) -> list[dict[str, float]]:
         """Update the policy on the global batch; returns one metrics dict per optimizer step.
 
@@ -323,6 +324,8 @@ class PolicyTrainer:
         the examples it owns (global index ``i`` with ``i % world_size == rank``), so any number of
         ranks sees the same mini-batches. Steps before ``start_step`` (a resumed run) are skipped;
         pass the :meth:`prepare` result made before the resumed weights were loaded.
+        ``before_step(share, micro_steps, filler)`` runs before each policy step on this rank's share
+        of its mini-batch (SAO's critic steps); its metrics join the step's.
         """
         prepared = examples if isinstance(examples, PreparedUpdate) else self.prepare(examples)
         examples = prepared.examples
@@ -342,10 +345,11 @@ class PolicyTrainer:
                 shares = [[i for i in part.tolist() if i % world == r] for r in range(world)]
                 # Every rank runs the same number of backward passes (ZeRO-2/3 reduce in each one).
                 micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
+                before = {} if before_step is None else before_step(shares[rank], micro_steps, int(part[0]))
                 trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(
                     examples, shares[rank], prepared.old, passes=micro_steps, filler=int(part[0]))
-                metrics = self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old, prepared.ref,
-                                               trust)
+                metrics = before | self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old,
+                                                        prepared.ref, trust)
                 metrics.update(prepared.diagnostics)
                 metrics["train/epoch"] = epoch
                 metrics["train/step"] = step

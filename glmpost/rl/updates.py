@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from glmpost.checkpoints import load_tokenizer
@@ -20,9 +21,12 @@ from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
-from glmpost.rl.run import RunResult, TrainingJob, TrainingRun
+from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.batches import check_version_lags, drop_stale, prepare_batch, prepare_opd_batch
+from glmpost.rl.batches import (check_version_lags, drop_stale, failure_counts, prepare_batch, prepare_opd_batch, train_example,
+                                usable_records)
+from glmpost.rl.critic import CriticVersions
+from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
 from glmpost.rollout.distribution import ScoredDistribution, scored_distribution
 from glmpost.rollout.engine import SamplingParams
@@ -274,6 +278,81 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
     first = result.history[0] if result.history else {}
     teacher_kl = {key.split("/", 1)[1]: value for key, value in first.items() if key.startswith("teacher_kl/")}
     return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary, "teacher_kl": teacher_kl}
+
+
+def sao_batch(inputs: Sequence[str], config: SAOConfig, *, parent_version: int, revision: str,
+              skip_ids: frozenset[str] = frozenset()) -> UpdateBatch:
+    """The examples of one SAO update on judged shards (group size 1: each trajectory as it is, its
+    reward for the critic's GAE); ``skip_ids`` as :func:`grpo_batch`'s. Sets ``config``'s log-prob
+    distribution to the records'."""
+    stage = "train-sao"
+    records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
+    records, already = _unseen(records, skip_ids, stage)
+    records, stale = _fresh(records, parent_version, config, stage)
+    lags = check_version_lags(records, parent_version, max_lag=config.accepted_lag(), stage=stage,
+                              dis="dis" in config.trust_masks())
+    scored = _use_distribution(config, sampled_distribution(records, stage))
+    _validated(config)
+    usable, excluded = usable_records(records, need_reward=True)
+    if not usable:
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {excluded})", stale)
+    examples = [train_example(r, 0.0, reward=float(r["reward"]), domain=r.get("domain", "")) for r in usable]
+    rewards = np.array([e.reward for e in examples])
+    failed = failure_counts(records)
+    return UpdateBatch(
+        len(records), examples, excluded,
+        step_metrics={"train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
+                      "train/records": len(examples), "train/excluded_nan_reward": excluded["nan_reward"],
+                      "train/excluded_status": excluded["status"], "train/policy_version": parent_version + 1,
+                      "train/already_trained": already, **_lag_metrics(lags), **stale,
+                      **{f"train/failed/{reason}": count for reason, count in failed.items()}},
+        stage_extra={"excluded": excluded, "version_lags": lags, "log_prob_distribution": scored, "failed": failed,
+                     "stale_dropped": int(stale.get("train/stale_dropped", 0))},
+        summary={"reward_mean": float(rewards.mean()), "version_lags": lags},
+    )
+
+
+def sao_trainer(config: SAOConfig, critic: CriticVersions, *, pad_token_id: int, options: RunOptions):
+    """``build(model, backend, session)`` of the SAO trainer: the policy's, and the critic set up
+    from ``critic``'s parent on the same session."""
+    def build(model, backend, session):
+        dtype = "float32" if session.device.type == "cpu" else None
+        critic_model, critic_backend = critic.setup(session, dtype=dtype, deterministic_topk=options.deterministic_topk,
+                                                    attention=options.attention)
+        actor = PolicyTrainer(model, config, pad_token_id=pad_token_id, backend=backend)
+        return SAOTrainer(actor, CriticTrainer(critic_model, critic_backend, config, pad_token_id=pad_token_id))
+
+    return build
+
+
+def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, critic_root: Path, init_critic: bool,
+               stage_options: dict[str, Any]) -> dict[str, Any] | None:
+    """One SAO update on judged shards (:func:`sao_batch`): the policy's next version under the run's
+    root and the critic's under ``critic_root`` (:class:`~glmpost.rl.critic.CriticVersions`)."""
+    finished = CriticVersions.finish_interrupted(critic_root, run.plan.root.path)
+    if finished:
+        log(f"{critic_root}: published critic v{finished[-1]}, which an interrupted run had left staged")
+    if run.done:
+        return {**_skipped(run), "critic": str(critic_root)}
+    run.check_staging()
+    tokenizer, revision = load_tokenizer(run.parent)
+    batch = sao_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision)
+    critic = CriticVersions(critic_root, policy=run.parent, version=run.plan.version, groups=config.critic_groups(),
+                            optimizer=config.critic_optimizer(), init=init_critic, seed=config.seed)
+    build = sao_trainer(config, critic, pad_token_id=tokenizer.pad_token_id, options=run.options)
+    job = TrainingJob("train-sao", config, batch.examples, build, step_metrics=batch.step_metrics,
+                      manifest_extra={"records": batch.records, "trained_records": len(batch.examples),
+                                      "critic": str(critic.root.version_dir(critic.version))},
+                      stage_extra={**batch.stage_extra, "critic_parent": str(critic.parent)}, companion=critic)
+    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    if result is None:
+        return None
+    last = result.history[-1] if result.history else {}
+    return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary,
+            "critic": str(critic.parent), "value_loss": last.get("sao/value_loss"),
+            "explained_variance": last.get("sao/explained_variance"),
+            "critic_steps": config.critic_steps, "critic_optimizer_steps": last.get("sao/critic_optimizer_steps"),
+            "actor_optimizer_steps": last.get("sao/actor_optimizer_steps")}
 
 
 def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
