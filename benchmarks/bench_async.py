@@ -46,14 +46,15 @@ def glmpost(*args, log: Path) -> None:
         subprocess.run([*GLMPOST, *map(str, args)], check=True, stdout=subprocess.DEVNULL, stderr=err, env=ENV)
 
 
-def warm_start(work: Path, log: Path) -> Path:
+def warm_start(work: Path, log: Path, *, demos: Path = ROOT / "recipes/data/calc-demo.jsonl", recipe: Path = RECIPE) -> Path:
+    """The tiny model (init-model seed 0) after ``recipe``'s [qat] SFT on ``demos``, made once under ``work``."""
     model, demo, sft = work / "model", work / "demo", work / "sft"
     if not (model / "config.json").is_file():
         glmpost("init-model", "--out", model, "--seed", "0", log=log)
     if not demo.is_dir():
-        glmpost("shards", "import", ROOT / "recipes/data/calc-demo.jsonl", "--checkpoint", model, "--out", demo, log=log)
+        glmpost("shards", "import", demos, "--checkpoint", model, "--out", demo, log=log)
     if not (sft / "LATEST").is_file():
-        glmpost("qat", demo, "--config", RECIPE, "--checkpoint", model, "--out", sft, log=log)
+        glmpost("qat", demo, "--config", recipe, "--checkpoint", model, "--out", sft, log=log)
     return sft
 
 

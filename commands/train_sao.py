@@ -20,7 +20,8 @@ it; --init-critic makes it from --checkpoint when ROOT holds no version). The po
 v(N+1) goes under --out and the critic trained with it under ROOT as v(N+1), each with LATEST,
 stage.json (the critic's lists its frozen tensors), its optimizer state and metrics.jsonl. A critic
 of another architecture or tokenizer is refused. --save-every / --resume / --overwrite, --follow
-and DeepSpeed ZeRO (both models, under `deepspeed` or `torchrun`) work as in train-grpo. Metrics
+and DeepSpeed ZeRO (both models, under `deepspeed` or `torchrun`; a --deepspeed file's optimizer serves the critic
+with --critic-lr, --critic-weight-decay and --critic-grad-clip) work as in train-grpo. Metrics
 per step: sao/value_loss (after K - 1 critic steps; sao/value_loss_first before them),
 sao/explained_variance, sao/advantage_mean/std, sao/return_mean/std, sao/value_mean,
 sao/critic_optimizer_steps and sao/actor_optimizer_steps (counted by the optimizers), sao/critic_s

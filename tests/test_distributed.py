@@ -28,6 +28,17 @@ def test_user_file_wins_and_zero_stage_flag_overrides_it(tmp_path):
     assert ds["gradient_clipping"] == 2.0 and ds["managed_gradient_accumulation"] is False
 
 
+def test_a_second_models_own_optimizer_settings_win_over_the_file(tmp_path):
+    from glmpost.rl.sao import SAOConfig
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "eps": 1e-8}}, "gradient_clipping": 2.0}))
+    critic = SAOConfig(critic_lr=3e-5, critic_grad_clip=0.5).critic_optimizer()
+    ds = deepspeed_config(critic, zero_stage=3, path=path, own_optimizer=True)
+    assert ds["optimizer"]["params"] == {"lr": 3e-5, "eps": 1e-8, "weight_decay": 0.0} and ds["gradient_clipping"] == 0.5
+    assert deepspeed_config(critic, zero_stage=3, path=path)["optimizer"]["params"]["lr"] == 1e-6  # the policy's: the file's
+
+
 def test_bad_configs_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="no such file"):
         deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "missing.json")

@@ -241,7 +241,7 @@ class CriticVersions:
         """The parent critic on this rank's device with its groups frozen, and its optimisation backend."""
         self.model = load_critic(self.parent, device=session.device, dtype=dtype, **load)
         self.frozen = freeze_critic(self.model, self.groups)
-        self.backend = session.backend(self.model, self.optimizer_config)
+        self.backend = session.backend(self.model, self.optimizer_config, own_optimizer=True)
         return self.model, self.backend
 
     def load_optimizer(self) -> None:

@@ -219,8 +219,9 @@ class DeepSpeedBackend:
         return int(client["step"]), list(client["history"])
 
 
-def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None) -> dict:
-    """The DeepSpeed config: the user's file if given, completed with the trainer's settings."""
+def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, own_optimizer: bool = False) -> dict:
+    """The DeepSpeed config: the user's file if given, completed with the trainer's settings
+    (``own_optimizer``: ``config``'s learning rate, weight decay and clipping win over the file's)."""
     ds: dict[str, Any] = {}
     if path is not None:
         try:
@@ -253,6 +254,9 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None) 
         },
     )
     ds.setdefault("steps_per_print", 10**9)
+    if own_optimizer:
+        ds["optimizer"].setdefault("params", {}).update(lr=config.lr, weight_decay=config.weight_decay)
+        ds["gradient_clipping"] = config.grad_clip
     return ds
 
 
@@ -308,10 +312,12 @@ class TrainingSession:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def backend(self, model: torch.nn.Module, config: Any):
+    def backend(self, model: torch.nn.Module, config: Any, *, own_optimizer: bool = False):
+        """The optimisation backend of ``model``; ``own_optimizer``: a second model's (SAO's critic),
+        whose learning rate, weight decay and clipping are ``config``'s whatever a --deepspeed file says."""
         if not self.use_deepspeed:
             return LocalBackend(model, config)
-        ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path)
+        ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path, own_optimizer=own_optimizer)
         return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank)
 
     def barrier(self) -> None:
