@@ -7,7 +7,7 @@ trajectories and train one update per iteration with ``tiny-sao.toml``'s [train-
 settings (lr, epochs, mini-batches, micro-batch size; ``--grpo-lr`` sets GRPO's apart), each stage a
 process, in turn:
 
-* ``sao``: ``rollout`` of the 64 ``kv-train`` prompts with group size 1 -> ``judge`` -> ``train-sao``
+* ``sao``: ``rollout`` of 64 ``kv-train`` prompts (the next 64 each iteration) with group size 1 -> ``judge`` -> ``train-sao``
   (the critic made from the warm start by ``--init-critic``; K = 2 critic steps per policy step);
 * ``grpo``: ``rollout`` of 8 ``kv-train`` prompts (the next 8 each iteration) x group 8 -> ``judge`` ->
   ``train-grpo --trust-mask dis`` (the group baseline; DIS as SAO's).
@@ -72,12 +72,10 @@ def run_side(side: str, args, sft: Path, work: Path, log: Path, *, seed: int) ->
         checkpoint = policy if (policy / "LATEST").is_file() else sft
         it = work / f"it{i}"
         it.mkdir()
-        if side == "sao":
-            source, group = DATA / "kv-train.jsonl", 1
-        else:  # the same 64 trajectories per iteration: 8 prompts x group 8, the next 8 prompts each time
-            source, group = it / "prompts.jsonl", 8
-            chosen = [prompts[(8 * (i - 1) + k) % len(prompts)] for k in range(8)]
-            source.write_text("\n".join(chosen) + "\n")
+        # The same 64 trajectories per iteration: SAO 64 prompts x 1, GRPO 8 prompts x group 8, the next ones each time.
+        width, group = (64, 1) if side == "sao" else (8, 8)
+        source = it / "prompts.jsonl"
+        source.write_text("\n".join(prompts[(width * (i - 1) + k) % len(prompts)] for k in range(width)) + "\n")
         glmpost("rollout", source, "--config", RECIPE, "--checkpoint", checkpoint, "--out", it / "rollout",
                 "--group-size", group, "--seed", seed + i - 1, log=log)
         glmpost("judge", it / "rollout", "--config", RECIPE, "--checkpoint", checkpoint, "--out", it / "judged", log=log)

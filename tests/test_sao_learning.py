@@ -1,6 +1,6 @@
 """SAO learns a multi-step task with group size 1: after a weak SFT warm start, three rollout -> judge ->
 train-sao iterations in the kv-lookup environment (recipes/tiny-sao.toml: two chained look-ups, then the
-answer) raise the held-out reward.
+answer) raise the held-out reward, each iteration on 64 prompts it has not seen.
 
 The real CLI stages run in this process (the ``glmpost_cli`` fixture); every trajectory is its own
 group (``group-size = 1``), so the baseline comes from the critic alone (made from the warm start by
@@ -54,7 +54,8 @@ def test_sao_iterations_with_group_size_one_raise_the_held_out_kv_lookup_reward(
     policy, critic, sampled, explained = tmp_path / "policy", tmp_path / "critic", [], []
     for i in range(1, ITERATIONS + 1):
         checkpoint = policy if (policy / "LATEST").exists() else sft
-        sampled.append(env_reward(run, DATA / "kv-train.jsonl", checkpoint, tmp_path / f"rollout-{i}", "--seed", i))
+        sampled.append(env_reward(run, DATA / "kv-train.jsonl", checkpoint, tmp_path / f"rollout-{i}", "--seed", i,
+                                  "--num-shards", ITERATIONS, "--shard-index", i - 1))  # 64 fresh prompts each time
         judged = run("judge", tmp_path / f"rollout-{i}", "--config", RECIPE, "--checkpoint", checkpoint,
                      "--out", tmp_path / f"judged-{i}")
         assert judged.exit_code == 0, judged.stderr
