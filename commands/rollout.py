@@ -21,7 +21,7 @@ for --engine local) and sampling.log_prob_kind, what rollout_log_probs are log-p
 --server-log-prob-kind, or with auto the kind the server reports (`glmpost serve` does), else the
 kind a probe of four 1-token requests finds.
 
---env NAME runs multi-turn (agentic) trajectories against an environment (calculator, kv-lookup,
+--env NAME runs multi-turn (agentic) trajectories against an environment (calculator, kv-lookup, kv-recall,
 latency, or package.module:Class with reset(task) and step(action); --env-options is a JSON object
 of its keyword arguments). Turn after turn the model's exact ids are the action (ending with the
 turn marker it emitted, which is trained) and the environment's answer is rendered once with the
@@ -41,6 +41,18 @@ last turn and its observation added. --refill-rounds N resamples the failed samp
 aborted) of every group whose valid samples are more than half of it, up to N rounds (GLM-5's rule;
 groups with half or fewer are left to the trainer, which drops them): a refill takes the prompt's
 next sample index, records extra.refill {replaces, round}, and the failed sample stays recorded.
+
+--compaction summary (with --env; CompactionRL) bounds every turn's context by --context-budget C:
+when C - |h| < --compaction-threshold T_comp (or the next turn could overflow C), the last
+observation is followed by --summary-prompt as a user turn and the policy writes a summary (a
+segment of kind summary: action tokens, trained with the trajectory's final reward; cut at
+--max-summary-tokens and recorded truncated); the trajectory goes on in a rebuilt context: the
+prompt's own turns, --resume-template holding the summary's exact ids, and the newest --keep-last
+action-observation pairs. Each later window's first segment records its context as exact ids, so
+the trainer scores every token on precisely what the engine saw; the copied pairs are context,
+never trained twice. --compaction drop rebuilds without a summary (the baseline); without
+compaction a trajectory that would overflow --context-budget ends truncated. extra.compaction
+records the windows, each summary and the peak context (formats/SPEC.md §5).
 
 --follow SPOOL makes it a long-running producer of asynchronous RL: round after round (round r at
 --seed + r, so trajectory ids never repeat) it publishes each part into the spool the moment its
@@ -107,6 +119,13 @@ def rollout(
     env_timeout: float = option(RolloutConfig, "env_timeout"),
     env_workers: int = option(RolloutConfig, "env_workers"),
     refill_rounds: int = option(RolloutConfig, "refill_rounds"),
+    compaction: str = option(RolloutConfig, "compaction"),
+    context_budget: Optional[int] = option(RolloutConfig, "context_budget"),
+    compaction_threshold: Optional[int] = option(RolloutConfig, "compaction_threshold"),
+    keep_last: int = option(RolloutConfig, "keep_last"),
+    summary_prompt: str = option(RolloutConfig, "summary_prompt"),
+    resume_template: str = option(RolloutConfig, "resume_template"),
+    max_summary_tokens: int = option(RolloutConfig, "max_summary_tokens"),
     zstd_level: int = option(RolloutConfig, "zstd_level"),
     overwrite: bool = option(RolloutConfig, "overwrite"),
     as_json: bool = json_option(),

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from glmpost.commands.common import print_summary
 from glmpost.errors import UsageError
-from glmpost.formats import FIELDS, ShardReader, record_to_json, resolve_shard_paths
+from glmpost.formats import FIELDS, ShardReader, compactions, record_to_json, resolve_shard_paths
 
 app = typer.Typer(
     name="shards",
@@ -64,6 +64,9 @@ class DatasetStats:
     rewards: list = field(default_factory=list)
     policy_version_min: Optional[int] = None
     policy_version_max: Optional[int] = None
+    compactions: Counter = field(default_factory=Counter)  # compactions per trajectory -> records
+    summary_tokens: int = 0
+    peak_contexts: list = field(default_factory=list)
 
     def add_shard(self, reader: ShardReader) -> None:
         self.shards += 1
@@ -93,6 +96,30 @@ class DatasetStats:
             low, high = int(versions.min()), int(versions.max())
             self.policy_version_min = low if self.policy_version_min is None else min(low, self.policy_version_min)
             self.policy_version_max = high if self.policy_version_max is None else max(high, self.policy_version_max)
+        self.add_compaction(record)
+
+    def add_compaction(self, record: dict[str, Any]) -> None:
+        """Context windows and summaries, from the record's segments (CompactionRL, schema version 2);
+        ``extra.compaction.peak_context`` where the rollout recorded it."""
+        self.compactions[compactions(record)] += 1
+        self.summary_tokens += sum(seg["end"] - seg["start"] for seg in record.get("segments") or () if seg["kind"] == "summary")
+        compaction = (record.get("extra") or {}).get("compaction")
+        peak = compaction.get("peak_context") if isinstance(compaction, dict) else None
+        if isinstance(peak, (int, float)) and not isinstance(peak, bool):
+            self.peak_contexts.append(peak)
+
+    def compaction_summary(self) -> dict[str, Any]:
+        histogram = dict(sorted(self.compactions.items()))
+        peak = None
+        if self.peak_contexts:
+            peak = {"n": len(self.peak_contexts), "mean": float(np.mean(self.peak_contexts)), "max": max(self.peak_contexts)}
+        return {
+            "compacted": sum(n for count, n in histogram.items() if count),
+            "compactions": sum(count * n for count, n in histogram.items()),
+            "per_trajectory": {str(count): n for count, n in histogram.items()},
+            "summary_tokens": self.summary_tokens,
+            "peak_context": peak,
+        }
 
     def reward_summary(self) -> Optional[dict[str, Any]]:
         if not self.rewards:
@@ -120,6 +147,7 @@ class DatasetStats:
             "policy_versions": versions,
             "tokenizer_revisions": sorted(self.tokenizer_revisions),
             "stages": dict(sorted(self.stages.items())),
+            "compaction": self.compaction_summary(),
         }
 
 
@@ -146,7 +174,21 @@ def _human_inspect(stats: dict[str, Any]) -> str:
         lines.append(line)
     if stats["policy_versions"] is not None:
         lines.append(f"  policy versions: {stats['policy_versions']['min']}..{stats['policy_versions']['max']}")
+    if stats["compaction"]["compacted"]:
+        lines.append(_human_compaction(stats["compaction"], n))
     return "\n".join(lines)
+
+
+def _human_compaction(compaction: dict[str, Any], n: int) -> str:
+    histogram = ", ".join(f"{count}: {records}" for count, records in compaction["per_trajectory"].items())
+    line = (
+        f"  compaction:  {compaction['compacted']}/{n} records compacted, {compaction['compactions']} compactions; "
+        f"compactions per trajectory {{{histogram}}}; summary tokens {compaction['summary_tokens']}"
+    )
+    peak = compaction["peak_context"]
+    if peak is not None:
+        line += f"; peak context mean {peak['mean']:.4g}, max {peak['max']}"
+    return line
 
 
 def _counts(counter: dict[str, int]) -> str:
@@ -161,8 +203,9 @@ def inspect(
     """Summarise each PATH as a dataset: shards, records, fields present, token counts
     (prompt/response/action/observation; for multi-turn records the action tokens naive
     re-tokenization would change), status counts, reward mean/std/min/max, policy-version
-    range of action tokens, tokenizer revisions and producing stages. Reads (and so verifies)
-    every record."""
+    range of action tokens, tokenizer revisions, producing stages and, where records were
+    compacted (rollout --compaction), compactions per trajectory, summary tokens and peak
+    context. Reads (and so verifies) every record."""
     datasets = []
     for item in paths:
         stats = DatasetStats(input=item)

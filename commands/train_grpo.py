@@ -8,6 +8,16 @@ tokens (--loss-denominator trusted: the survivors of a heavy mask are up-weighte
 action tokens (action), so it does not depend on the data-parallel split. Records with a NaN
 reward or a failed rollout are excluded and counted.
 
+Records that `rollout --compaction` compacted (CompactionRL) train as one example per context
+window, each scored on exactly the rebuilt context the engine saw (the pairs it copied are
+context, never trained twice; the policy's summaries are actions); every window takes the
+trajectory's advantage, times --segment-decay^N_later (N_later: the trajectory's trainable tokens
+in later windows; 1 = off). --loss-normalization token (CompactionRL's, the default) weighs every
+trusted token the same, so a trajectory compacted into more windows is not up-weighted; segment
+averages each window first. Metrics: compaction/* per step (trajectories compacted, compactions,
+segments, trainable tokens per segment, the factor's range) and one line per compacted segment
+(window, trainable tokens, N_later, factor) after the steps'.
+
 Every log-prob the trainer computes is of the distribution the records' rollout_log_probs are of
 (their sampling.log_prob_kind at their temperature, top-k and top-p: a top-k / top-p rollout is
 scored under the same truncated, renormalised distribution; SGLang's pre-filter log-probs under
@@ -75,6 +85,8 @@ def train_grpo(
     icepop: bool = option(GRPOConfig, 'icepop'),
     icepop_beta: float = option(GRPOConfig, 'icepop_beta'),
     loss_denominator: str = option(GRPOConfig, 'loss_denominator'),
+    loss_normalization: str = option(GRPOConfig, 'loss_normalization'),
+    segment_decay: float = option(GRPOConfig, 'segment_decay'),
     trust_mask: List[str] = option(GRPOConfig, 'trust_mask'),
     max_version_lag: int = option(GRPOConfig, 'max_version_lag'),
     max_staleness: Optional[int] = option(GRPOConfig, 'max_staleness'),

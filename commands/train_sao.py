@@ -15,6 +15,14 @@ attention (and the DSA indexer) stays frozen, only its MLP / MoE projections and
 --critic-train attention is the opt-out. Records with a NaN reward or a failed rollout are excluded
 and counted; records without a reward are refused (run `glmpost judge` first).
 
+Records that `rollout --compaction` compacted (CompactionRL) train as one example per context
+window, each scored on exactly the rebuilt context the engine saw: GAE runs within each window (the
+reward at its last action token, a summary's window ending with the summary), the policy's
+advantages of window s are then scaled by (gamma * lambda)^N_later (N_later: the trajectory's
+trainable tokens in later windows), and --loss-normalization token (the default) weighs every
+trusted token the same. Metrics: compaction/* per step and one line per compacted segment (window,
+trainable tokens, N_later, factor) after the steps'.
+
 --critic ROOT is the critic's checkpoint root (`glmpost init-critic --from POLICY --out ROOT` makes
 it; --init-critic makes it from --checkpoint when ROOT holds no version). The policy's new version
 v(N+1) goes under --out and the critic trained with it under ROOT as v(N+1), each with LATEST,
@@ -68,6 +76,7 @@ def train_sao(
     eps_high: float = option(SAOConfig, 'eps_high'),
     icepop_beta: float = option(SAOConfig, 'icepop_beta'),
     loss_denominator: str = option(SAOConfig, 'loss_denominator'),
+    loss_normalization: str = option(SAOConfig, 'loss_normalization'),
     trust_mask: List[str] = option(SAOConfig, 'trust_mask'),
     max_version_lag: int = option(SAOConfig, 'max_version_lag'),
     max_staleness: Optional[int] = option(SAOConfig, 'max_staleness'),

@@ -1,10 +1,12 @@
-"""Trajectory records and shards (schema v1; ``formats/SPEC.md`` is the normative byte-level spec).
+"""Trajectory records and shards (schema version 2; ``formats/SPEC.md`` is the normative byte-level spec).
 
-Records are plain dicts of Python values and numpy arrays (:mod:`glmpost.formats.schema`); shards
-are ``*.msgpack.zst`` files of records with a header and a checksummed footer, written by
-:mod:`glmpost.formats.shards` and read by :mod:`glmpost.formats.shard_reader`. Datasets of shards
-(files, directories, globs) are :mod:`glmpost.formats.datasets`; the JSON form of records is
-:mod:`glmpost.formats.json_form`.
+Records are plain dicts of Python values and numpy arrays (:mod:`glmpost.formats.schema`); a
+record's context windows (CompactionRL's rebuilt contexts, new in version 2) are
+:mod:`glmpost.formats.windows`. Shards are ``*.msgpack.zst`` files of records with a header and a
+checksummed footer, written by :mod:`glmpost.formats.shards` and read by
+:mod:`glmpost.formats.shard_reader` (writers write version 2; the reader also reads version 1).
+Datasets of shards (files, directories, globs) are :mod:`glmpost.formats.datasets`; the JSON form
+of records is :mod:`glmpost.formats.json_form`.
 """
 
 from glmpost.formats.datasets import iter_records, resolve_shard_paths, select_shards
@@ -34,6 +36,7 @@ from glmpost.formats.shards import (
     write_shard,
 )
 from glmpost.formats.synthetic import synthetic_record
+from glmpost.formats.windows import ContextWindow, compactions, context_windows, window_inputs, window_views
 
 __all__ = [
     "ARRAY_FIELDS",
@@ -46,12 +49,16 @@ __all__ = [
     "SEGMENT_KINDS",
     "SHARD_SUFFIX",
     "STATUSES",
+    "ContextWindow",
     "Field",
     "RecordError",
     "Shard",
     "ShardError",
     "ShardReader",
     "ShardWriter",
+    "compactions",
+    "context_windows",
+    "window_views",
     "iter_checked_records",
     "iter_records",
     "normalize_record",
@@ -64,5 +71,6 @@ __all__ = [
     "select_shards",
     "synthetic_record",
     "validate_record",
+    "window_inputs",
     "write_shard",
 ]

@@ -1,7 +1,8 @@
 """The JSON form of records (``formats/SPEC.md`` §10; ``glmpost shards cat``, ``glmpost shards import``).
 
-Schema arrays become (nested) lists and schema floats plain numbers, NaN as null. Inside
-free-form maps (task, sampling, extra, ...), values JSON cannot hold exactly are tagged:
+Schema arrays become (nested) lists and schema floats plain numbers, NaN as null; so does a
+segment's ``context`` (int32 ids, schema version 2), which comes back as int32. Inside free-form
+maps (task, sampling, extra, and segments' other keys), values JSON cannot hold exactly are tagged:
 {"$array": {"dtype", "shape", "data"}} (flat data, NaN as null), {"$float": "nan"|"inf"|"-inf"},
 {"$bytes": base64}. Single-key maps with these keys are therefore reserved.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from glmpost.formats.schema import FIELDS, RecordError, normalize_record, validate_record
+from glmpost.formats.windows import CONTEXT_KEY
 
 
 def record_to_json(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -29,9 +31,19 @@ def record_to_json(record: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = None if math.isnan(value) else value
         elif name == "rewards":
             out[name] = {k: None if math.isnan(v) else v for k, v in value.items()}
+        elif name == "segments":
+            out[name] = [_segment_to_json(seg) for seg in value]
         else:
             out[name] = _tag(value)
     return out
+
+
+def _segment_to_json(segment: Any) -> Any:
+    """A segment's ``context`` is a list of ids like a schema array (``record_from_json`` makes it
+    int32 again, as it does a tagged ``$array``); its other keys are tagged like free-form values."""
+    if not isinstance(segment, dict):
+        return _tag(segment)
+    return {k: v.tolist() if k == CONTEXT_KEY and isinstance(v, np.ndarray) else _tag(v) for k, v in segment.items()}
 
 
 def record_from_json(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,10 @@
-"""The trajectory record, schema version 1 (DESIGN.md §3; ``formats/SPEC.md`` is normative).
+"""The trajectory record, schema version 2 (DESIGN.md §3; ``formats/SPEC.md`` is normative).
 
 A record is a plain ``dict``; numeric arrays are numpy arrays of the exact dtype in :data:`FIELDS`.
 ``T`` = ``len(response_token_ids)``, ``P`` = ``len(prompt_token_ids)``, ``k`` = teacher top-k width.
+Version 2 adds context windows (CompactionRL, :mod:`glmpost.formats.windows`): a segment after the
+first may carry ``context``, the int32 ids its window was rebuilt from; version-1 records have none
+and read as they are.
 
 - :func:`normalize_record` converts what a stage hands over (Python lists, other int/float widths,
   numpy scalars) into the exact dtypes; it runs on the write path only.
@@ -23,11 +26,16 @@ from typing import Any
 import numpy as np
 
 from glmpost.errors import GlmpostError
+from glmpost.formats.windows import CONTEXT_KEY
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATUSES = ("completed", "truncated", "aborted", "env_error")
 SEGMENT_KINDS = ("action", "observation", "summary")
 SEGMENT_KEYS = ("start", "end", "kind", "turn")
+# Optional segment keys (schema version 2): ``context`` (windows.CONTEXT_KEY) opens a rebuilt
+# context window (int32 ids); ``role`` (str) says what a segment is for, e.g. "summary_request" on
+# the observation that asks for a summary.
+ROLE_KEY = "role"
 # When ``reward`` is NaN (the judge failed), ``reward_info[REWARD_FAILURE_KEY]`` says why.
 REWARD_FAILURE_KEY = "failure"
 # Log-probs may exceed 0 by this much (float32 rounding of log-softmax near probability 1).
@@ -78,7 +86,7 @@ FIELDS: dict[str, Field] = {
         _array("policy_versions", "int32", ("T",), ROLLOUT, False, "policy version per token"),
         Field("sampling", "map", ROLLOUT, doc="temperature, top_p, top_k, seed, max_new_tokens, engine, log_prob_kind"),
         Field("tokenizer_revision", "str", ROLLOUT, True, doc="digest of tokenizer files and chat template"),
-        Field("segments", "segments", ROLLOUT, doc="[{start, end, kind, turn}], in order, non-overlapping"),
+        Field("segments", "segments", ROLLOUT, doc="[{start, end, kind, turn[, context, role]}], in order, non-overlapping"),
         Field("status", "str", ROLLOUT, True, doc="one of " + ", ".join(STATUSES)),
         Field("rewards", "map", JUDGE, doc="reward components, str -> float"),
         Field("reward", "float", JUDGE, doc="scalarised reward; NaN = judge failed"),
@@ -130,9 +138,10 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
 
     Lists/tuples and numpy arrays of other integer or float widths become the schema dtype (integer
     values must fit int32; bool fields accept 0/1 integers); numpy scalars and strings become Python
-    ones; ``reward`` and ``rewards`` values become ``float``; segment bounds become ``int``. Anything
-    that cannot be converted without changing its meaning raises :class:`RecordError`. The input is
-    not modified. Call :func:`validate_record` on the result.
+    ones; ``reward`` and ``rewards`` values become ``float``; segment bounds become ``int`` and a
+    segment's ``context`` an int32 array. Anything that cannot be converted without changing its
+    meaning raises :class:`RecordError`. The input is not modified. Call :func:`validate_record` on
+    the result.
     """
     if not isinstance(record, Mapping):
         raise RecordError(f"a record must be a map, got {type(record).__name__}")
@@ -159,6 +168,7 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _to_array(name: str, value: Any, spec: Field) -> np.ndarray:
+    """``value`` as an array of ``spec.dtype``, converted only where no value changes."""
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as exc:
@@ -192,6 +202,10 @@ def _to_float(name: str, value: Any) -> Any:
     return value
 
 
+# A segment's ``context``: converted like a schema array field on the write path.
+_CONTEXT = Field(CONTEXT_KEY, "array", ROLLOUT, dtype=np.dtype("int32"), shape=("C",))
+
+
 def _to_segment(index: int, segment: Any) -> Any:
     if not isinstance(segment, Mapping):
         return segment
@@ -199,6 +213,8 @@ def _to_segment(index: int, segment: Any) -> Any:
     for key in ("start", "end", "turn"):
         if isinstance(out.get(key), np.integer):
             out[key] = int(out[key])
+    if CONTEXT_KEY in out:
+        out[CONTEXT_KEY] = _to_array(f"segments[{index}].{CONTEXT_KEY}", segment[CONTEXT_KEY], _CONTEXT)
     return out
 
 
@@ -239,7 +255,8 @@ _FREE_FORM_DTYPES = ("b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2",
 
 
 def validate_record(record: Mapping[str, Any]) -> None:
-    """Raise :class:`RecordError` unless ``record`` is an exact schema-v1 record (see SPEC.md §6)."""
+    """Raise :class:`RecordError` unless ``record`` is an exact schema-v2 record (see SPEC.md §6); a
+    version-1 record (no ``context`` segments) is one too."""
     if not isinstance(record, Mapping):
         raise RecordError(f"a record must be a map, got {type(record).__name__}")
     _check_keys(record)
@@ -258,7 +275,7 @@ def validate_record(record: Mapping[str, Any]) -> None:
     if "teacher_topk_log_probs" in record:
         _check_topk_log_probs(record["teacher_topk_log_probs"])
     if "segments" in record:
-        _check_segments(record["segments"], T)
+        _check_segments(record["segments"], T, action)
     if record["status"] not in STATUSES:
         raise RecordError(f"status {record['status']!r} is not one of {', '.join(STATUSES)}")
     _check_reward(record)
@@ -342,7 +359,7 @@ def _check_topk_log_probs(values: np.ndarray) -> None:
         )
 
 
-def _check_segments(segments: list, T: int) -> None:
+def _check_segments(segments: list, T: int, action: np.ndarray) -> None:
     previous_end = 0
     for i, seg in enumerate(segments):
         if not isinstance(seg, dict):
@@ -360,6 +377,30 @@ def _check_segments(segments: list, T: int) -> None:
         if start < previous_end:
             raise RecordError(f"segments[{i}]: starts at {start}, before the previous segment ends ({previous_end})")
         previous_end = end
+        if CONTEXT_KEY in seg:
+            _check_context(i, seg[CONTEXT_KEY])
+        if ROLE_KEY in seg and not isinstance(seg[ROLE_KEY], str):
+            raise RecordError(f"segments[{i}].{ROLE_KEY}: expected str, got {type(seg[ROLE_KEY]).__name__}")
+        if seg["kind"] == "summary" and not action[start:end].all():
+            token = start + int(np.flatnonzero(~action[start:end])[0])
+            raise RecordError(f"segments[{i}]: kind 'summary' but token {token} has action_mask 0 (a summary is the policy's)")
+
+
+def _check_context(index: int, context: Any) -> None:
+    """A window's rebuilt context: a non-empty int32 [C] array of token ids, never on segment 0."""
+    where = f"segments[{index}].{CONTEXT_KEY}"
+    if index == 0:
+        raise RecordError(f"{where}: the first segment cannot open a window (window 0's context is prompt_token_ids)")
+    if not isinstance(context, np.ndarray):
+        raise RecordError(f"{where}: expected a int32 array, got {type(context).__name__}")
+    if context.dtype != _CONTEXT.dtype:
+        raise RecordError(f"{where}: dtype {context.dtype}, expected int32")
+    if context.ndim != 1:
+        raise RecordError(f"{where}: {context.ndim}-D, expected shape [C]")
+    if context.size == 0:
+        raise RecordError(f"{where}: empty (a window's context holds at least one token)")
+    if context.min() < 0:
+        raise RecordError(f"{where}: negative token id {int(context.min())}")
 
 
 def _check_reward(record: Mapping[str, Any]) -> None:

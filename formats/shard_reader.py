@@ -3,8 +3,9 @@
 A reader streams the zstd frame and the msgpack objects in it, checks the header (SPEC.md §3),
 validates every record (§6) and, once the iteration completes, the footer's record count and
 checksum and the end of the frame; every refusal (§7) is a one-line :class:`ShardError` naming
-the file and the record. The constants, the ExtType 1 decoder and the writer are in
-:mod:`glmpost.formats.shards`.
+the file and the record. It reads schema versions 1 and 2 (§9): a version-1 record is a version-2
+record without context windows, so it is read as it is. The constants, the ExtType 1 decoder and
+the writer are in :mod:`glmpost.formats.shards`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from glmpost.formats.shards import (
     _checksum,
     _unpacker,
 )
+from glmpost.formats.windows import CONTEXT_KEY
 
 _READ_CHUNK = 1 << 18
 _MAX_HEADER = 64 << 20
@@ -203,6 +205,8 @@ class ShardReader:
     def _check_record(self, obj: Any, index: int) -> dict[str, Any]:
         try:
             validate_record(obj)
+            if self.header["schema_version"] == 1:
+                _check_version_1(obj)
         except RecordError as exc:
             record_id = obj.get("id") if isinstance(obj, dict) else None
             raise ShardError(self.path, str(exc), index, record_id) from None
@@ -237,6 +241,13 @@ class ShardReader:
             raise ShardError(self.path, "truncated shard: the zstd frame is cut short after the footer")
         if stream.trailing_bytes:
             raise ShardError(self.path, f"{stream.trailing_bytes} bytes after the end of the zstd frame")
+
+
+def _check_version_1(record: dict[str, Any]) -> None:
+    """A version-1 record has one context window: a segment ``context`` there would be misread."""
+    for i, seg in enumerate(record.get("segments") or ()):
+        if CONTEXT_KEY in seg:
+            raise RecordError(f"segments[{i}].{CONTEXT_KEY}: context windows need schema version 2, the header says 1")
 
 
 _DECODE_ERRORS = (msgpack.UnpackException, ValueError, zstandard.ZstdError, RecursionError)

@@ -2,13 +2,15 @@
 
 One zstd frame holding a stream of msgpack objects::
 
-    header  {"format": "glmpost-trajectories", "schema_version": 1, "stage", "options",
+    header  {"format": "glmpost-trajectories", "schema_version": 2, "stage", "options",
              "tokenizer_revision", "created", "glmpost_version"}
     record  (one msgpack map per trajectory, numeric arrays as ExtType 1)
     ...
     footer  {"footer": true, "records": N, "checksum": "crc32:%08x"}
 
 The checksum is ``zlib.crc32`` over the concatenated uncompressed bytes of the record objects.
+Writers always write the newest schema version (:data:`~glmpost.formats.schema.SCHEMA_VERSION`);
+the reader also reads version 1.
 Writers stream (memory does not grow with the shard) and publish atomically (temporary name, fsync,
 rename, fsync of the directory); readers stream and refuse anything short of a complete, valid
 shard with a one-line :class:`ShardError` naming the file and the record.

@@ -1,4 +1,4 @@
-"""Synthetic but realistic schema-v1 records, for tests and benchmarks.
+"""Synthetic but realistic records (one context window each: no compaction), for tests and benchmarks.
 
 Token ids are log-uniform over a GLM-sized vocabulary (small ids are common, as in real text),
 action log-probs are negative float32 values with most tokens near 0 and a long tail (as sampled

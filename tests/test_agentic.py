@@ -131,6 +131,8 @@ def test_trajectories_are_exact_ids_turn_after_turn(glmpost_cli, tiny_checkpoint
         assert (record["policy_versions"][observations] == -1).all() and (record["policy_versions"][actions] == 0).all()
         env = dict(record["extra"]["env"])
         assert isinstance(env.pop("retokenize_drift"), int)
+        # the longest context a turn was sampled on: everything before the last action, and the action
+        assert env.pop("peak_context") == len(record["prompt_token_ids"]) + len(ids)
         assert env == {"name": "test_agentic:Countdown", "reward": 1.0, "turns": 3, "malformed": 0,
                        "steps": [{"left": 2}, {"left": 1}, {"left": 0}]}
     for record in records:

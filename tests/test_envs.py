@@ -20,6 +20,8 @@ from glmpost.envs import (
     checked_step,
     kv_lookup_demos,
     kv_lookup_tasks,
+    kv_recall_demos,
+    kv_recall_tasks,
     resolve_environment,
 )
 from glmpost.envs.builtin import evaluate
@@ -101,6 +103,74 @@ def test_kv_lookup_demos_replay_to_the_full_reward_one_conversation_per_turn():
         assert [s.observation for s in steps[:-1]] == observations
 
 
+def test_kv_recall_asks_after_the_steps_and_rewards_the_value_shown_at_reset():
+    env = resolve_environment("kv-recall", {"tool_reward": 0.5})()
+    assert env.reset({"store": {"ab": "417", "cd": "902"}, "query": "cd", "answer": "902", "steps": 3}) == "ab=417 cd=902"
+    assert env.step(act("<next>")) == Step("step 1 of 3", 0.5, False, {"tool": "next", "ok": True})
+    lost = env.step(act("I remember cd"))
+    assert lost.info == {"malformed": True} and not lost.done and "<next> or <answer>VALUE</answer>" in lost.observation
+    assert env.step(act("going on <next></next>")).observation == "step 2 of 3"  # the malformed turn counted no step
+    assert env.step(act("<next>")) == Step("value of cd?", 0.5, False, {"tool": "next", "ok": True})
+    assert env.step(act("<next>")) == Step("value of cd?", 0.0, False, {"tool": "next", "ok": False})  # asked again
+    assert env.step(act("<answer> 902 </answer>")) == Step("", 1.0, True, {"answer": "902", "correct": True})
+    wrong = ENVIRONMENTS["kv-recall"]()
+    wrong.reset({"store": {"ab": "417"}, "query": "ab", "answer": "417", "steps": 1})
+    assert wrong.step(act("<next>")).observation == "value of ab?"
+    assert wrong.step(act("<answer>471</answer>")) == Step("", 0.0, True, {"answer": "471", "correct": False})
+    for task, message in [({"store": {"ab": "417"}, "answer": "417", "steps": 2}, "no 'query'"),
+                          ({"store": {"ab": "417"}, "query": "cd", "answer": "417", "steps": 2}, "holding its 'query'"),
+                          ({"store": {"ab": "417"}, "query": "ab", "answer": "417", "steps": 0}, "'steps' >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            ENVIRONMENTS["kv-recall"]().reset(task)
+
+
+def test_kv_recall_tasks_are_deterministic_and_answer_the_queried_key():
+    lines = kv_recall_tasks(30, seed=5, steps=3, keys=3)
+    assert lines == kv_recall_tasks(30, seed=5, steps=3, keys=3) != kv_recall_tasks(30, seed=6, steps=3, keys=3)
+    assert [line["id"] for line in lines[:2]] == ["recall-5-0", "recall-5-1"] and {line["domain"] for line in lines} == {"kv-recall"}
+    for line in lines:
+        task = line["task"]
+        assert task["answer"] == task["store"][task["query"]] and task["steps"] == 3 and len(task["store"]) == 3
+        assert all(len(key) == 2 and len(value) == 3 and value.isdigit() for key, value in task["store"].items())
+        assert task["answer"] not in line["prompt"] and "<next>" in line["prompt"] and "<answer>VALUE</answer>" in line["prompt"]
+        env = ENVIRONMENTS["kv-recall"]()
+        assert f"{task['query']}={task['answer']}" in env.reset(task).split(" ")
+        steps = [env.step(act("<next>")) for _ in range(3)]
+        assert [s.observation for s in steps] == ["step 1 of 3", "step 2 of 3", f"value of {task['query']}?"]
+        assert env.step(act(f"<answer>{task['answer']}</answer>")).reward == 1.0
+
+
+@pytest.mark.parametrize("keep_last", [0, 1, 2])
+def test_kv_recall_demos_replay_to_the_full_reward_and_resume_from_the_summary(keep_last):
+    lines = kv_recall_tasks(6, seed=3, steps=4, keys=1)
+    demos = kv_recall_demos(lines, summary_prompt="Summarize.", resume_template="Summary: {summary}", keep_last=keep_last)
+    assert len({d["id"] for d in demos}) == len(demos)
+    for position, line in enumerate(lines):
+        mine = {d["id"].removeprefix(line["id"] + "-"): d for d in demos if d["id"].startswith(line["id"] + "-")}
+        j = 1 + position % 3  # the compaction point: round robin over observations 1..3
+        assert set(mine) == {"step1", "step2", "step3", "step4", "answer", "summary"} | {
+            f"resumed-{name}" for name in ["step1", "step2", "step3", "step4", "answer"][j:]}
+        env = ENVIRONMENTS["kv-recall"]()
+        shown = env.reset(line["task"])
+        full = mine["answer"]["messages"]  # (a): the uncompacted trajectory
+        assert full[:2] == [{"role": "user", "content": line["prompt"]}, {"role": "observation", "content": shown}]
+        steps = [env.step(act(m["content"])) for m in full if m["role"] == "assistant"]
+        assert steps[-1] == Step("", 1.0, True, {"answer": line["task"]["answer"], "correct": True})
+        assert [s.observation for s in steps[:-1]] == [m["content"] for m in full[2:] if m["role"] == "observation"]
+        for i in range(1, 5):
+            step = mine[f"step{i}"]["messages"]
+            assert step[:-1] == full[: 2 * i] and step[-1] == {"role": "assistant", "content": "<next><|observation|>"}
+        summary = mine["summary"]["messages"]  # (b): the store text exactly as reset shows it
+        assert summary[:-1] == full[: 2 + 2 * j] + [{"role": "user", "content": "Summarize."}]
+        assert summary[-1] == {"role": "assistant", "content": shown}
+        for i in range(j, 5):  # (c): the prompt, the resume turn, the kept pairs, then the pairs since
+            name = f"step{i + 1}" if i < 4 else "answer"
+            resumed = mine[f"resumed-{name}"]["messages"]
+            assert resumed[:2] == [full[0], {"role": "user", "content": f"Summary: {summary[-1]['content']}"}]
+            kept = max(j - keep_last, 0)  # the first pair the rebuilt context keeps
+            assert resumed[2:-1] == full[2 + 2 * kept : 2 + 2 * i] and resumed[-1] == mine[name]["messages"][-1]
+
+
 def test_latency_delays_each_step_and_passes_the_inner_answer_through():
     env = resolve_environment("latency", {"inner": "calculator", "median_s": 0.02, "sigma": 0.0})()
     env.reset({"answer": "5"})
@@ -142,7 +212,7 @@ def user_module():
 
 def test_specs_that_are_no_environment_are_one_line_errors(user_module):
     cases = {
-        "calculater": "--env: unknown environment 'calculater' (built in: calculator, kv-lookup, latency;",
+        "calculater": "--env: unknown environment 'calculater' (built in: calculator, kv-lookup, kv-recall, latency;",
         f"{user_module}:Missing": f"--env: {user_module} has no attribute 'Missing'",
         f"{user_module}:NoStep": f"--env: {user_module}:NoStep is not an environment: it lacks step()",
         f"{user_module}:NeedsOption": f"--env: {user_module}:NeedsOption cannot be built with options {{}}",

@@ -1,4 +1,4 @@
-"""Record schema v1 and shard files: round trips, validation rules, every refusal of the reader."""
+"""Record schema v2 and shard files: round trips, validation rules, every refusal of the reader, version-1 shards."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from glmpost.errors import GlmpostError, UsageError
 from glmpost.formats import (
     DTYPE_CODES,
     FIELDS,
+    SCHEMA_VERSION,
     RecordError,
     ShardError,
     ShardReader,
@@ -31,7 +32,10 @@ from glmpost.formats import (
     resolve_shard_paths,
     select_shards,
     synthetic_record,
+    compactions,
+    context_windows,
     validate_record,
+    window_inputs,
     write_shard,
 )
 from glmpost.formats import schema, shards
@@ -61,6 +65,45 @@ def full_record(i: int = 0) -> dict[str, Any]:
         "scalar": np.array(3.25),
     }
     record["segments"][0]["context_token_ids"] = np.arange(5, dtype=np.int32)
+    return record
+
+
+# A compacted record (schema version 2): turn 0's action, the observation that asks for a summary,
+# the summary, then window 1 (its rebuilt context on the segment that opens it) and, with
+# windows=3, window 2 opening at turn 3's action. (start, end, kind, turn)
+COMPACTED_LAYOUT = [(0, 8, "action", 0), (8, 14, "observation", 0), (14, 20, "summary", 1),
+                    (20, 28, "action", 2), (28, 34, "observation", 2), (34, 40, "action", 3)]
+RESUME_IDS = np.array([151_000, 151_001], dtype=np.int32)
+
+
+def compacted_record(i: int = 0, *, windows: int = 2) -> dict[str, Any]:
+    """A valid record of ``windows`` context windows (2 or 3), T=40: each later window's context is
+    the prompt, a resume turn wrapping the summary and the last action-observation pair."""
+    record = make(i, response_len=40)
+    prompt, response = record["prompt_token_ids"], record["response_token_ids"]
+    segments = [{"start": a, "end": b, "kind": kind, "turn": turn} for a, b, kind, turn in COMPACTED_LAYOUT]
+    segments[1]["role"] = "summary_request"
+    for at, (a, b) in [(3, (0, 14)), (5, (20, 34))][: windows - 1]:  # the window's last action-observation pair
+        tail = response[a:b]
+        segments[at]["context"] = np.concatenate([prompt, RESUME_IDS, response[14:20], tail]).astype(np.int32)
+    action = np.zeros(40, dtype=bool)
+    for seg in segments:
+        action[seg["start"] : seg["end"]] = seg["kind"] in ("action", "summary")
+    record.update(
+        segments=segments,
+        action_mask=action,
+        observation_mask=~action,
+        rollout_log_probs=np.where(action, -0.25, np.nan).astype(np.float32),
+        policy_versions=np.where(action, 7, -1).astype(np.int32),
+        teacher_log_probs=np.where(action, -0.5, np.nan).astype(np.float32),
+    )
+    record["extra"] = {
+        "compaction": {
+            "mode": "summary", "budget": 64, "threshold": 48, "keep_last": 1, "windows": windows,
+            "summaries": [{"turn": 1, "window": 0, "tokens": 6, "truncated": False}],
+            "kept_pairs": [1] * (windows - 1), "peak_context": 30 + 10 * windows,
+        }
+    }
     return record
 
 
@@ -101,7 +144,7 @@ def one_line_naming(exc: pytest.ExceptionInfo, path: Path, *fragments: str) -> s
 def header(**over: Any) -> dict[str, Any]:
     base = {
         "format": "glmpost-trajectories",
-        "schema_version": 1,
+        "schema_version": 2,
         "stage": "test",
         "options": {},
         "tokenizer_revision": REV,
@@ -137,7 +180,7 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
     path = write_shard(tmp_path / "a.msgpack.zst", records, stage="rollout", options={"n": 3, "t": [1.0]}, tokenizer_revision=REV)
     shard = read_shard(path)
     assert shard.header["format"] == "glmpost-trajectories"
-    assert shard.header["schema_version"] == 1
+    assert shard.header["schema_version"] == SCHEMA_VERSION == 2
     assert shard.header["stage"] == "rollout"
     assert shard.header["options"] == {"n": 3, "t": [1.0]}
     assert shard.header["tokenizer_revision"] == REV
@@ -306,6 +349,136 @@ def test_require_fields_names_the_producing_stage() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Context windows (schema version 2, CompactionRL)
+
+
+def test_compacted_record_round_trips_bitwise(tmp_path: Path) -> None:
+    record = compacted_record()
+    validate_record(record)
+    path = write_shard(tmp_path / "c.msgpack.zst", [record, make(1)], stage="rollout", tokenizer_revision=REV)
+    shard = read_shard(path)
+    assert shard.header["schema_version"] == 2
+    got = shard.records[0]
+    assert_same(record, got)
+    context = got["segments"][3]["context"]
+    assert context.dtype == np.int32 and context.tobytes() == record["segments"][3]["context"].tobytes()
+    assert got["segments"][1]["role"] == "summary_request"
+    windows = context_windows(got)
+    assert [(w.index, w.start, w.end) for w in windows] == [(0, 0, 20), (1, 20, 40)]
+    assert windows[0].context.tobytes() == record["prompt_token_ids"].tobytes()
+    assert compactions(got) == 1 and compactions(shard.records[1]) == 0
+    ids, prompt_len = window_inputs(got, windows[1])
+    assert prompt_len == len(context) == 12 + 2 + 6 + 14
+    assert ids == context.tolist() + record["response_token_ids"][20:40].tolist()
+
+
+def test_three_windows_validate() -> None:
+    record = compacted_record(windows=3)
+    validate_record(record)
+    assert [w.start for w in context_windows(record)] == [0, 20, 34]
+
+
+def test_writer_converts_a_context_to_int32(tmp_path: Path) -> None:
+    record = compacted_record()
+    context = record["segments"][3]["context"]
+    record["segments"][3]["context"] = context.tolist()
+    second = compacted_record(1, windows=3)
+    second["segments"][5]["context"] = second["segments"][5]["context"].astype(np.int64)
+    path = write_shard(tmp_path / "c.msgpack.zst", [record, second], stage="rollout", tokenizer_revision=REV)
+    first, third = read_shard(path).records
+    assert first["segments"][3]["context"].dtype == np.int32 and first["segments"][3]["context"].tolist() == context.tolist()
+    assert third["segments"][5]["context"].dtype == np.int32
+    bad = compacted_record()
+    bad["segments"][3]["context"] = np.array([2**40], dtype=np.int64)
+    with pytest.raises(RecordError, match=r"segments\[3\]\.context': values outside the int32 range"):
+        normalize_record(bad)
+
+
+def _segment(index: int, key: str, value: Any):
+    def mutate(r: dict[str, Any]) -> None:
+        r["segments"][index][key] = value(r) if callable(value) else value
+
+    return mutate
+
+
+def _summary_over_observation(r: dict[str, Any]) -> None:
+    r["action_mask"][16] = False
+    r["rollout_log_probs"][16] = np.nan
+    r["teacher_log_probs"][16] = np.nan
+
+
+CONTEXT_VIOLATIONS = {
+    "context on segment 0": (
+        _segment(0, "context", np.arange(3, dtype=np.int32)),
+        "segments[0].context: the first segment cannot open a window (window 0's context is prompt_token_ids)",
+    ),
+    "context int64": (_segment(3, "context", lambda r: r["segments"][3]["context"].astype(np.int64)), "segments[3].context: dtype int64, expected int32"),
+    "context list": (_segment(3, "context", [1, 2]), "segments[3].context: expected a int32 array, got list"),
+    "context 2-D": (_segment(3, "context", np.ones((2, 2), dtype=np.int32)), "segments[3].context: 2-D, expected shape [C]"),
+    "context empty": (_segment(3, "context", np.zeros(0, dtype=np.int32)), "segments[3].context: empty"),
+    "context negative id": (_segment(3, "context", np.array([5, -2, 7], dtype=np.int32)), "segments[3].context: negative token id -2"),
+    "role not str": (_segment(1, "role", 1), "segments[1].role: expected str, got int"),
+    "summary not action": (_summary_over_observation, "segments[2]: kind 'summary' but token 16 has action_mask 0"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTEXT_VIOLATIONS))
+def test_validate_refuses_bad_windows(name: str) -> None:
+    mutate, fragment = CONTEXT_VIOLATIONS[name]
+    record = compacted_record()
+    validate_record(record)
+    mutate(record)
+    with pytest.raises(RecordError) as exc:
+        validate_record(record)
+    assert fragment in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_any_role_is_allowed_and_other_kinds_keep_their_conventions() -> None:
+    record = compacted_record()
+    record["segments"][4]["role"] = "tool_result"
+    record["action_mask"][30] = True  # an action token inside an observation segment: not this rule's business
+    record["observation_mask"][30] = False
+    record["rollout_log_probs"][30] = record["teacher_log_probs"][30] = -1.0
+    validate_record(record)
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda r: r["segments"][3].update(context=r["segments"][3]["context"].astype(np.int64)), "segments[3].context: dtype int64, expected int32"),
+        (lambda r: r["segments"][3].update(context=np.array([1, -1, 2], dtype=np.int32)), "segments[3].context: negative token id -1"),
+        (lambda r: r["segments"][0].update(context=np.array([1], dtype=np.int32)), "segments[0].context: the first segment cannot open a window"),
+    ],
+)
+def test_reader_refuses_a_bad_context_in_the_file(tmp_path: Path, mutate, fragment: str) -> None:
+    record = normalize_record(compacted_record())
+    mutate(record)
+    path = raw_shard(tmp_path / "ctx.msgpack.zst", [normalize_record(make(1)), record])
+    with pytest.raises(ShardError) as exc:
+        list(ShardReader(path))
+    one_line_naming(exc, path, "record 1 (id 'traj-00000000')", fragment)
+
+
+def test_reads_a_version_1_shard_as_it_is(tmp_path: Path) -> None:
+    records = [normalize_record(full_record(0)), normalize_record(make(1))]
+    path = write_raw(tmp_path / "v1.msgpack.zst", [header(schema_version=1), *records, footer(records)])
+    shard = read_shard(path)
+    assert shard.header["schema_version"] == 1
+    for a, b in zip(records, shard.records):
+        assert_same(a, b)
+    assert [len(context_windows(r)) for r in shard.records] == [1, 1]
+
+
+def test_refuses_a_context_in_a_version_1_shard(tmp_path: Path) -> None:
+    records = [normalize_record(compacted_record())]
+    path = write_raw(tmp_path / "v1ctx.msgpack.zst", [header(schema_version=1), *records, footer(records)])
+    with pytest.raises(ShardError) as exc:
+        list(ShardReader(path))
+    one_line_naming(exc, path, "record 0", "segments[3].context: context windows need schema version 2, the header says 1")
+
+
+# ---------------------------------------------------------------------------------------------
 # JSON form
 
 
@@ -313,6 +486,22 @@ def test_json_round_trip_is_exact() -> None:
     for record in [full_record(0), make(1), make(2, response_len=0)]:
         text = json.dumps(record_to_json(record), allow_nan=False)
         assert_same(record, record_from_json(json.loads(text)))
+
+
+def test_json_round_trip_keeps_context_windows() -> None:
+    record = compacted_record(windows=3)
+    obj = json.loads(json.dumps(record_to_json(record), allow_nan=False))
+    assert obj["segments"][3]["context"] == record["segments"][3]["context"].tolist()
+    assert obj["segments"][1]["role"] == "summary_request"
+    back = record_from_json(obj)
+    assert_same(record, back)
+    assert back["segments"][3]["context"].dtype == np.int32 and back["segments"][5]["context"].dtype == np.int32
+    # A tagged array of another integer width (hand-written JSON) is accepted and becomes int32.
+    obj["segments"][3]["context"] = {"$array": {"dtype": "int64", "shape": [3], "data": [4, 5, 6]}}
+    assert record_from_json(obj)["segments"][3]["context"].dtype == np.int32
+    obj["segments"][3]["context"] = [4, -5]
+    with pytest.raises(RecordError, match=r"segments\[3\]\.context: negative token id -5"):
+        record_from_json(obj)
 
 
 def test_json_form_uses_lists_and_null() -> None:
@@ -435,10 +624,10 @@ def test_refuses_an_empty_file_and_a_directory(tmp_path: Path) -> None:
 
 
 def test_refuses_a_newer_schema_version(tmp_path: Path) -> None:
-    path = write_raw(tmp_path / "v2.msgpack.zst", [header(schema_version=2), footer([])])
+    path = write_raw(tmp_path / "v3.msgpack.zst", [header(schema_version=3), footer([])])
     with pytest.raises(ShardError) as exc:
         ShardReader(path)
-    one_line_naming(exc, path, "written by a newer glmpost: schema version 2 > 1")
+    one_line_naming(exc, path, "written by a newer glmpost: schema version 3 > 2 (upgrade glmpost)")
 
 
 def test_refuses_a_header_without_stage(tmp_path: Path) -> None:

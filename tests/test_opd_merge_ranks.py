@@ -42,7 +42,10 @@ def test_two_zero3_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     ranks, one = json.loads(result.stdout.strip().splitlines()[-1]), json.loads(single.stdout)
     assert ranks["world_size"] == 2 and one["world_size"] == 1 and ranks["steps"] == one["steps"] == 2
-    assert ranks["teacher_kl"]["count"] == pytest.approx(one["teacher_kl"]["count"], rel=1e-6)
+    # a mean of (student - teacher) log-prob differences of ~1e-3: the ranks' old log-probs come from
+    # other micro-batch layouts (float32 rounding ~1e-7 a token), so the agreement is absolute, not
+    # relative (measured on AMD EPYC: 5e-9 apart, 1.3e-6 relative)
+    assert ranks["teacher_kl"]["count"] == pytest.approx(one["teacher_kl"]["count"], rel=1e-6, abs=1e-7)
     before = load_file(tiny_checkpoint / "model.safetensors")
     a = load_file(tmp_path / "single" / "v000001" / "model.safetensors")
     b = load_file(tmp_path / "zero3" / "v000001" / "model.safetensors")

@@ -14,6 +14,7 @@ import pytest
 
 from glmpost.commands.app import main
 from glmpost.formats import read_shard, record_from_json, synthetic_record, write_shard
+from test_formats import compacted_record
 
 REV = "synthetic-tokenizer"
 GLMPOST = Path(sys.executable).with_name("glmpost")
@@ -82,6 +83,7 @@ def test_inspect_json(capsys, dataset: Path) -> None:
     assert stats["policy_versions"] == {"min": int(versions.min()), "max": int(versions.max())}
     assert stats["tokenizer_revisions"] == [REV]
     assert stats["stages"] == {"rollout": 3}
+    assert stats["compaction"] == {"compacted": 0, "compactions": 0, "per_trajectory": {"0": 12}, "summary_tokens": 0, "peak_context": None}
 
 
 def test_inspect_human_one_block_per_dataset(capsys, dataset: Path) -> None:
@@ -91,6 +93,36 @@ def test_inspect_human_one_block_per_dataset(capsys, dataset: Path) -> None:
     assert f"{dataset / 'shard-0.msgpack.zst'}: 1 shards, 4 records" in out
     assert "tokens:      prompt 120, response 360" in out
     assert "partly: rewards 6/12" in out
+    assert "compaction" not in out  # no record was compacted: the output is as before schema version 2
+
+
+@pytest.fixture
+def compacted(tmp_path: Path) -> Path:
+    """One shard: a record of 2 windows, one of 3 (one summary each), two without compaction."""
+    path = tmp_path / "compacted.msgpack.zst"
+    records = [compacted_record(0), synthetic_record(1, index=1, response_len=30), compacted_record(2, windows=3)]
+    records.append(synthetic_record(3, index=3, response_len=30))
+    write_shard(path, records, stage="rollout", tokenizer_revision=REV)
+    return path
+
+
+def test_inspect_shows_compaction(capsys, compacted: Path) -> None:
+    code, out, _ = run(capsys, "shards", "inspect", "--json", str(compacted))
+    assert code == 0
+    (stats,) = json.loads(out)["datasets"]
+    assert stats["compaction"] == {
+        "compacted": 2,
+        "compactions": 3,
+        "per_trajectory": {"0": 2, "1": 1, "2": 1},
+        "summary_tokens": 12,
+        "peak_context": {"n": 2, "mean": 55.0, "max": 60},
+    }
+    code, out, _ = run(capsys, "shards", "inspect", str(compacted))
+    assert code == 0
+    assert (
+        "  compaction:  2/4 records compacted, 3 compactions; compactions per trajectory {0: 2, 1: 1, 2: 1}; "
+        "summary tokens 12; peak context mean 55, max 60\n"
+    ) in out
 
 
 def test_verify_ok(capsys, dataset: Path) -> None:

@@ -14,6 +14,7 @@ import zstandard
 
 import glmpost.formats
 from glmpost.formats import ShardReader, normalize_record, shards, synthetic_record, write_shard
+from test_formats import compacted_record
 
 SPEC = Path(glmpost.formats.__file__).with_name("SPEC.md")
 REV = "synthetic-tokenizer"
@@ -78,6 +79,7 @@ def records() -> list[dict[str, Any]]:
     out[3]["teacher_topk_ids"] = out[3]["teacher_topk_ids"][:0]
     out[3]["teacher_topk_log_probs"] = out[3]["teacher_topk_log_probs"][:0]
     out[3]["segments"] = []
+    out.append(compacted_record(5, windows=3))  # schema version 2: segments carrying `context`, a `role`
     return out
 
 
@@ -88,10 +90,12 @@ def test_reference_reader_matches_shard_reader(tmp_path: Path, spec_read_shard, 
     reader = ShardReader(path)
     expected = list(reader)
     assert_identical(reader.header, header)
-    assert len(got) == len(expected) == 5
+    assert header["schema_version"] == 2
+    assert len(got) == len(expected) == 6
     for a, b in zip(expected, got):
         assert_identical(a, b)
     assert got[1]["teacher_topk_log_probs"].shape == (60, 4)
+    assert got[5]["segments"][3]["context"].dtype == np.int32 and got[5]["segments"][5]["context"].size
     assert np.isnan(got[0]["rollout_log_probs"]).any()
 
 
@@ -110,7 +114,7 @@ def test_reference_reader_refuses_truncated_and_corrupt_shards(tmp_path: Path, s
     # A valid zstd frame whose footer checksum does not match the records.
     packer = shards._packer()
     recs = [normalize_record(r) for r in records()]
-    head = packer.pack({"format": "glmpost-trajectories", "schema_version": 1})
+    head = packer.pack({"format": "glmpost-trajectories", "schema_version": 2})
     body = b"".join(packer.pack(r) for r in recs)
     foot = packer.pack({"footer": True, "records": len(recs), "checksum": "crc32:%08x" % (zlib.crc32(body) ^ 1)})
     path.write_bytes(zstandard.ZstdCompressor().compress(head + body + foot))
@@ -119,3 +123,23 @@ def test_reference_reader_refuses_truncated_and_corrupt_shards(tmp_path: Path, s
     path.write_bytes(zstandard.ZstdCompressor().compress(head + body))
     with pytest.raises(ValueError, match="truncated"):
         spec_read_shard(path)
+
+
+def test_reference_reader_reads_version_1_and_refuses_version_3(tmp_path: Path, spec_read_shard) -> None:
+    packer = shards._packer()
+    recs = [normalize_record(r) for r in records()[:5]]  # no context windows: a version-1 shard's records
+    body = b"".join(packer.pack(r) for r in recs)
+    foot = packer.pack({"footer": True, "records": len(recs), "checksum": "crc32:%08x" % zlib.crc32(body)})
+
+    def shard(version: int) -> Path:
+        head = packer.pack({"format": "glmpost-trajectories", "schema_version": version})
+        path = tmp_path / f"v{version}.msgpack.zst"
+        path.write_bytes(zstandard.ZstdCompressor().compress(head + body + foot))
+        return path
+
+    header, got = spec_read_shard(shard(1))
+    assert header["schema_version"] == 1 and len(got) == 5
+    for a, b in zip(recs, got):
+        assert_identical(a, b)
+    with pytest.raises(ValueError, match="not a version-1 or version-2 glmpost shard"):
+        spec_read_shard(shard(3))

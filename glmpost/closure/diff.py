@@ -41,6 +41,7 @@ from glmpost.closure.mismatch import (
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.formats import iter_checked_records
+from glmpost.formats.windows import window_views
 from glmpost.npu import resolve_device
 from glmpost.rollout.distribution import ScoredDistribution, scored_distribution
 from glmpost.rollout.engine import SamplingParams
@@ -190,8 +191,10 @@ def open_checkpoints(config: DiffConfig) -> tuple[Path, Path, Any, str]:
 
 
 def read_diff_records(inputs: list[str], revision: str, *, need_rollout: bool) -> tuple[list[dict[str, Any]], set[tuple], set[str]]:
-    """Every record of ``inputs`` (checked: fields, tokenizer ``revision``, ``sampling``), and the
-    distinct log-prob settings (kind, temperature, filter) and engines they name."""
+    """Every record of ``inputs`` (checked: fields, tokenizer ``revision``, ``sampling``), a record that
+    compaction split into context windows as one record per window (:func:`~glmpost.formats.windows.window_views`:
+    each scored on the context the engine saw), and the distinct log-prob settings (kind, temperature,
+    filter) and engines they name."""
     records, settings, engines = [], set(), set()
     require = ["rollout_log_probs", "sampling"] if need_rollout else []
     for record, where in iter_checked_records(inputs, revision=revision, stage=STAGE, require=require):
@@ -202,7 +205,7 @@ def read_diff_records(inputs: list[str], revision: str, *, need_rollout: bool) -
             raise GlmpostError(f"{where}: record {record['id']!r}: {exc}") from None
         settings.add((params.log_prob_kind, params.temperature, params.top_k, params.top_p))
         engines.add(str(sampling.get("engine", "unknown")))
-        records.append(record)
+        records.extend(window_views(record))  # a compacted record: each window on its own context
     if not records:
         raise GlmpostError(f"{STAGE}: {', '.join(map(str, inputs))}: no records")
     return records, settings, engines

@@ -212,7 +212,7 @@ def record_uniforms(record: dict[str, Any]) -> torch.Tensor:
         generator = torch.Generator().manual_seed(sequence_seed(params.seed, turn_key(key, turn)))
         return torch.rand(max(params.max_new_tokens, size), generator=generator, dtype=torch.float64)[:size]
 
-    turns = [s for s in record.get("segments") or [] if s.get("kind") == "action"]
+    turns = [s for s in record.get("segments") or [] if s.get("kind") in ("action", "summary")]
     if not any(int(s.get("turn", 0)) for s in turns):
         return stream(0, length)
     uniforms = torch.zeros(length, dtype=torch.float64)

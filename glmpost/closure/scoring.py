@@ -147,6 +147,15 @@ class TeacherPayload:
     topk_log_probs: np.ndarray | None = None  # float32 [T, k]
 
 
+def joined_payload(parts: list[TeacherPayload]) -> TeacherPayload:
+    """One record's payload from its context windows' payloads, in order (a record without
+    compaction: its one payload)."""
+    if len(parts) == 1:
+        return parts[0]
+    join = lambda name: None if getattr(parts[0], name) is None else np.concatenate([getattr(p, name) for p in parts])
+    return TeacherPayload(join("log_probs"), join("topk_ids"), join("topk_log_probs"))
+
+
 def payload_from_rows(log_probs, actions, topk_ids=None, topk_log_probs=None) -> TeacherPayload:
     """Teacher fields of one record from per-response-token rows; observations get no signal."""
     actions = np.asarray(actions, dtype=bool)

@@ -18,10 +18,10 @@ import numpy as np
 from tqdm import tqdm
 
 from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
-from glmpost.closure.scoring import TeacherPayload, payload_from_rows, score_records
+from glmpost.closure.scoring import TeacherPayload, joined_payload, payload_from_rows, score_records
 from glmpost.config import ConfigError, domain_assignment, setting, shared
 from glmpost.errors import GlmpostError
-from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards
+from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards, window_views
 from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
 from glmpost.rollout.distribution import ScoredDistribution
 from glmpost.rollout.engine import SamplingParams
@@ -238,15 +238,18 @@ class ScoreTeacherRun:
         payloads: list[Any] = [None] * len(records)
         for key in sorted(set(keys)):
             indices = [i for i, k in enumerate(keys) if k == key]
-            routed = [records[i] for i in indices]
+            # a compacted record is scored window by window, each on the context the student saw
+            windows = [window_views(records[i]) for i in indices]
+            routed = [view for views in windows for view in views]
             t = self.teachers[key]
             if c.engine == "local":
                 scored = score_records(t.model, routed, topk=self.topk, batch_size=c.batch_size, chunk_size=c.chunk_size,
                                        pad_token_id=t.pad_token_id)
             else:
                 scored = _score_remote(pool, routed, self.topk)
-            for i, p in zip(indices, scored):
-                payloads[i] = p
+            parts = iter(scored)
+            for i, views in zip(indices, windows):
+                payloads[i] = joined_payload([next(parts) for _ in views])
             progress.update(len(indices))
         return payloads
 

@@ -1,19 +1,26 @@
-"""Built-in environments, verifiable and fast on a CPU: ``calculator``, ``kv-lookup`` and ``latency``.
+"""Built-in environments, verifiable and fast on a CPU: ``calculator``, ``kv-lookup``, ``kv-recall`` and
+``latency``.
 
 Tool calls are tags in the model's text: ``<calc>EXPRESSION</calc>`` (calculator), ``<get>KEY</get>``
-(kv-lookup) and, in both, ``<answer>X</answer>`` to finish. A turn with neither is a malformed tool
-call: the observation says so and ``info["malformed"]`` counts it; the trajectory goes on.
+(kv-lookup), a bare ``<next>`` (kv-recall) and, in all, ``<answer>X</answer>`` to finish. A turn with
+neither is a malformed tool call: the observation says so and ``info["malformed"]`` counts it; the
+trajectory goes on.
 
 * ``calculator``: arithmetic the tiny model cannot do in its head (``task = {"expression", "answer"}``);
   the tool returns the exact value; reward 1 for the right answer.
 * ``kv-lookup``: a chain of look-ups in a small key-value store (``task = {"store", "start",
   "answer"}``): the value of ``start`` is the next key, and so on for ``hops`` look-ups, so the
   answer depends on earlier observations; reward 1 for the last value.
+* ``kv-recall``: a long horizon for CompactionRL (``task = {"store", "query", "answer", "steps"}``):
+  the store is shown once, by ``reset``; ``steps`` filler ``<next>`` calls later the question asks
+  the value of ``query``, so a fact seen first must survive every compaction of the context (in the
+  summary); reward 1 for that value.
 * ``latency``: any environment (``inner``) behind a long-tailed step latency, log-normal with median
   ``median_s`` and shape ``sigma``: what the asynchronous issue measures overlap against.
 
-:func:`calculator_tasks` and :func:`kv_lookup_tasks` write prompt lines for them (``glmpost rollout``'s
-prompt format: ``id``, ``prompt``, ``domain``, ``task``); :func:`kv_lookup_demos` their SFT demonstrations.
+:func:`calculator_tasks`, :func:`kv_lookup_tasks` and :func:`kv_recall_tasks` write prompt lines for them
+(``glmpost rollout``'s prompt format: ``id``, ``prompt``, ``domain``, ``task``); :func:`kv_lookup_demos` and
+:func:`kv_recall_demos` their SFT demonstrations.
 """
 
 from __future__ import annotations
@@ -83,18 +90,20 @@ def evaluate(expression: str, *, limit: int = 10**12) -> int:
 
 
 class ToolTask(abc.ABC):
-    """An environment with one tool called as ``<TOOL>ARGUMENT</TOOL>`` and a final ``<answer>``:
-    subclasses name the tool, the task keys they need and what a call returns (:meth:`call`).
-    ``tool_reward`` (default 0) is added for each well-formed tool call."""
+    """An environment with one tool called as ``<TOOL>ARGUMENT</TOOL>`` (or the bare tag ``<TOOL>``
+    when ``bare``: no argument) and a final ``<answer>``: subclasses name the tool, the task keys
+    they need and what a call returns (:meth:`call`). ``tool_reward`` (default 0) is added for each
+    well-formed tool call that succeeds."""
 
     tool = ""
     hint = ""
+    bare = False
     required: tuple[str, ...] = ("answer",)
 
     def __init__(self, tool_reward: float = 0.0):
         self.tool_reward = float(tool_reward)
         self.task: dict[str, Any] = {}
-        self.pattern = re.compile(rf"<{self.tool}>(.*?)</{self.tool}>", re.S)
+        self.pattern = re.compile(rf"<{self.tool}>()" if self.bare else rf"<{self.tool}>(.*?)</{self.tool}>", re.S)
 
     def reset(self, task: dict[str, Any]) -> str:
         missing = [key for key in self.required if key not in task]
@@ -208,6 +217,122 @@ def kv_lookup_demos(lines: list[dict[str, Any]], *, marker: str = "<|observation
             history += [{"role": "assistant", "content": call}, {"role": "observation", "content": keys[turn + 1]}]
         demos.append({"id": f"{line['id']}-answer", "messages": [*history, {"role": "assistant", "content": f"<answer>{keys[-1]}</answer>"}],
                       "domain": line["domain"], "task": task})
+    return demos
+
+
+# --------------------------------------------------------------------------------------------
+# kv-recall
+
+
+def store_text(store: dict[str, Any]) -> str:
+    """A store as kv-recall shows it (its reset observation, and the summary that keeps it): ``ab=417 cd=902``."""
+    return " ".join(f"{key}={value}" for key, value in store.items())
+
+
+def _recall_observation(task: dict[str, Any], calls: int) -> str:
+    """What the ``calls``-th ``<next>`` observes: ``step i of N`` before the ``steps``-th, then the question."""
+    steps = task["steps"]
+    return f"step {calls} of {steps}" if calls < steps else f"value of {task['query']}?"
+
+
+@ENVIRONMENTS.register("kv-recall")
+class KeyValueRecall(ToolTask):
+    """The store is shown once, as the reset observation; each ``<next>`` (no argument, no closing tag)
+    observes ``step i of N``, the ``N``-th the question ``value of KEY?`` (asked again by any later
+    ``<next>``, which earns no ``tool_reward``); ``<answer>X</answer>`` ends with reward 1 iff X is
+    the task's ``answer``."""
+
+    tool, hint, bare, required = "next", "<next> or <answer>VALUE</answer>", True, ("store", "query", "answer", "steps")
+
+    def __init__(self, tool_reward: float = 0.0):
+        super().__init__(tool_reward)
+        self.calls = 0  # <next> calls so far
+
+    def reset(self, task: dict[str, Any]) -> str:
+        super().reset(task)
+        store, steps = task["store"], task["steps"]
+        if not isinstance(store, dict) or task["query"] not in store:
+            raise ValueError("kv-recall task needs a 'store' map holding its 'query' key")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"kv-recall task needs 'steps' >= 1, got {steps!r}")
+        self.calls = 0
+        return store_text(store)
+
+    def call(self, argument: str) -> tuple[str, bool]:
+        self.calls += 1
+        return _recall_observation(self.task, self.calls), self.calls <= self.task["steps"]
+
+
+RECALL_PROMPT = "Remember it. Call <next> until asked, then <answer>VALUE</answer>."
+
+
+def kv_recall_tasks(count: int, *, seed: int = 0, steps: int = 4, keys: int = 1, digits: int = 3,
+                    letters: str = "abcdefgh") -> list[dict[str, Any]]:
+    """``count`` prompt lines: a store of ``keys`` two-letter keys of ``letters`` with ``digits``-digit
+    values (shown by the environment's reset only), ``steps`` ``<next>`` calls to the question, which
+    asks one of its keys. The prompt is short and the same for every task: a rebuilt context repeats
+    it. With one key of one letter (``letters="a"``) tasks differ in the value alone, so a model can
+    only succeed by carrying the value itself (nothing else predicts it)."""
+    names = ["".join(p) for p in itertools.product(letters, repeat=2)]
+    if steps < 1 or not 1 <= keys <= len(names) or digits < 1:
+        raise ValueError(f"steps and digits must be >= 1 and keys in 1..{len(names)}, got {steps}, {digits} and {keys}")
+    rng = random.Random(seed)
+    low = 10 ** (digits - 1) if digits > 1 else 0
+    lines = []
+    for index in range(count):
+        store = {key: str(rng.randrange(low, 10**digits)) for key in rng.sample(names, keys)}
+        query = rng.choice(sorted(store))
+        lines.append({"id": f"recall-{seed}-{index}", "domain": "kv-recall", "prompt": RECALL_PROMPT,
+                      "task": {"store": store, "query": query, "answer": store[query], "steps": steps}})
+    return lines
+
+
+def _flat(pairs: list[list[dict[str, str]]]) -> list[dict[str, str]]:
+    return [message for pair in pairs for message in pair]
+
+
+def _turn_demo(line: dict[str, Any], name: str, history: list[dict[str, str]], turn: str, marker: str) -> dict[str, Any]:
+    """One demonstration of ``line``: ``history`` then the trained assistant ``turn`` (a ``<next>``
+    call ends with ``marker``)."""
+    content = turn + marker if turn == "<next>" else turn
+    return {"id": f"{line['id']}-{name}", "messages": [*history, {"role": "assistant", "content": content}],
+            "domain": line["domain"], "task": line["task"]}
+
+
+def kv_recall_demos(lines: list[dict[str, Any]], *, summary_prompt: str, resume_template: str, keep_last: int = 1,
+                    marker: str = "<|observation|>") -> list[dict[str, Any]]:
+    """SFT demonstrations of :func:`kv_recall_tasks` lines, one conversation per trained turn (the
+    last), per task:
+
+    * ``ID-stepI`` / ``ID-answer``: each turn of the uncompacted trajectory (the prompt, the store as
+      the reset observation, then ``<next>`` / observation pairs; a ``<next>`` turn ends with ``marker``);
+    * ``ID-summary``: the summary turn after observation ``j`` (round robin over ``1..steps-1`` by the
+      line's position): the ``summary_prompt`` user turn answered by the store text, no marker;
+    * ``ID-resumed-stepI`` / ``ID-resumed-answer``: every later turn in the context rebuilt there once
+      (the prompt, ``resume_template.format(summary=...)``, the last ``keep_last`` pairs up to ``j``,
+      then the pairs since).
+    """
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    demos = []
+    for position, line in enumerate(lines):
+        task, summary = line["task"], store_text(line["task"]["store"])
+        steps = task["steps"]
+        turns = ["<next>"] * steps + [f"<answer>{task['answer']}</answer>"]  # turn i comes after pairs[:i]
+        names = [f"step{i}" for i in range(1, steps + 1)] + ["answer"]
+        pairs = [[{"role": "assistant", "content": "<next>"}, {"role": "observation", "content": _recall_observation(task, i)}]
+                 for i in range(1, steps + 1)]
+
+        prompt = {"role": "user", "content": line["prompt"]}
+        opening = [prompt, {"role": "observation", "content": summary}]
+        demos += [_turn_demo(line, name, opening + _flat(pairs[:i]), turn, marker)
+                  for i, (name, turn) in enumerate(zip(names, turns))]
+        j = 1 + position % max(steps - 1, 1)
+        asked = opening + _flat(pairs[:j]) + [{"role": "user", "content": summary_prompt}]
+        demos.append(_turn_demo(line, "summary", asked, summary, marker))
+        resumed = [prompt, {"role": "user", "content": resume_template.format(summary=summary)}]
+        demos += [_turn_demo(line, f"resumed-{names[i]}", resumed + _flat(pairs[max(j - keep_last, 0):i]), turns[i], marker)
+                  for i in range(j, steps + 1)]
     return demos
 
 

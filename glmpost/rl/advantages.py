@@ -9,6 +9,9 @@ micro-batch (none yet). The trainer uses the one ``config.advantage_estimator`` 
 Brief: GRPO's group advantage ("GRPO 在优化什么"), OPD's teacher log-ratio ("OPD：把教师变成逐 token
 优势"), the task advantage OPD may add ("OPD 和 RL 的关系") and SAO's skip-observation GAE over a
 critic's values (:func:`skip_observation_gae`; its estimator comes with ``train-sao``).
+
+Scalings apply to an estimator's advantages: ``cross_segment``, CompactionRL's
+``(gamma * lambda)^{N_{>s}}`` on a compacted trajectory's segments (:func:`cross_segment_factor`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from glmpost.registry import Registry
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+# (batch, advantages, config) -> advantages: what the trainer applies to an estimator's output, by
+# name (``config.advantage_scalings()``).
+ADVANTAGE_SCALINGS: Registry[Callable[..., torch.Tensor]] = Registry("advantage scaling")
+register_advantage_scaling = ADVANTAGE_SCALINGS.register
 
 
 def group_advantages(
@@ -169,3 +176,43 @@ def gae_estimator(batch, old_log_probs: torch.Tensor, config) -> tuple[torch.Ten
     if "gae_advantages" not in batch.token_fields:
         raise ValueError("the gae estimator needs the critic's advantages (token field gae_advantages): train with train-sao")
     return batch.token_fields["gae_advantages"].nan_to_num(0.0), {}
+
+
+def later_trainable_tokens(counts: Sequence[int]) -> list[int]:
+    """``N_{>s}`` of each segment ``s`` of one trajectory (brief, CompactionRL): the trainable
+    tokens in the segments after it, from each segment's trainable-token count in order.
+
+        N_{>s} = sum_{s' > s} |M_{s'}|          e.g. counts [5, 3, 4] -> [7, 4, 0]
+    """
+    later, total = [], 0
+    for count in reversed(counts):
+        later.append(total)
+        total += int(count)
+    return later[::-1]
+
+
+def cross_segment_factor(later_tokens: torch.Tensor, gamma_lambda: float) -> torch.Tensor:
+    """CompactionRL's cross-segment credit (brief, "CompactionRL：摘要也要为任务结果负责")::
+
+        A_{s,i} = (gamma * lambda)^{N_{>s}} * A^loc_{s,i}
+
+    the factor for segments with ``later_tokens`` = ``N_{>s}``: an early segment's local advantages
+    (GAE computed within the segment, its last action token bootstrapping from the final reward) are
+    discounted as if the later segments' trainable tokens stood between it and the outcome. 1 for
+    the last segment, and for every segment when ``gamma * lambda`` is 1. float64, the shape of
+    ``later_tokens``."""
+    if not 0.0 <= gamma_lambda <= 1.0:
+        raise ValueError(f"gamma * lambda must be in [0, 1], got {gamma_lambda}")
+    return torch.pow(torch.tensor(gamma_lambda, dtype=torch.float64), later_tokens.to(torch.float64))
+
+
+@register_advantage_scaling("cross_segment")
+def cross_segment_scaling(batch, advantages: torch.Tensor, config) -> torch.Tensor:
+    """Each example's (context window's) advantages times :func:`cross_segment_factor` of its
+    ``N_{>s}`` (``batch.later_tokens``) with base ``config.segment_decay_base()``; examples of
+    uncompacted trajectories (``N_{>s}`` 0) are unchanged."""
+    base = config.segment_decay_base()
+    if base == 1.0 or batch.later_tokens is None or not bool((batch.later_tokens > 0).any()):
+        return advantages
+    factor = cross_segment_factor(batch.later_tokens, base).to(advantages.device)
+    return (advantages.double() * factor.view(-1, *([1] * (advantages.dim() - 1)))).to(advantages.dtype)

@@ -1,7 +1,9 @@
 """Records as training examples, and examples as padded micro-batches.
 
-A record becomes a :class:`TrainExample` (prompt + response ids, the action tokens it optimises,
-its rollout log-probs and its advantage); failed rollouts, NaN rewards (when the update uses
+A record becomes a :class:`TrainExample` per context window (prompt + response ids, the action
+tokens it optimises, its rollout log-probs and its advantage; a record that CompactionRL compacted
+has several windows, each scored on exactly the rebuilt context the engine saw, formats/windows.py);
+failed rollouts, NaN rewards (when the update uses
 rewards) and records without an action token are excluded and counted. :func:`collate` lays a
 list of examples out right-padded, with every per-token field shifted so entry ``t`` scores
 ``input_ids[t + 1]``.
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 
 from glmpost.config import ConfigError
-from glmpost.rl.advantages import group_advantages
+from glmpost.formats.windows import context_windows, window_inputs
+from glmpost.rl.advantages import cross_segment_factor, group_advantages, later_trainable_tokens
 
 TRAINABLE_STATUSES = ("completed", "truncated")
 
@@ -36,6 +39,9 @@ class TrainExample:
     domain: str = ""
     teacher: str = ""
     reward: float = math.nan  # the trajectory's reward where the update reads it per token (SAO's GAE)
+    trajectory: str = ""  # the record's id (a compacted record's windows share it)
+    window: int = 0  # its context window (CompactionRL's segment s)
+    later_tokens: int = 0  # N_{>s}: the trajectory's trainable tokens in later windows
     # Further per-response-token arrays ([T] or [T, k]) that collate lays out like rollout_log_probs,
     # e.g. the teacher's log-probs for on-policy distillation.
     token_fields: dict[str, np.ndarray] = field(default_factory=dict)
@@ -109,7 +115,8 @@ def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_l
 
 
 def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> TrainExample:
-    """A record as the trainer sees it: prompt + response ids, the action tokens it optimises."""
+    """A record of one context window as the trainer sees it: prompt + response ids, the action
+    tokens it optimises."""
     return TrainExample(
         input_ids=record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist(),
         prompt_length=len(record["prompt_token_ids"]),
@@ -117,8 +124,70 @@ def train_example(record: dict[str, Any], advantage: float, **extra: Any) -> Tra
         rollout_log_probs=record["rollout_log_probs"],
         advantage=float(advantage),
         group_id=record["group_id"],
+        trajectory=record.get("id", ""),
         **extra,
     )
+
+
+def train_examples(record: dict[str, Any], advantage: float, **extra: Any) -> list[TrainExample]:
+    """A record as the trainer sees it, one example per context window (brief, CompactionRL: a
+    compacted trajectory is ``K`` segments): window ``s`` scores its tokens on exactly its context
+    (the rebuilt one the engine was fed, formats/windows.py), so the pairs a rebuilt context copied
+    are prompt there and train nowhere a second time; every window shares the trajectory's
+    ``advantage`` and records ``N_{>s}``, the trainable tokens in later windows
+    (:func:`~glmpost.rl.advantages.later_trainable_tokens`). Per-token ``token_fields`` are cut
+    per window; a window without an action token gives no example."""
+    windows = context_windows(record)
+    if len(windows) == 1:
+        return [train_example(record, advantage, **extra)]
+    actions = record["action_mask"] & ~record["observation_mask"]
+    counts = [int(actions[w.start : w.end].sum()) for w in windows]
+    fields = extra.pop("token_fields", {})
+    examples = []
+    for window, count, later in zip(windows, counts, later_trainable_tokens(counts)):
+        if not count:
+            continue
+        ids, prompt_length = window_inputs(record, window)
+        cut = slice(window.start, window.end)
+        examples.append(TrainExample(
+            input_ids=ids, prompt_length=prompt_length, action_mask=actions[cut],
+            rollout_log_probs=record["rollout_log_probs"][cut], advantage=float(advantage), group_id=record["group_id"],
+            trajectory=record.get("id", ""), window=window.index, later_tokens=later,
+            token_fields={name: values[cut] for name, values in fields.items()}, **extra))
+    return examples
+
+
+def segment_accounting(examples: Sequence[TrainExample], gamma_lambda: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """CompactionRL's segment accounting of an update: step metrics (trajectories compacted,
+    compactions, segments, their trainable tokens, the cross-segment factor's range) and one line
+    per segment of every compacted trajectory (its window, trainable tokens, ``N_{>s}`` and factor
+    ``(gamma * lambda)^{N_{>s}}``). Nothing when no trajectory was compacted."""
+    windows: dict[str, list[TrainExample]] = {}
+    for example in examples:
+        windows.setdefault(example.trajectory, []).append(example)
+    compacted = {trajectory: parts for trajectory, parts in windows.items() if len(parts) > 1 or parts[0].window > 0}
+    if not compacted:
+        return {}, []
+    segments = [e for parts in compacted.values() for e in parts]
+    tokens = np.array([int(e.action_mask.sum()) for e in segments])
+    factors = cross_segment_factor(torch.tensor([float(e.later_tokens) for e in segments]), gamma_lambda).numpy()
+    lines = [{"compaction/trajectory": e.trajectory, "compaction/window": e.window, "compaction/trainable_tokens": int(n),
+              "compaction/later_tokens": e.later_tokens, "compaction/factor": float(f)}
+             for e, n, f in zip(segments, tokens, factors)]
+    return {
+        "compaction/trajectories": len(compacted),
+        "compaction/compactions": sum(max(e.window for e in parts) for parts in compacted.values()),
+        "compaction/segments": len(segments),
+        "compaction/segment_tokens_mean": float(tokens.mean()),
+        "compaction/segment_tokens_max": int(tokens.max()),
+        "compaction/factor_min": float(factors.min()),
+        "compaction/factor_mean": float(factors.mean()),
+    }, lines
+
+
+def trained_records(examples: Sequence[TrainExample]) -> int:
+    """How many records ``examples`` come from (a compacted record gives one example per window)."""
+    return len({e.trajectory for e in examples})
 
 
 def drop_stale(records: Sequence[dict[str, Any]], version: int, max_staleness: int | None) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -195,7 +264,7 @@ def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1
         advantages, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
     else:
         advantages, zero_signal = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-    examples = [train_example(r, a) for r, a in zip(usable, advantages.tolist())]
+    examples = [e for r, a in zip(usable, advantages.tolist()) for e in train_examples(r, a)]
     zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
     return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)), sizes, failure_counts(records))
 
@@ -208,6 +277,7 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor  # float32 [B, L-1], NaN off actions
     advantages: torch.Tensor  # float32 [B, 1]
     token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, L-1, ...]: NaN / 0 off responses
+    later_tokens: torch.Tensor | None = None  # float64 [B]: each example's N_{>s} (CompactionRL)
 
 
 def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torch.device) -> MicroBatch:
@@ -234,8 +304,9 @@ def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torc
             p, n = e.prompt_length, len(e.input_ids)
             laid[row, p - 1 : n - 1] = torch.from_numpy(np.ascontiguousarray(e.token_fields[name]))
         fields[name] = laid.to(device)
+    later = torch.tensor([float(e.later_tokens) for e in examples], dtype=torch.float64)
     return MicroBatch(input_ids.to(device), attention.to(device), actions.to(device), rollout.to(device), advantages.to(device),
-                      fields)
+                      fields, later.to(device))
 
 
 
@@ -259,9 +330,9 @@ def prepare_opd_batch(
         zero_groups = {g for g, z in zip(groups, zero_signal.tolist()) if z}
     fields = ("teacher_log_probs",) + (("teacher_topk_ids", "teacher_topk_log_probs") if loss == "topk" else ())
     examples = [
-        train_example(r, a, domain=r.get("domain", ""), teacher=str(r["teacher"].get("id", "")),
-                      token_fields={name: r[name] for name in fields})
-        for r, a in zip(usable, advantages)
+        e for r, a in zip(usable, advantages)
+        for e in train_examples(r, a, domain=r.get("domain", ""), teacher=str(r["teacher"].get("id", "")),
+                                token_fields={name: r[name] for name in fields})
     ]
     return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
 

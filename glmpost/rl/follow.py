@@ -35,6 +35,7 @@ from glmpost.config import setting
 from glmpost.formats import ShardReader
 from glmpost.formats.spool import DEFAULT_LEASE_S, Spool, lease_kept
 from glmpost.stage import MetricsWriter, log, stop_on_signals
+from glmpost.rl.batches import trained_records
 
 
 @dataclass
@@ -224,7 +225,7 @@ class _PersistentFollower:
         batch = self.make_batch([str(s) for s in shards], self.run.parent_version, skip_ids)
         steps = self.run.train(batch.examples, batch.step_metrics)
         self.batches.append(batch.stage_extra)
-        return {"records": batch.records, "trained_records": len(batch.examples), "version_lags": batch.summary["version_lags"],
+        return {"records": batch.records, "trained_records": trained_records(batch.examples), "version_lags": batch.summary["version_lags"],
                 "metrics": {**batch.step_metrics, **(steps[-1] if steps else {})}}
 
     def publish(self, manifest_extra: dict[str, Any]) -> int:

@@ -92,6 +92,37 @@ def masked_sum_over(values: torch.Tensor, mask: torch.Tensor, denominator: float
     return torch.where(mask, values, torch.zeros_like(values)).sum() / denominator
 
 
+# (counts [N] float64 per example) -> (weights [N], denominator): how a mini-batch's per-token
+# losses are averaged, by name (``config.loss_normalization``); the trainer sums the denominator over
+# ranks and divides ``sum_e weight_e * sum_{t in e} l_t`` by it.
+LOSS_NORMALIZATIONS: Registry[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = Registry("loss normalization")
+register_loss_normalization = LOSS_NORMALIZATIONS.register
+
+
+@register_loss_normalization("token")
+def token_level_normalization(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level normalisation (brief, CompactionRL: the PPO loss over all trainable tokens ``M``)::
+
+        L = -1/|M| * sum_{(s,i) in M} l_{s,i}         weights 1, denominator |M| = sum_s |M_s|
+
+    Every trusted token weighs the same, whichever segment (context window) and trajectory it is
+    in, so a trajectory that was compacted more often (more, shorter segments) is not up-weighted.
+    ``counts``: the tokens each example (segment) contributes."""
+    return torch.ones_like(counts), counts.sum()
+
+
+@register_loss_normalization("segment")
+def segment_mean_normalization(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-segment mean token-level normalisation replaces (verl's ``seq-mean-token-mean``)::
+
+        L = -1/K * sum_s 1/|M_s| * sum_{i in M_s} l_{s,i}     weights 1/|M_s|, denominator K
+
+    over the ``K`` segments with a token: every segment weighs the same, so a trajectory cut into
+    more segments by compaction counts more times (the bias CompactionRL removes)."""
+    present = counts > 0
+    return torch.where(present, 1.0 / counts.clamp(min=1.0), torch.zeros_like(counts)), present.sum().to(counts.dtype)
+
+
 def opd_pg_loss(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
     """The brief's OPD loss, policy-gradient form with group size 1::
 

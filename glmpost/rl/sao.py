@@ -15,6 +15,11 @@ baseline a group gave GRPO. One update on a batch, after the brief's pseudo-code
 3. **the policy step**: the DIS mask, ``-r A`` on the kept tokens, token-level normalisation over
    the whole mini-batch (:class:`~glmpost.rl.trainer.PolicyTrainer` with ``gae`` + ``dis`` + ``dis_policy``).
 
+A trajectory that CompactionRL compacted trains as one example per context window: GAE runs within
+each window (the reward at its last action token: a summary's window ends with the summary), and
+the ``cross_segment`` scaling multiplies each window's advantages by ``(gamma * lambda)^{N_{>s}}``
+(brief, "CompactionRL"); the critic learns the windows' local returns.
+
 Advantages and returns come from the critic before its K steps (the pseudo-code computes ``adv``
 first); its faster updates serve the next trajectories.
 """
@@ -74,6 +79,11 @@ class SAOConfig(GRPOConfig):
 
     def advantage_estimator(self) -> str:
         return "gae"
+
+    def segment_decay_base(self) -> float:
+        """CompactionRL (brief): a compacted trajectory's segments run GAE locally (each window's last
+        action token bootstraps from the final reward), then scale it by ``(gamma * lambda)^{N_{>s}}``."""
+        return self.gamma * self.gae_lambda
 
     def critic_groups(self) -> tuple[str, ...]:
         """The critic parameter groups that train (:data:`~glmpost.rl.critic.CRITIC_GROUPS`)."""

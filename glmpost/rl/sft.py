@@ -24,7 +24,7 @@ import torch
 from glmpost.rl.distributed import LocalBackend, OptimizerConfig
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.config import setting
-from glmpost.rl.batches import TrainExample, collate
+from glmpost.rl.batches import TrainExample, collate, train_examples
 
 
 @dataclass
@@ -38,20 +38,16 @@ class SFTConfig(OptimizerConfig):
 
 
 def sft_examples(records: Sequence[dict[str, Any]]) -> list[TrainExample]:
-    """Records with at least one action token, as trainer examples (the loss tokens are the actions)."""
+    """Records with at least one action token, as trainer examples (the loss tokens are the actions);
+    a compacted record (rollout --compaction) is one example per context window, each on its
+    recorded context (:func:`~glmpost.rl.batches.train_examples`)."""
     examples = []
     for record in records:
         actions = record["action_mask"] & ~record["observation_mask"]
         if not actions.any():
             continue
-        examples.append(TrainExample(
-            input_ids=record["prompt_token_ids"].tolist() + record["response_token_ids"].tolist(),
-            prompt_length=len(record["prompt_token_ids"]),
-            action_mask=actions,
-            rollout_log_probs=np.zeros(len(actions), dtype=np.float32),
-            advantage=0.0,
-            group_id=record["id"],
-        ))
+        zeros = {**record, "rollout_log_probs": np.zeros(len(actions), dtype=np.float32), "group_id": record["id"]}
+        examples.extend(train_examples(zeros, 0.0))
     return examples
 
 

@@ -31,11 +31,11 @@ import torch
 from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.config import SettingError, setting
 from glmpost.closure.scoring import score_tokens
-from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS
+from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
 from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit
 from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
 from glmpost.rl.distributed import LocalBackend, OptimizerConfig
-from glmpost.rl.losses import LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
+from glmpost.rl.losses import LOSS_NORMALIZATIONS, LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
 from glmpost.rl.masks import TRUST_MASKS
 
 
@@ -75,6 +75,16 @@ class GRPOConfig(OptimizerConfig):
         "before any token check (counted, with their lengths and rewards, in the metrics); the rest are trained "
         "with DIS. Unset: none dropped.", min=0)
     advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).")
+    # brief, CompactionRL: "在全部可训练 token 集合 M 上归一化 PPO loss"
+    loss_normalization: str = setting(
+        "token", "How a mini-batch's token losses are averaged, by name: token (every trusted token weighs the same: "
+        "CompactionRL's normalisation over all trainable tokens, so a trajectory compacted into more segments is not "
+        "up-weighted) or segment (each context window's mean, then the mean over windows: the per-segment mean it "
+        "replaces).")
+    segment_decay: float = setting(
+        1.0, "CompactionRL's cross-segment factor for compacted trajectories: each context window's advantages times "
+        "segment-decay^N, N = trainable tokens in its later windows (the brief's (gamma*lambda)^N_later); 1 = every "
+        "window takes the trajectory's advantage.", min=0.0, max=1.0)
     kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
     # The distribution of the records' rollout log-probs (glmpost.rl.updates.sampled_distribution);
@@ -98,11 +108,22 @@ class GRPOConfig(OptimizerConfig):
                                f"is not one of {', '.join(TRUST_MASKS)}")
         if self.loss_denominator not in LOSS_DENOMINATORS:
             raise SettingError("loss_denominator", self.loss_denominator, f"is not one of {', '.join(LOSS_DENOMINATORS)}")
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise SettingError("loss_normalization", self.loss_normalization,
+                               f"is not one of {', '.join(LOSS_NORMALIZATIONS)}")
 
     # What the trainer composes (glmpost.rl.advantages / masks / losses / diagnostics), by name.
 
     def advantage_estimator(self) -> str:
         return "grpo"
+
+    def advantage_scalings(self) -> tuple[str, ...]:
+        """Applied to the estimator's advantages, in order (:data:`~glmpost.rl.advantages.ADVANTAGE_SCALINGS`)."""
+        return ("cross_segment",)
+
+    def segment_decay_base(self) -> float:
+        """The base of CompactionRL's cross-segment factor (``gamma * lambda``): ``segment_decay``."""
+        return self.segment_decay
 
     def trust_masks(self) -> tuple[str, ...]:
         names = [n for n in dict.fromkeys(self.trust_mask) if n != "icepop" or self.icepop]
@@ -158,6 +179,9 @@ class OPDConfig(GRPOConfig):
     def diagnostics(self) -> tuple[str, ...]:
         return ("mismatch", "teacher_kl")
 
+    def advantage_scalings(self) -> tuple[str, ...]:
+        return ()  # the teacher's per-token advantage needs no credit assignment across segments
+
 
 @dataclass
 class OldPolicyStats:
@@ -199,6 +223,8 @@ class PolicyTrainer:
         self.reference = reference
         self.device = next(model.parameters()).device
         self.estimator = ADVANTAGE_ESTIMATORS[config.advantage_estimator()]
+        self.scalings = [ADVANTAGE_SCALINGS[name] for name in config.advantage_scalings()]
+        self.normalization = LOSS_NORMALIZATIONS[config.loss_normalization]
         # Masks of two engines on the same weights are taken once, before the update; DIS judges the
         # policy being optimised, so it is taken again on the weights of every later optimizer step.
         self.masks = [TRUST_MASKS[name] for name in config.trust_masks() if name not in PER_STEP_MASKS]
@@ -368,14 +394,19 @@ class PolicyTrainer:
         return self.total_steps()
 
     def _micro_loss(self, batch: MicroBatch, old_lp: torch.Tensor, trust: torch.Tensor, ref_lp, denominator: float,
-                    sums: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The composed loss of one micro-batch; its named metric sums are added to ``sums``."""
+                    sums: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The composed loss of one micro-batch; its named metric sums are added to ``sums``.
+        ``weights`` ``[B]``: each example's weight under the loss normalisation (None: all 1)."""
         forward = self._train_forward(batch)
         advantages, _ = self.estimator(batch, old_lp, self.config)
+        for scaling in self.scalings:
+            advantages = scaling(batch, advantages, self.config)
         inputs = LossInputs(forward, old_lp, advantages, trust, batch, ref_lp, self.config)
         loss = None
         for term in self.terms:
             values, metrics = term.fn(inputs)
+            if weights is not None:
+                values = values * weights.to(values.dtype).view(-1, 1)
             contribution = masked_sum_over(values, trust, denominator)
             coefficient = term.coefficient(self.config)
             if coefficient != 1.0:
@@ -394,17 +425,15 @@ class PolicyTrainer:
         config = self.config
         self.model.train()
         started = time.perf_counter()
-        counts = torch.tensor(
-            [
-                sum(int(trust_of[i].sum()) for i in indices),
-                sum(int(examples[i].action_mask.sum()) for i in indices),
-            ],
-            dtype=torch.float64,
-        )
-        local_trusted = int(counts[0])  # (the reduction may work in place)
-        trusted_total, action_total = self.backend.all_reduce_sum(counts).tolist()
+        trusted = [int(trust_of[i].sum()) for i in indices]
+        actions = [int(examples[i].action_mask.sum()) for i in indices]
+        weights, local_denominator = self.normalization(
+            torch.tensor(trusted if config.loss_denominator == "trusted" else actions, dtype=torch.float64))
+        weight_of = None if bool((weights == 1.0).all()) else dict(zip(indices, weights.tolist()))
+        counts = torch.tensor([sum(trusted), sum(actions), float(local_denominator)], dtype=torch.float64)
+        local_trusted = sum(trusted)
         # Global over ranks and micro-batches: split-invariant gradients.
-        denominator = trusted_total if config.loss_denominator == "trusted" else action_total
+        trusted_total, action_total, denominator = self.backend.all_reduce_sum(counts).tolist()
         sums = {name: torch.zeros((), dtype=torch.float64) for name in self.metric_names}
         used = 0  # trusted tokens the numerators summed over
         for micro in range(micro_steps):
@@ -421,7 +450,9 @@ class PolicyTrainer:
             trust = torch.stack([fit(trust_of[i], width) for i in chunk_idx]).to(self.device)
             used += int(trust.sum())
             ref_lp = None if ref is None else torch.stack([fit(ref[i], width) for i in chunk_idx]).to(self.device)
-            self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums))
+            weights = None if weight_of is None else torch.tensor([weight_of[i] for i in chunk_idx], dtype=torch.float64,
+                                                                  device=self.device)
+            self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums, weights))
         if used != local_trusted:  # numerator and denominator must count the same final mask (ROLL#444, verl#4852)
             raise RuntimeError(f"the loss summed {used} trusted tokens but its denominator counted {local_trusted}")
         grad_norm = self.backend.step()

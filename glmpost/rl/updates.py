@@ -8,7 +8,7 @@ update and returns the facts its command reports (a dict, the same keys as ``--j
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,8 +23,8 @@ from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_qua
 from glmpost.quant.spec import make_spec
 from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.batches import (check_version_lags, drop_stale, failure_counts, prepare_batch, prepare_opd_batch, train_example,
-                                usable_records)
+from glmpost.rl.batches import (check_version_lags, drop_stale, failure_counts, prepare_batch, prepare_opd_batch,
+                                segment_accounting, trained_records, train_examples, usable_records)
 from glmpost.rl.critic import CriticVersions
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
@@ -54,6 +54,11 @@ class UpdateBatch:
     step_metrics: dict[str, Any]
     stage_extra: dict[str, Any]
     summary: dict[str, Any]
+    lines: list[dict[str, Any]] = field(default_factory=list)  # metric lines after the steps' (each compacted segment)
+
+    def finish(self):
+        """The job's ``finish``: writes :attr:`lines` after the steps' metrics (None when there are none)."""
+        return (lambda trainer: list(self.lines)) if self.lines else None
 
 
 def _validated(config) -> None:
@@ -158,6 +163,7 @@ def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int
     batch = prepare_batch(records, advantage_eps=config.advantage_eps)
     if not batch.examples:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
+    segments, segment_lines = segment_accounting(batch.examples, config.segment_decay_base())
     return UpdateBatch(
         len(records), batch.examples, batch.excluded,
         step_metrics={
@@ -165,13 +171,14 @@ def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int
             "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
             "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
             "train/policy_version": parent_version + 1, "train/already_trained": already, **_lag_metrics(lags), **stale,
-            **_group_metrics(batch),
+            **_group_metrics(batch), **segments,
         },
         stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags,
                      "log_prob_distribution": scored, "stale_dropped": int(stale.get("train/stale_dropped", 0)),
                      "group_sizes": {str(k): v for k, v in batch.group_sizes.items()}, "failed": batch.failed},
         summary={"zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean()),
-                 "version_lags": lags},
+                 "version_lags": lags, "compactions": segments.get("compaction/compactions", 0)},
+        lines=segment_lines,
     )
 
 
@@ -198,13 +205,13 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
                        skip_ids=skip_ids)
     build = grpo_trainer(config, pad_token_id=tokenizer.pad_token_id,
                          reference=lambda session: run.load(ref_checkpoint or run.parent, session, trained=False))
-    job = TrainingJob("train-grpo", config, batch.examples, build, step_metrics=batch.step_metrics,
-                      manifest_extra={"records": batch.records, "trained_records": len(batch.examples), **(manifest_extra or {})},
+    job = TrainingJob("train-grpo", config, batch.examples, build, step_metrics=batch.step_metrics, finish=batch.finish(),
+                      manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples), **(manifest_extra or {})},
                       stage_extra=batch.stage_extra)
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
         return None
-    return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary}
+    return {**_published(result, batch.records, trained_records(batch.examples), batch.excluded), **batch.summary}
 
 
 def opd_batch(inputs: Sequence[str], config: OPDConfig, *, parent_version: int, revision: str,
@@ -241,7 +248,7 @@ def opd_batch(inputs: Sequence[str], config: OPDConfig, *, parent_version: int, 
         counts = domains.setdefault(example.domain or "none", {})
         counts[example.teacher] = counts.get(example.teacher, 0) + 1
     step_metrics = {
-        "train/records": len(batch.examples), "train/excluded_status": batch.excluded["status"],
+        "train/records": trained_records(batch.examples), "train/excluded_status": batch.excluded["status"],
         "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": parent_version + 1,
         "train/already_trained": already,
         **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags), **stale,
@@ -269,7 +276,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
     batch = opd_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision, skip_ids=skip_ids)
     job = TrainingJob("opd-merge", config, batch.examples, opd_trainer(config, pad_token_id=tokenizer.pad_token_id),
                       step_metrics=batch.step_metrics,
-                      manifest_extra={"records": batch.records, "trained_records": len(batch.examples),
+                      manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
                                       "teachers": batch.summary["teachers"], **(manifest_extra or {})},
                       stage_extra=batch.stage_extra)
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
@@ -277,7 +284,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
         return None
     first = result.history[0] if result.history else {}
     teacher_kl = {key.split("/", 1)[1]: value for key, value in first.items() if key.startswith("teacher_kl/")}
-    return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary, "teacher_kl": teacher_kl}
+    return {**_published(result, batch.records, trained_records(batch.examples), batch.excluded), **batch.summary, "teacher_kl": teacher_kl}
 
 
 def sao_batch(inputs: Sequence[str], config: SAOConfig, *, parent_version: int, revision: str,
@@ -296,19 +303,22 @@ def sao_batch(inputs: Sequence[str], config: SAOConfig, *, parent_version: int, 
     usable, excluded = usable_records(records, need_reward=True)
     if not usable:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {excluded})", stale)
-    examples = [train_example(r, 0.0, reward=float(r["reward"]), domain=r.get("domain", "")) for r in usable]
-    rewards = np.array([e.reward for e in examples])
+    examples = [e for r in usable for e in train_examples(r, 0.0, reward=float(r["reward"]), domain=r.get("domain", ""))]
+    rewards = np.array([float(r["reward"]) for r in usable])
     failed = failure_counts(records)
+    segments, segment_lines = segment_accounting(examples, config.segment_decay_base())
     return UpdateBatch(
         len(records), examples, excluded,
         step_metrics={"train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
-                      "train/records": len(examples), "train/excluded_nan_reward": excluded["nan_reward"],
+                      "train/records": len(usable), "train/excluded_nan_reward": excluded["nan_reward"],
                       "train/excluded_status": excluded["status"], "train/policy_version": parent_version + 1,
                       "train/already_trained": already, **_lag_metrics(lags), **stale,
-                      **{f"train/failed/{reason}": count for reason, count in failed.items()}},
+                      **{f"train/failed/{reason}": count for reason, count in failed.items()}, **segments},
         stage_extra={"excluded": excluded, "version_lags": lags, "log_prob_distribution": scored, "failed": failed,
                      "stale_dropped": int(stale.get("train/stale_dropped", 0))},
-        summary={"reward_mean": float(rewards.mean()), "version_lags": lags},
+        summary={"reward_mean": float(rewards.mean()), "version_lags": lags,
+                 "compactions": segments.get("compaction/compactions", 0)},
+        lines=segment_lines,
     )
 
 
@@ -340,15 +350,15 @@ def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, cr
     critic = CriticVersions(critic_root, policy=run.parent, version=run.plan.version, groups=config.critic_groups(),
                             optimizer=config.critic_optimizer(), init=init_critic, seed=config.seed)
     build = sao_trainer(config, critic, pad_token_id=tokenizer.pad_token_id, options=run.options)
-    job = TrainingJob("train-sao", config, batch.examples, build, step_metrics=batch.step_metrics,
-                      manifest_extra={"records": batch.records, "trained_records": len(batch.examples),
+    job = TrainingJob("train-sao", config, batch.examples, build, step_metrics=batch.step_metrics, finish=batch.finish(),
+                      manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
                                       "critic": str(critic.root.version_dir(critic.version))},
                       stage_extra={**batch.stage_extra, "critic_parent": str(critic.parent)}, companion=critic)
     result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
         return None
     last = result.history[-1] if result.history else {}
-    return {**_published(result, batch.records, len(batch.examples), batch.excluded), **batch.summary,
+    return {**_published(result, batch.records, trained_records(batch.examples), batch.excluded), **batch.summary,
             "critic": str(critic.parent), "value_loss": last.get("sao/value_loss"),
             "explained_variance": last.get("sao/explained_variance"),
             "critic_steps": config.critic_steps, "critic_optimizer_steps": last.get("sao/critic_optimizer_steps"),

@@ -9,7 +9,7 @@ never a lost prompt, unless every request would fail alike (a refused key or fie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
@@ -121,12 +121,15 @@ class LocalBackend:
         return LocalEngine.name
 
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
-                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None) -> list[Outcome]:
+                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None,
+                 max_new_tokens: Optional[int] = None) -> list[Outcome]:
         """Sample every sequence, ``batch_size`` at a time; none is ever aborted (``homes``: no servers
         here, ignored). With ``sessions`` (one trajectory key per sequence), every batch keeps its KV
-        cache for the trajectories' next turn, which then prefills only its new tokens."""
+        cache for the trajectories' next turn, which then prefills only its new tokens.
+        ``max_new_tokens`` overrides the run's for this call (a compaction's summaries)."""
         if sessions is not None:
-            completions = self.engine.generate(sequences, keys, self.params, sessions=sessions, caches=self.turn_caches)
+            params = self.params if max_new_tokens is None else replace(self.params, max_new_tokens=max_new_tokens)
+            completions = self.engine.generate(sequences, keys, params, sessions=sessions, caches=self.turn_caches)
             for completion, built_by in zip(completions, self.turn_caches.last_cache_versions):
                 completion.cache_version = built_by
             progress.update(len(sequences))
@@ -268,9 +271,10 @@ class SGLangBackend:
         return "sglang"
 
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
-                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None) -> list[Outcome]:
+                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None,
+                 max_new_tokens: Optional[int] = None) -> list[Outcome]:
         """One /generate batch request per ``batch_size`` chunk (the local engine's batches), in
-        parallel; a chunk whose request finally failed comes back aborted with the reason, unless
+        parallel (``max_new_tokens``: this call's, overriding the run's); a chunk whose request finally failed comes back aborted with the reason, unless
         every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run).
 
         ``homes`` (a server index per sequence) keeps every turn of a multi-turn trajectory on its
@@ -287,7 +291,7 @@ class SGLangBackend:
             for part in _chunks(len(group), self.batch_size):
                 chunk = [group[j] for j in part]
                 index = len(futures) if homes is None else homes[chunk[0]]
-                futures.append((chunk, self._submit(index, chunk, sequences, keys)))
+                futures.append((chunk, self._submit(index, chunk, sequences, keys, max_new_tokens)))
         outcomes: list[Optional[Outcome]] = [None] * len(sequences)
         for chunk, future in futures:
             try:
@@ -307,10 +311,12 @@ class SGLangBackend:
         """The URL of the server that answered sequence ``key`` (None before it was sampled)."""
         return self._served.get(key)
 
-    def _submit(self, number: int, chunk: list[int], sequences: list[list[int]], keys: list[str]) -> Any:
+    def _submit(self, number: int, chunk: list[int], sequences: list[list[int]], keys: list[str],
+                max_new_tokens: Optional[int] = None) -> Any:
         """Queue the request of one chunk on server ``number`` (mod n), each sequence with its own
         ``sampling_seed``; the future gives ``(url of the server that answered, answers)``."""
-        per_seq = [{**self.sglang_params, "sampling_seed": sequence_seed(self.params.seed, keys[i])} for i in chunk]
+        params = self.sglang_params if max_new_tokens is None else {**self.sglang_params, "max_new_tokens": max_new_tokens}
+        per_seq = [{**params, "sampling_seed": sequence_seed(self.params.seed, keys[i])} for i in chunk]
         ids = [sequences[i] for i in chunk]
         return self.pool.submit(number, lambda c, ids=ids, sp=per_seq: (c.url, c.generate(ids, sp, return_logprob=True)))
 

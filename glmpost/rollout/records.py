@@ -65,13 +65,15 @@ def _add(prompts: list[RolloutPrompt], seen: dict[str, str], prompt: RolloutProm
     prompts.append(prompt)
 
 
-def check_context(prompts: Iterable[RolloutPrompt], *, max_new_tokens: int, context: int) -> None:
-    """Refuse prompts that leave no room for ``max_new_tokens`` in the model's context."""
+def check_context(prompts: Iterable[RolloutPrompt], *, max_new_tokens: int, context: int, budget: bool = False) -> None:
+    """Refuse prompts that leave no room for ``max_new_tokens`` in the model's context (``budget``:
+    in the smaller ``--context-budget``)."""
+    limit = "{context_budget} {context}" if budget else "the model's context of {context} tokens"
     for prompt in prompts:
         if len(prompt.token_ids) + max_new_tokens > context:
-            raise ConfigError("{source}: prompt is {length} tokens; with {max_new_tokens} {value} it exceeds the model's "
-                              "context of {context} tokens", source=prompt.source, length=len(prompt.token_ids),
-                              value=max_new_tokens, context=context, exit_code=1)
+            raise ConfigError("{source}: prompt is {length} tokens; with {max_new_tokens} {value} it exceeds " + limit,
+                              source=prompt.source, length=len(prompt.token_ids), value=max_new_tokens, context=context,
+                              exit_code=1)
         if not prompt.token_ids:
             raise GlmpostError(f"{prompt.source}: prompt has no tokens")
 
@@ -131,6 +133,7 @@ def trajectory_record(
     env_name: str,
     token_policy_version: int | None = None,
     drift: int | None = None,
+    compaction: Any = None,
 ) -> dict[str, Any]:
     """The record of one multi-turn trajectory (:class:`glmpost.rollout.agentic.Trajectory`): the
     model's tokens are actions with their log-probs and policy version, the environment's are
@@ -138,7 +141,12 @@ def trajectory_record(
     each turn's tokens carry the version that sampled it (a trajectory may span versions), and the
     turns sampled on a KV cache an older version built are listed in ``extra.kv_cache.stale_turns``;
     the environment's reward, turns and per-step info go to ``extra.env`` (with ``drift``, the
-    action tokens a text round trip would have changed: :func:`glmpost.rollout.agentic.retokenize_drift`)."""
+    action tokens a text round trip would have changed: :func:`glmpost.rollout.agentic.retokenize_drift`,
+    and the longest context a turn was sampled on). With ``compaction`` on (its
+    :class:`~glmpost.rollout.compaction.CompactionSettings`), a summary is a segment of kind
+    ``summary`` (action tokens), the observation that asked for it has ``role`` ``summary_request``,
+    each later window's first segment carries its rebuilt context as ids (``context``), and
+    ``extra.compaction`` sums the compactions up (formats/SPEC.md §5)."""
     record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
                             policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
     from glmpost.rollout.engines import as_version
@@ -151,14 +159,19 @@ def trajectory_record(
         built_by = turn.action.cache_version
         if built_by is not None and built_by != turn_version:  # sampled on keys and values older weights computed
             stale.append({"turn": number, "version": turn_version, "cache_version": built_by})
-        for kind, part, lps in (("action", turn.action.token_ids, turn.action.log_probs),
+        for kind, part, lps in ((turn.kind, turn.action.token_ids, turn.action.log_probs),
                                 ("observation", turn.observation_ids, [float("nan")] * len(turn.observation_ids))):
             if part:
-                segments.append({"start": len(ids), "end": len(ids) + len(part), "kind": kind, "turn": number})
+                segment = {"start": len(ids), "end": len(ids) + len(part), "kind": kind, "turn": number}
+                if kind != "observation" and turn.context is not None:  # a context window's first segment
+                    segment["context"] = np.asarray(turn.context, dtype=np.int32)
+                if kind == "observation" and turn.summary_request:
+                    segment["role"] = "summary_request"
+                segments.append(segment)
                 ids += part
-                actions += [kind == "action"] * len(part)
+                actions += [kind != "observation"] * len(part)
                 log_probs += lps
-                versions += [turn_version if kind == "action" else -1] * len(part)
+                versions += [turn_version if kind != "observation" else -1] * len(part)
     action_mask = np.asarray(actions, dtype=bool)
     record.update({
         "prompt_token_ids": np.asarray(trajectory.prompt_ids, dtype=np.int32),
@@ -170,8 +183,12 @@ def trajectory_record(
         "segments": segments,
         "status": trajectory.status,
     })
-    record["extra"] = {"env": {"name": env_name, "reward": trajectory.reward, "turns": len(trajectory.turns),
-                               "malformed": trajectory.malformed, "steps": [t.info for t in trajectory.turns]}}
+    acted = trajectory.action_turns()
+    record["extra"] = {"env": {"name": env_name, "reward": trajectory.reward, "turns": len(acted),
+                               "malformed": trajectory.malformed, "steps": [t.info for t in acted],
+                               "peak_context": trajectory.peak_context()}}
+    if compaction is not None and compaction.on:
+        record["extra"]["compaction"] = compaction_extra(trajectory, compaction)
     if drift is not None:
         record["extra"]["env"]["retokenize_drift"] = drift
     servers = [t.server for t in trajectory.turns if t.server]
@@ -183,6 +200,18 @@ def trajectory_record(
     if trajectory.reason:
         record["extra"]["status_reason"] = trajectory.reason
     return record
+
+
+def compaction_extra(trajectory: Any, compaction: Any) -> dict[str, Any]:
+    """``extra.compaction`` of a trajectory: the settings, its windows, each summary (turn, window,
+    tokens, whether the summary budget cut it), the pairs each rebuilt context kept and the peak
+    context."""
+    summaries = [{key: entry[key] for key in ("turn", "window", "tokens", "truncated")}
+                 for entry in trajectory.compactions if "tokens" in entry]
+    windows = 1 + sum(turn.context is not None for turn in trajectory.turns)
+    return {**compaction.as_json(), "windows": windows, "summaries": summaries,
+            "kept_pairs": [entry["kept_pairs"] for entry in trajectory.compactions],
+            "peak_context": trajectory.peak_context()}
 
 
 def aborted_record(

@@ -45,6 +45,7 @@ from glmpost.rollout.engines import (
     eos_id_list,
     open_backend,
 )
+from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, ContextBuilder, resume_pieces
 from glmpost.rollout.agentic import (MultiTurnSettings, ObservationRenderer, Trajectory, home_server, retokenize_drift,
                                      run_trajectories)
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
@@ -93,7 +94,7 @@ class RolloutConfig:
         "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
     env: Optional[str] = setting(
-        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, latency or package.module:Class. "
+        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, kv-recall, latency or package.module:Class. "
         "Each turn's prompt is the exact ids before it; observations are recorded with observation_mask.")
     env_options: str = setting("{}", "With --env: the environment's keyword arguments, a JSON object.")
     max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
@@ -105,6 +106,29 @@ class RolloutConfig:
     refill_rounds: int = setting(
         0, "Rounds of resampling the failed samples (env_error, aborted) of groups with more than half valid, to "
         "full size (GLM-5); refills get the next sample indices and extra.refill. 0 = off.", min=0)
+    compaction: str = setting(
+        "off", "With --env: CompactionRL's context compaction. summary: when the context budget runs low (C - |h| < T_comp, "
+        "or the next turn could overflow C) the policy writes a summary after --summary-prompt, trained as an action "
+        "with the final reward, and the trajectory goes on in a rebuilt context (the prompt's turns, --resume-template "
+        "holding the summary's exact ids, the newest --keep-last action-observation pairs), recorded as ids; drop: the "
+        "same rebuild without a summary (the baseline); off: a trajectory that would overflow C ends truncated.")
+    context_budget: Optional[int] = setting(
+        None, "With --env: C, the most tokens of context a turn may be sampled on (default: the model's context).", min=1)
+    compaction_threshold: Optional[int] = setting(
+        None, "With --compaction: T_comp, compact when C - |h| < T_comp (default: --max-new-tokens); at most "
+        "--context-budget.", min=0)
+    keep_last: int = setting(
+        2, "With --compaction: k, the newest action-observation pairs a rebuilt context copies (fewer when they do not "
+        "fit the budget; drop keeps at least 1, so the newest observation is never lost).", min=0)
+    summary_prompt: str = setting(
+        "Summarize what you must remember to finish the task.",
+        "With --compaction summary: q_sum, the user turn after the last observation that asks for the summary.")
+    resume_template: str = setting(
+        "Summary: {summary}", "With --compaction summary: the user turn that opens a rebuilt context; {summary} (exactly "
+        "once) stands for the summary's exact ids.")
+    max_summary_tokens: int = setting(
+        64, "With --compaction summary: most tokens of a summary (a longer one is cut there, recorded truncated in "
+        "extra.compaction.summaries, and the trajectory goes on).", min=1)
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
 
@@ -122,6 +146,29 @@ class RolloutConfig:
         if not isinstance(options, dict):
             raise ConfigError("{env_options} {value!r}: expected a JSON object", value=self.env_options)
         return self.env, resolve_environment(self.env, options, where="--env")
+
+    def compaction_settings(self, model_context: int) -> CompactionSettings:
+        """The context budget and compaction settings, checked against each other and the model's
+        context (a refused combination is one error naming the options)."""
+        if self.compaction not in COMPACTION_MODES:
+            raise ConfigError("{compaction} must be one of {choices}, got {value!r}", choices=", ".join(COMPACTION_MODES),
+                              value=self.compaction)
+        if self.env is None and (self.compaction != "off" or self.context_budget is not None):
+            raise ConfigError("{compaction} and {context_budget} apply to multi-turn rollouts: add {env}")
+        budget = model_context if self.context_budget is None else self.context_budget
+        if budget > model_context:
+            raise ConfigError("{context_budget} {value} exceeds the model's context of {context} tokens", value=budget,
+                              context=model_context)
+        threshold = self.max_new_tokens if self.compaction_threshold is None else self.compaction_threshold
+        if self.compaction != "off" and threshold > budget:
+            raise ConfigError("{compaction_threshold} {value} is larger than {context_budget} {budget}: compaction "
+                              "would start before the first turn", value=threshold, budget=budget)
+        try:
+            resume_pieces(self.resume_template)
+        except ValueError as exc:
+            raise ConfigError("{resume_template} {reason}", reason=exc) from None
+        return CompactionSettings(self.compaction, budget, threshold, self.keep_last, self.summary_prompt,
+                                  self.resume_template, self.max_summary_tokens)
 
     def sampling_params(self) -> SamplingParams:
         """The sampling settings, checked (their stop ids are set once the model's eos ids are known)."""
@@ -264,6 +311,8 @@ class RolloutRunner:
         self.config = config
         self.options = config.as_options() if options is None else options
         self.environment = None  # (name, factory) of a multi-turn run
+        self.compaction = CompactionSettings()  # and its context budget and compaction (set by _prepare)
+        self.builder: ContextBuilder | None = None
         self.between_turns = None  # () -> None before each turn after the first (rollout --follow's weight switch)
 
     def run(self) -> dict[str, Any]:
@@ -295,8 +344,13 @@ class RolloutRunner:
         """Set the stop ids, check the prompts against the model's context, hand the engine its params."""
         eos_ids = eos_id_list(backend.default_stops)
         params.stop_token_ids = parse_stop_ids(self.config.stop_token_ids, eos_ids)
-        check_context(prompts, max_new_tokens=self.config.max_new_tokens,
-                      context=backend.model_config.max_position_embeddings)
+        model_context = backend.model_config.max_position_embeddings
+        self.compaction = self.config.compaction_settings(model_context)
+        check_context(prompts, max_new_tokens=self.config.max_new_tokens, context=self.compaction.budget,
+                      budget=self.config.context_budget is not None)
+        if self.compaction.on:
+            self.builder = ContextBuilder(self.renderer.tokenizer, self.compaction, params.stop_token_ids or eos_ids)
+            check_rebuild_room(prompts, self.builder, self.config.max_new_tokens)
         backend.prepare(params, eos_ids)
 
     def _claim_output(self, checkpoint: PolicyCheckpoint) -> None:
@@ -367,15 +421,16 @@ class RolloutRunner:
 
     def _trajectories(self, sequences: list[list[int]], keys: list[str], tasks: list[dict],
                       backend: LocalBackend | SGLangBackend) -> list[Outcome]:
-        settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens,
-                                     backend.model_config.max_position_embeddings, self.config.env_timeout,
-                                     self.config.env_workers)
+        settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens, self.compaction.budget,
+                                     self.config.env_timeout, self.config.env_workers, compaction=self.compaction,
+                                     builder=self.builder, model_context=backend.model_config.max_position_embeddings)
         quiet = tqdm(disable=True)  # the bar counts trajectories, not turns
         servers = len(backend.pool.clients) if isinstance(backend, SGLangBackend) else 1
 
-        def generate(seqs: list[list[int]], turn_keys: list[str], sessions: list[str]) -> list[Outcome]:
+        def generate(seqs: list[list[int]], turn_keys: list[str], sessions: list[str],
+                     max_new_tokens: int | None = None) -> list[Outcome]:
             homes = [home_server(session, servers) for session in sessions] if servers > 1 else None
-            return backend.generate(seqs, turn_keys, quiet, homes=homes, sessions=sessions)
+            return backend.generate(seqs, turn_keys, quiet, homes=homes, sessions=sessions, max_new_tokens=max_new_tokens)
 
         trajectories = run_trajectories(generate, sequences, keys, tasks, self.environment[1], self.renderer, settings,
                                         self.decode, served=backend.served, between_turns=self.between_turns)
@@ -394,7 +449,8 @@ class RolloutRunner:
                     trajectory = completion.trajectory
                     trajectory.drift = retokenize_drift(checkpoint.tokenizer, trajectory.response_ids(), trajectory.action_flags())
                     record = trajectory_record(prompt, trajectory, env_name=self.environment[0],
-                                               token_policy_version=as_version(version), drift=trajectory.drift, **common)
+                                               token_policy_version=as_version(version), drift=trajectory.drift,
+                                               compaction=self.compaction, **common)
                 elif completion is None:
                     record = aborted_record(prompt, reason, **common)
                 else:
@@ -443,6 +499,11 @@ def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
         "rollout/env_reward_mean": float(np.mean([t.reward for t in trajectories])),
         "rollout/malformed_tool_calls": sum(t.malformed for t in trajectories),
         "rollout/retokenize_drift_tokens": sum(t.drift or 0 for t in trajectories),
+        "rollout/peak_context_mean": float(np.mean([t.peak_context() for t in trajectories])),
+        "rollout/peak_context_max": max(t.peak_context() for t in trajectories),
+        "rollout/compactions": sum(len(t.compactions) for t in trajectories),
+        "rollout/summary_tokens": sum(len(turn.action.token_ids) for t in trajectories for turn in t.turns
+                                      if turn.kind == "summary"),
         **{f"rollout/status/{status}": count for status, count in sorted(statuses.items())},
     }
 
@@ -451,6 +512,22 @@ def _as_outcome(trajectory: Trajectory) -> Outcome:
     ids = trajectory.response_ids()
     reason = "length" if trajectory.status == "truncated" else "stop"
     return _Trajectory(ids, [], reason, trajectory=trajectory), trajectory.version, trajectory.reason
+
+
+def check_rebuild_room(prompts: list[RolloutPrompt], builder: ContextBuilder, max_new_tokens: int) -> None:
+    """Refuse a context budget that no rebuilt context fits: the prompt's own turns, the resume turn
+    with a summary of ``max_summary_tokens`` (mode summary), and room for the next turn (the larger
+    of the threshold and ``max_new_tokens``), before any pair is copied."""
+    settings = builder.settings
+    summary = settings.max_summary_tokens if settings.mode == "summary" else 0
+    room = max(settings.threshold, max_new_tokens)
+    for prompt in prompts:
+        fixed = builder.fixed_length(builder.head(prompt.token_ids)) + summary
+        if fixed + room > settings.budget:
+            parts = "the prompt's turns, the resume turn and a summary of {max_summary_tokens}" if summary else "the prompt's turns"
+            raise ConfigError("{source}: a rebuilt context needs {fixed} tokens (" + parts + ") and {room} for the next "
+                              "turn, more than {context_budget} {budget}", source=prompt.source, fixed=fixed, room=room,
+                              budget=settings.budget, exit_code=1)
 
 
 def run_rollout(config: RolloutConfig, *, options: dict[str, Any] | None = None) -> dict[str, Any]:

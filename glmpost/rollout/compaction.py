@@ -1,0 +1,138 @@
+"""CompactionRL's context compaction in multi-turn rollouts (brief, "CompactionRL：摘要也要为任务结果负责").
+
+When the context budget runs low, ``C - |h_t| < T_comp``, the same trainable policy writes a summary
+``S_t ~ pi_theta(. | h_t + q_sum)`` and the trajectory continues in a rebuilt context
+
+    h'_t = (s) + u_resume(S_t) + (z_{t-k+1}, ..., z_t)
+
+``(s)``: the prompt's own turns (system and task; the environment's reset observation is not
+repeated), ``u_resume``: a user turn of the resume template holding the summary's exact ids (its
+stop token left out), ``z_i``: the last ``k`` atomic (action ids, observation ids) pairs, the last
+observation rendered with the assistant's generation prompt. Everything is token ids: nothing the
+model wrote is re-tokenized (TITO across compactions); only the templates' own text is encoded.
+
+The summary request is the last observation rendered as an observation turn, then ``q_sum`` as a
+user turn and the generation prompt: it is appended as observation tokens and the summary is an
+action segment of kind ``summary``, trained with the trajectory's final reward. Mode ``drop`` is
+the baseline without summaries: the context is rebuilt from ``(s)`` and the last ``max(k, 1)``
+pairs alone (the newest observation always survives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+COMPACTION_MODES = ("off", "summary", "drop")
+SUMMARY_SLOT = "{summary}"
+_SENTINEL = "\x00glmpost-summary\x00"
+
+
+@dataclass
+class CompactionSettings:
+    """How a multi-turn rollout compacts: ``mode`` (off, summary, drop), the budget ``C``, the
+    threshold ``T_comp``, the pairs kept ``k``, the summary prompt and resume template, the most
+    tokens a summary may take."""
+
+    mode: str = "off"
+    budget: int = 0
+    threshold: int = 0
+    keep_last: int = 2
+    summary_prompt: str = ""
+    resume_template: str = "Summary: " + SUMMARY_SLOT
+    max_summary_tokens: int = 64
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def pairs_kept(self) -> int:
+        """Pairs copied into a rebuilt context (``drop`` keeps at least the newest one)."""
+        return max(self.keep_last, 1) if self.mode == "drop" else self.keep_last
+
+    def as_json(self) -> dict:
+        return {"mode": self.mode, "budget": self.budget, "threshold": self.threshold, "keep_last": self.keep_last}
+
+
+def due(settings: CompactionSettings, context_length: int, max_new_tokens: int) -> bool:
+    """The brief's trigger ``C - |h_t| < T_comp``, and, so the budget bounds every action turn,
+    ``|h_t| + max_new_tokens > C`` (the next turn could overflow it)."""
+    return settings.on and (settings.budget - context_length < settings.threshold
+                            or context_length + max_new_tokens > settings.budget)
+
+
+class ContextBuilder:
+    """The template pieces of compaction as exact ids of the policy's tokenizer."""
+
+    def __init__(self, tokenizer, settings: CompactionSettings, stop_ids: Sequence[int]):
+        self.tokenizer, self.settings = tokenizer, settings
+        self.stop_ids = set(stop_ids)
+        self.observation_id = tokenizer.convert_tokens_to_ids("<|observation|>")
+        self.opener = self._encode("<|assistant|>\n")
+        before, after = self._turn_text("user", resume_pieces(settings.resume_template)).split(_SENTINEL)
+        self.resume_before, self.resume_after = self._encode(before), self._encode(after)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _turn_text(self, *turns: str, generation_prompt: bool = True) -> str:
+        """The template's rendering of ``(role, content)`` turns, without what it puts before a
+        conversation's first turn (``[gMASK]<sop>`` for GLM)."""
+        messages = [{"role": role, "content": content} for role, content in zip(turns[::2], turns[1::2])]
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        start = rendered.find(f"<|{turns[0]}|>")
+        return rendered[start:] if start >= 0 else rendered
+
+    def head(self, prompt_ids: Sequence[int]) -> list[int]:
+        """``(s)``: a prompt's ids without its trailing generation prompt."""
+        prompt = list(prompt_ids)
+        return prompt[: -len(self.opener)] if prompt[-len(self.opener):] == self.opener else prompt
+
+    def request(self, observation: str, *, after: Sequence[int]) -> list[int]:
+        """The summary request: ``observation`` as an observation turn (its ``<|observation|>`` left
+        out when the action ``after`` ends with it), ``q_sum`` as a user turn, the generation prompt."""
+        ids = self._encode(self._turn_text("observation", observation, "user", self.settings.summary_prompt))
+        if after and after[-1] == self.observation_id and ids and ids[0] == self.observation_id:
+            ids = ids[1:]
+        return ids
+
+    def summary_body(self, summary_ids: Sequence[int]) -> list[int]:
+        """The summary's ids as the resume turn copies them: without the stop token that ended it."""
+        ids = list(summary_ids)
+        return ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+
+    def rebuild(self, head: Sequence[int], summary_ids: Sequence[int] | None,
+                pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int]:
+        """``(s) + u_resume(S) + pairs`` (``summary_ids`` None: ``(s)``, the generation prompt, pairs)."""
+        ids = list(head)
+        if summary_ids is None:
+            ids += self.opener
+        else:
+            ids += self.resume_before + self.summary_body(summary_ids) + self.resume_after
+        for action, observation in pairs:
+            ids += list(action) + list(observation)
+        return ids
+
+    def fixed_length(self, head: Sequence[int]) -> int:
+        """The rebuilt context's length without a summary token and without pairs."""
+        if self.settings.mode == "drop":
+            return len(head) + len(self.opener)
+        return len(head) + len(self.resume_before) + len(self.resume_after)
+
+
+def resume_pieces(template: str) -> str:
+    """``template`` with its one ``{summary}`` slot marked; ValueError when it has none or several."""
+    if template.count(SUMMARY_SLOT) != 1:
+        raise ValueError(f"must contain {SUMMARY_SLOT} exactly once, got {template!r}")
+    return template.replace(SUMMARY_SLOT, _SENTINEL)
+
+
+def fit_pairs(builder: ContextBuilder, head: Sequence[int], summary_ids: Sequence[int] | None,
+              pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, room: int) -> tuple[list[int], int]:
+    """The rebuilt context with as many of the newest ``pairs`` as leave ``room`` tokens of the
+    budget, and how many that is (the oldest are dropped first)."""
+    for kept in range(len(pairs), -1, -1):
+        ids = builder.rebuild(head, summary_ids, pairs[len(pairs) - kept :])
+        if builder.settings.budget - len(ids) >= room or kept == 0:
+            return ids, kept
+    raise AssertionError("unreachable")
