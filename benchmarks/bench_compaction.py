@@ -26,39 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from bench_async import warm_start
+from bench_sao import glmpost
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-compaction.toml"
 DATA = ROOT / "recipes" / "data"
-GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-
-
-def glmpost(*args, log: Path) -> float:
-    """Run one stage; its wall-clock seconds."""
-    started = time.perf_counter()
-    with open(log, "ab") as err:
-        subprocess.run([*GLMPOST, *map(str, args)], check=True, stdout=subprocess.DEVNULL, stderr=err, env=ENV)
-    return time.perf_counter() - started
-
-
-def warm_start(work: Path, log: Path) -> Path:
-    """The tiny model after the recipe's [qat] SFT on the recall demos, made once under ``work``."""
-    model, demo, sft = work / "model", work / "demo", work / "sft"
-    if not (model / "config.json").is_file():
-        glmpost("init-model", "--out", model, "--seed", "0", log=log)
-    if not demo.is_dir():
-        glmpost("shards", "import", DATA / "recall-demo.jsonl", "--checkpoint", model, "--out", demo, log=log)
-    if not (sft / "LATEST").is_file():
-        glmpost("qat", demo, "--config", RECIPE, "--checkpoint", model, "--out", sft, log=log)
-    return sft
 
 
 def side(name: str, options: list[str], *, sft: Path, tasks: Path, work: Path, log: Path, max_turns: int) -> dict:
@@ -103,7 +80,7 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "stages.log"
-    sft = warm_start(args.work, log)
+    sft = warm_start(args.work, log, demos=DATA / "recall-demo.jsonl", recipe=RECIPE)
     tasks = args.work / "tasks.jsonl"
     sample = json.loads((DATA / "recall-train.jsonl").read_text().splitlines()[0])["task"]
     lines = kv_recall_tasks(args.tasks, seed=7, steps=args.steps, keys=len(sample["store"]),

@@ -92,6 +92,19 @@ class FailingResets(Countdown):
         return ""
 
 
+def judged_by_env(out: Path, judged: Path, *, spread: float) -> Path:
+    """``out``'s records judged by hand: the environment's reward plus ``spread`` times the record's
+    index mod 3 (so groups have different rewards)."""
+    judged.mkdir()
+    for path in resolve_shard_paths([out]):
+        reader = ShardReader(path)
+        with ShardWriter(judged / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+            for index, record in enumerate(reader):
+                reward = record["extra"]["env"]["reward"] + spread * (index % 3)
+                writer.write({**record, "reward": reward, "rewards": {"env": reward}, "reward_info": {}})
+    return judged
+
+
 def _prompts(tmp_path, count=4):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "countdown", "task": {"digit": d}}) + "\n"
@@ -152,14 +165,7 @@ def test_the_trainer_scores_exactly_what_the_engine_sampled_across_turns(glmpost
     assert overall["tokens"] == sum(int(r["action_mask"].sum()) for r in records)
     assert overall["max_abs"] <= 1e-5 and overall["sample_agreement"] == 1.0
 
-    judged = tmp_path / "judged"
-    judged.mkdir()
-    for path in resolve_shard_paths([out]):
-        reader = ShardReader(path)
-        with ShardWriter(judged / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
-            for index, record in enumerate(reader):
-                reward = record["extra"]["env"]["reward"] + 0.1 * (index % 3)
-                writer.write({**record, "reward": reward, "rewards": {"env": reward}, "reward_info": {}})
+    judged = judged_by_env(out, tmp_path / "judged", spread=0.1)
     train = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy", "--json")
     assert train.exit_code == 0, train.stderr
     assert json.loads(train.stdout)["trusted_fraction"] == 1.0

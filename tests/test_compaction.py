@@ -20,34 +20,32 @@ import pytest
 import torch
 
 from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.envs import Step
-from glmpost.formats import ShardReader, ShardWriter, context_windows, resolve_shard_paths
+from glmpost.formats import ShardReader, context_windows, resolve_shard_paths
 from glmpost.rl.advantages import ADVANTAGE_SCALINGS, cross_segment_factor, later_trainable_tokens
 from glmpost.rl.batches import MicroBatch, prepare_batch, segment_accounting, train_examples
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder
 
-from test_agentic import STOPS
+from test_agentic import STOPS, Countdown, judged_by_env
 from test_formats import compacted_record
 
 BUDGET = 80
 
 
-class Ticks:
-    """Shows a fact at reset, then ``turns`` short observations; done with reward 1 after them."""
+class Ticks(Countdown):
+    """A countdown of six steps that shows a fact at reset and says each tick twice."""
 
     def __init__(self, turns: int = 6):
-        self.left = turns
+        super().__init__(turns)
 
     def reset(self, task):
         return "fact 417"
 
     def step(self, action):
-        self.left -= 1
-        if self.left == 0:
-            return Step("", 1.0, True, {"left": 0})
-        return Step(f"tick {self.left} " * 2, 0.0, False, {"left": self.left})
+        answer = super().step(action)
+        answer.observation = f"{answer.observation} " * 2 if answer.observation else ""
+        return answer
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,6 +106,26 @@ def test_token_level_normalisation_does_not_upweight_a_trajectory_compacted_more
     assert _loss("segment", a + [[2.0] * 6])[0] == pytest.approx(_loss("token", a + [[2.0] * 6])[0]) == pytest.approx(1.5)
     weights, denominator = LOSS_NORMALIZATIONS["segment"](torch.tensor([4.0, 0.0], dtype=torch.float64))
     assert weights.tolist() == [0.25, 0.0] and float(denominator) == 1.0  # a segment without tokens counts nowhere
+
+
+@pytest.mark.parametrize("normalization, expected", [("token", 0.125), ("segment", -0.25)])
+def test_the_trainer_averages_the_loss_by_the_registered_normalisation(tiny_checkpoint, normalization, expected):
+    """Two segments, 2 action tokens at advantage 1 and 6 at -0.5; at the first step the ratio is 1,
+    so each token's policy loss is -A. Token level: -(2 * 1 + 6 * -0.5) / 8 = 0.125; the per-segment
+    mean: -(1 + -0.5) / 2 = -0.25."""
+    from glmpost.rl.batches import TrainExample
+
+    tokenizer, _ = load_tokenizer(tiny_checkpoint)
+
+    def example(prompt: list[int], response: list[int], advantage: float) -> TrainExample:
+        return TrainExample(prompt + response, len(prompt), np.ones(len(response), dtype=bool),
+                            np.full(len(response), -1.0, dtype=np.float32), advantage, "g")
+
+    examples = [example([5, 6, 7], [20, 21], 1.0), example([5, 8], [30, 31, 32, 33, 34, 35], -0.5)]
+    config = GRPOConfig(lr=1e-9, micro_batch_size=1, icepop=False, loss_normalization=normalization)
+    (step,) = PolicyTrainer(load_model(tiny_checkpoint), config, pad_token_id=tokenizer.pad_token_id).train(examples)
+    assert step["train/loss"] == pytest.approx(expected, abs=1e-5)
+    assert step["train/trusted_tokens"] == 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,25 +305,13 @@ def test_the_trainer_scores_every_action_and_summary_token_on_its_own_window_as_
     assert overall["tokens"] == tokens and overall["max_abs"] <= 1e-5 and overall["sample_agreement"] == 1.0
 
 
-def _judged(out: Path, tmp_path: Path) -> Path:
-    judged = tmp_path / "judged"
-    judged.mkdir()
-    for path in resolve_shard_paths([out]):
-        reader = ShardReader(path)
-        with ShardWriter(judged / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
-            for index, record in enumerate(reader):
-                reward = record["extra"]["env"]["reward"] + 0.25 * (index % 3)
-                writer.write({**record, "reward": reward, "rewards": {"env": reward}, "reward_info": {}})
-    return judged
-
-
 def _metric_lines(root: Path) -> list[dict]:
     return [json.loads(line) for line in (root / "v000001" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_train_grpo_accounts_for_every_segment(compacted, tiny_checkpoint, glmpost_cli, tmp_path):
     out, records = compacted
-    judged = _judged(out, tmp_path)
+    judged = judged_by_env(out, tmp_path / "judged", spread=0.25)
     trained = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "policy",
                           "--segment-decay", "0.9", "--json")
     assert trained.exit_code == 0, trained.stderr
@@ -328,7 +334,7 @@ def test_train_grpo_accounts_for_every_segment(compacted, tiny_checkpoint, glmpo
 
 def test_train_sao_runs_gae_per_window_and_scales_it_across_windows(compacted, tiny_checkpoint, glmpost_cli, tmp_path):
     out, records = compacted
-    judged = _judged(out, tmp_path)
+    judged = judged_by_env(out, tmp_path / "judged", spread=0.25)
     trained = glmpost_cli("train-sao", judged, "--checkpoint", tiny_checkpoint, "--critic", tmp_path / "critic",
                           "--init-critic", "--out", tmp_path / "policy", "--gamma", "0.9", "--lambda", "0.95", "--json")
     assert trained.exit_code == 0, trained.stderr
@@ -368,6 +374,19 @@ def test_a_summary_cut_at_its_budget_is_recorded_and_the_trajectory_goes_on(tiny
     assert cut and all(s["tokens"] == 1 for s in cut)
     went_on = [r for r in records if r["extra"]["compaction"]["windows"] > 1]
     assert went_on and all(r["status"] in ("completed", "truncated") for r in records)
+
+
+def test_pairs_that_do_not_fit_the_budget_are_dropped_oldest_first_and_recorded(tiny_checkpoint, glmpost_cli, tmp_path):
+    """--keep-last 6 under a budget of 80: a rebuilt context copies only the newest pairs that leave
+    the next turn its room (the threshold, 8), and extra.compaction.kept_pairs says how many."""
+    _, records = _rollout(glmpost_cli, tiny_checkpoint, tmp_path, "--compaction", "summary", "--keep-last", "6",
+                          "--compaction-threshold", "8", name="keep6")
+    kept = [n for r in records for n in r["extra"]["compaction"]["kept_pairs"]]
+    assert kept and 2 <= max(kept) < 6  # more than one pair when they fit, never the six asked for
+    for record in records:
+        for segment in record["segments"]:
+            if "context" in segment:
+                assert BUDGET - len(segment["context"]) >= 8
 
 
 @pytest.mark.parametrize("options, message", [

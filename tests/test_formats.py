@@ -314,16 +314,20 @@ VIOLATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(VIOLATIONS))
-def test_validate_refuses(name: str) -> None:
-    mutate, fragment = VIOLATIONS[name]
-    record = make(topk=3)
+def assert_refused(record: dict[str, Any], mutate, fragment: str) -> None:
+    """``record`` validates; after ``mutate`` it is refused in one line holding ``fragment``."""
     validate_record(record)
     mutate(record)
     with pytest.raises(RecordError) as exc:
         validate_record(record)
     assert fragment in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("name", list(VIOLATIONS))
+def test_validate_refuses(name: str) -> None:
+    mutate, fragment = VIOLATIONS[name]
+    assert_refused(make(topk=3), mutate, fragment)
 
 
 def test_validate_allows_nan_reward_with_reason_and_neither_mask() -> None:
@@ -425,13 +429,7 @@ CONTEXT_VIOLATIONS = {
 @pytest.mark.parametrize("name", list(CONTEXT_VIOLATIONS))
 def test_validate_refuses_bad_windows(name: str) -> None:
     mutate, fragment = CONTEXT_VIOLATIONS[name]
-    record = compacted_record()
-    validate_record(record)
-    mutate(record)
-    with pytest.raises(RecordError) as exc:
-        validate_record(record)
-    assert fragment in str(exc.value)
-    assert "\n" not in str(exc.value)
+    assert_refused(compacted_record(), mutate, fragment)
 
 
 def test_any_role_is_allowed_and_other_kinds_keep_their_conventions() -> None:

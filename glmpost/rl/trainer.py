@@ -13,8 +13,13 @@ term) + ``icepop`` + ``policy``.
 The loss of a mini-batch is a sum over its trusted action tokens divided by their number (or, with
 ``loss_denominator = "action"``, by the number of all its action tokens) *in the
 whole mini-batch across all data-parallel ranks*, so the gradient does not depend on how records
-are split into micro-batches or ranks (a 2-process run matches a 1-process run). Step metrics are
-named sums, reduced over ranks once per step.
+are split into micro-batches or ranks (a 2-process run matches a 1-process run). How the tokens are
+weighed is the registered loss normalisation ``config.loss_normalization`` names
+(:data:`~glmpost.rl.losses.LOSS_NORMALIZATIONS`: ``token``, CompactionRL's, or ``segment``, each
+example's mean first); an example is a context window of a record (a compacted record has several),
+and the estimator's advantages pass through the scalings ``config.advantage_scalings()`` names
+(``cross_segment``: ``(gamma*lambda)^{N_{>s}}``). Step metrics are named sums, reduced over ranks
+once per step.
 """
 
 from __future__ import annotations
