@@ -65,9 +65,10 @@ def window_inputs(record: Mapping[str, Any], window: ContextWindow) -> tuple[lis
 
 def window_views(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The record as one single-window record per context window, for readers that score a record
-    as ``prompt + response`` (diff-logprobs): ``prompt_token_ids`` = the window's context, every
-    per-token field and the segments cut to the window (segment bounds shifted, ``context`` dropped);
-    ids and the rest unchanged. A record without compaction is returned as the one view."""
+    as ``prompt + response`` (diff-logprobs, score-teacher): ``prompt_token_ids`` = the window's
+    context, every per-token field and the segments cut to the window (segment bounds shifted,
+    ``context`` dropped); ids and the rest unchanged; ``window`` (a key outside the schema: views are
+    never written) is the window's index. A record without compaction is returned as the one view."""
     windows = context_windows(record)
     if len(windows) == 1:
         return [dict(record)]
@@ -84,5 +85,6 @@ def window_views(record: Mapping[str, Any]) -> list[dict[str, Any]]:
         view["segments"] = [{**{k: v for k, v in seg.items() if k != CONTEXT_KEY}, "start": int(seg["start"]) - window.start,
                              "end": int(seg["end"]) - window.start}
                             for seg in record.get("segments") or () if window.start <= int(seg["start"]) < window.end]
+        view["window"] = window.index
         views.append(view)
     return views

@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: the slow tier (learning tests of many minutes); bin/test leaves it out, "
+                            "bin/test -m slow runs it")
+
+
 @dataclass
 class CliResult:
     exit_code: int
@@ -29,6 +34,17 @@ def run_glmpost(*args: str) -> CliResult:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def torch_one_thread():
+    """One torch thread: two threads per process thrash on the shared 2-core machine (learning tests)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-agentic.toml"
@@ -23,13 +22,7 @@ DATA = ROOT / "recipes" / "data"
 ITERATIONS = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: two threads per process thrash on the shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def env_reward(run, prompts: Path, checkpoint: Path, out: Path, *options) -> float:

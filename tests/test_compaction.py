@@ -305,6 +305,32 @@ def test_the_trainer_scores_every_action_and_summary_token_on_its_own_window_as_
     assert overall["tokens"] == tokens and overall["max_abs"] <= 1e-5 and overall["sample_agreement"] == 1.0
 
 
+def test_score_teacher_scores_each_window_on_its_own_context(compacted, tiny_checkpoint, glmpost_cli, tmp_path):
+    """The teacher prefills each window on the context the student saw: its log-prob of every action
+    and summary token equals a forward over that window's context and tokens (<= 1e-5)."""
+    from glmpost.closure.logprobs import sequence_log_probs
+    from glmpost.formats import window_inputs
+
+    out, _ = compacted
+    scored = glmpost_cli("score-teacher", out, "--teacher", tiny_checkpoint, "--out", tmp_path / "scored")
+    assert scored.exit_code == 0, scored.stderr
+    model = load_model(tiny_checkpoint)
+    worst, windows = 0.0, 0
+    for path in resolve_shard_paths([tmp_path / "scored"]):
+        for record in ShardReader(path):
+            actions = record["action_mask"]
+            assert np.isfinite(record["teacher_log_probs"][actions]).all()
+            for window in context_windows(record):
+                ids, p = window_inputs(record, window)
+                with torch.no_grad():
+                    mine = sequence_log_probs(model, torch.tensor([ids])).log_probs[0, p - 1 :].double().numpy()
+                acting = actions[window.start : window.end]
+                teacher = record["teacher_log_probs"][window.start : window.end]
+                worst = max(worst, float(np.abs(mine[acting] - teacher[acting]).max()))
+                windows += 1
+    assert windows > 8 and worst <= 1e-5, worst
+
+
 def _metric_lines(root: Path) -> list[dict]:
     return [json.loads(line) for line in (root / "v000001" / "metrics.jsonl").read_text().splitlines()]
 

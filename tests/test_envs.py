@@ -124,6 +124,17 @@ def test_kv_recall_asks_after_the_steps_and_rewards_the_value_shown_at_reset():
             ENVIRONMENTS["kv-recall"]().reset(task)
 
 
+def test_kv_recall_tasks_of_one_key_differ_in_the_value_alone():
+    """The tiny recipe's tasks: one key of the letter a, one-digit values; only the value varies, so
+    nothing but the value itself predicts the answer."""
+    lines = kv_recall_tasks(200, seed=1, digits=1, letters="a")
+    assert {line["task"]["query"] for line in lines} == {"aa"} and {line["prompt"] for line in lines} == {lines[0]["prompt"]}
+    assert {line["task"]["answer"] for line in lines} == set("0123456789")
+    assert all(line["task"]["store"] == {"aa": line["task"]["answer"]} for line in lines)
+    with pytest.raises(ValueError):
+        kv_recall_tasks(1, digits=0)
+
+
 def test_kv_recall_tasks_are_deterministic_and_answer_the_queried_key():
     lines = kv_recall_tasks(30, seed=5, steps=3, keys=3)
     assert lines == kv_recall_tasks(30, seed=5, steps=3, keys=3) != kv_recall_tasks(30, seed=6, steps=3, keys=3)

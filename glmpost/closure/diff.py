@@ -301,7 +301,8 @@ class LogprobDiff:
         self.deltas = deltas = compare_paths(path_a, path_b, records)
         report = mismatch_report(deltas, worst=c.worst, beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high,
                                  context=lambda i, position: worst_context(tokenizer, records[i], position, c.context_tokens))
-        report.update({"mode": c.mode, "path_a": desc_a, "path_b": desc_b, "records": len(records),
+        report.update({"mode": c.mode, "path_a": desc_a, "path_b": desc_b,
+                       "records": sum(not r.get("window") for r in records), "windows": len(records),
                        "temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p,
                        "log_prob_kind": next(iter(settings))[0], "resampled": deltas.agree is not None,
                        "checkpoint": str(self.version_dir), "deterministic_topk": c.deterministic_topk})
@@ -396,7 +397,9 @@ def diff_table(report: dict[str, Any], out: Path) -> str:
     overall = report["overall"]
     a, b = report["path_a"], report["path_b"]
     b_name = {"rollout": "rollout log-probs", "server": f"server {b.get('url')}"}.get(report["mode"], f"{b.get('checkpoint')} {b.get('dtype')} {b.get('device')} {b.get('topk')}")
-    lines = [f"{out}: {overall.get('tokens', 0)} action tokens of {report['records']} trajectories",
+    windows = report.get("windows", report["records"])
+    lines = [f"{out}: {overall.get('tokens', 0)} action tokens of {report['records']} trajectories"
+             + (f" ({windows} context windows)" if windows != report["records"] else ""),
              f"  A: {a['checkpoint']} {a['dtype']} {a['device']} {a['topk']}-topk",
              f"  B: {b_name}"]
     agree = report["resampled"]
