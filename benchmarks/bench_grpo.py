@@ -87,13 +87,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import PeakMemory, rss_bytes  # noqa: E402
 
-from glmpost.rollout.engine import LocalEngine, SamplingParams  # noqa: E402
+from glmpost.formats.prompts import encode_prompt  # noqa: E402
+from glmpost.kernel.engine import LocalEngine, SamplingParams  # noqa: E402
 from glmpost.models.tiny import build_model, tiny_glm5_config  # noqa: E402
 from glmpost.models.tokenizer import train_tokenizer  # noqa: E402
-from glmpost.rollout.prompts import encode_prompt  # noqa: E402
-from glmpost.rollout.records import RolloutPrompt, rollout_record  # noqa: E402
 from glmpost.rl.batches import prepare_batch  # noqa: E402
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer  # noqa: E402
+from glmpost.rollout.records import RolloutPrompt, rollout_record  # noqa: E402
 
 GOAL_SPEED_RATIO = 1.0
 GOAL_MEMORY_RATIO = 1.0

@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import PeakMemory, check_rss_tracks_tensors  # noqa: E402
 
-from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, token_log_probs_from_hidden  # noqa: E402
-from glmpost.rollout.distribution import LOG_PROB_FLOOR, ScoredDistribution, distribution_log_softmax  # noqa: E402
+from glmpost.kernel.distribution import LOG_PROB_FLOOR, ScoredDistribution, distribution_log_softmax  # noqa: E402
+from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, token_log_probs_from_hidden  # noqa: E402
 
 GOAL_MEMORY_RATIO = 0.2
 GOAL_SPEED_RATIO = 0.9
@@ -77,7 +77,7 @@ def checkpointed(hidden, weight, targets, *, temperature, entropy, chunk_size, t
 
     import torch.nn.functional as F
 
-    from glmpost.closure.logprobs import _chunked_log_probs
+    from glmpost.kernel.logprobs import _chunked_log_probs
 
     out = _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight), weight.shape[0], targets, mask=None,
                              distribution=ScoredDistribution(temperature, top_k, top_p), chunk_size=chunk_size,

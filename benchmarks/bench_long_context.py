@@ -13,7 +13,7 @@ weights: ``native`` (:func:`glmpost.models.native_attention.set_attention`) and 
   positions grown per step, the cache passed back); the reference sides only up to
   ``--reference-max-prompt`` (they take minutes beyond).
 * ``train``: forward + backward of one sequence through the trainer's log-prob path
-  (:func:`glmpost.closure.logprobs.sequence_log_probs`) at each ``--train-lengths`` length: tokens/s
+  (:func:`glmpost.kernel.logprobs.sequence_log_probs`) at each ``--train-lengths`` length: tokens/s
   (best of ``--repeats``) and the peak memory of the step above its start, measured in a child
   process per side and length (the kernel's high-water mark, :class:`memory.PeakMemory`, of the
   first step after a 64-token warm-up, with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` so that every
@@ -45,13 +45,13 @@ import warnings
 from pathlib import Path
 
 import torch
+from memory import PeakMemory, check_rss_tracks_tensors
 
-from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.models.native_attention import set_attention
 from glmpost.models.tiny import build_model, tiny_glm5_config
 from glmpost.npu.topk import deterministic_topk, install_deterministic_topk
-from glmpost.rollout.engine import LocalEngine, SamplingParams
-from memory import PeakMemory, check_rss_tracks_tensors
 
 PAD = 0
 

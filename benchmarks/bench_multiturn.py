@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
+from glmpost.kernel.continuation import TurnCaches
+from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.models.tiny import build_model, tiny_glm5_config
-from glmpost.rollout.continuation import TurnCaches
-from glmpost.rollout.engine import LocalEngine, SamplingParams
 
 GOAL_RE_PREFILL_RATIO = 3.0
 PAD = 0

@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.formats.prompts import encode_prompt
+from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.models.tiny import build_model, tiny_glm5_config
 from glmpost.models.tokenizer import train_tokenizer
-from glmpost.rollout.prompts import encode_prompt
 
 GOAL_SPEED_RATIO = 1.0
 

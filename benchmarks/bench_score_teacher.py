@@ -3,7 +3,7 @@
 Both score the same student records (prompt + response token ids, every response token an action)
 with the same teacher model, side by side in one process:
 
-- ``score-teacher``: :func:`glmpost.closure.scoring.score_records`, what ``glmpost score-teacher`` runs per
+- ``score-teacher``: :func:`glmpost.kernel.scoring.score_records`, what ``glmpost score-teacher`` runs per
   teacher (``--batch-size`` records per forward, only action rows reach the LM head, ``--chunk-size``
   rows at a time, so the largest logits buffer is ``[chunk, V]``);
 - ``naive``: ``model(input_ids).logits`` (float32 ``[B, L, V]``), ``log_softmax`` over the vocabulary,
@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import PeakMemory, check_rss_tracks_tensors
 
+from glmpost.kernel.scoring import score_records
 from glmpost.models.tiny import build_model, tiny_glm5_config
-from glmpost.closure.scoring import score_records
 
 GOAL_MEMORY_RATIO = 0.3
 GOAL_SPEED_RATIO = 1.0

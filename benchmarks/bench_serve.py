@@ -65,12 +65,12 @@ def main(argv=None):
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from glmpost.checkpoints import load_tokenizer
     from glmpost.commands.app import main as glmpost_main
-    from glmpost.rollout.engine import SamplingParams
-    from glmpost.serving.http_server import bound_address, make_http_server
-    from glmpost.serving.server import EngineServer, load_checkpoint
-    from glmpost.serving.sglang_client import SGLangClient
+    from glmpost.kernel.engine import SamplingParams
+    from glmpost.kernel.loading import load_tokenizer
+    from glmpost.kernel.sglang_client import SGLangClient
+    from glmpost.server.engine import EngineServer, load_checkpoint
+    from glmpost.server.http import bound_address, make_http_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve."))
     try:

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import typer
 
-from glmpost.closure.diff import STAGE, DiffConfig, LogprobDiff, diff_table
 from glmpost.commands.common import (
     config_option,
     effective_options,
@@ -53,7 +52,8 @@ from glmpost.commands.common import (
 )
 from glmpost.commands.options import config_from, json_option, option
 from glmpost.config import ConfigError
-from glmpost.serving.sglang_client import check_api_key, without_api_key
+from glmpost.diff.run import STAGE, DiffConfig, LogprobDiff, diff_table
+from glmpost.kernel.sglang_client import check_api_key, without_api_key
 
 
 def diff_logprobs(

@@ -34,10 +34,10 @@ from glmpost.commands.common import config_option, effective_options, print_summ
 from glmpost.commands.options import config_from, follow_from, json_option, option, with_options
 from glmpost.config import domain_assignment
 from glmpost.errors import UsageError
-from glmpost.relay import RELAY_OPTIONS, RelayConfig, relay_line
 from glmpost.rewards.follow import follow_judge
 from glmpost.rewards.judging import JudgeConfig, JudgeRun
 from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_string
+from glmpost.spool.relay import RELAY_OPTIONS, RelayConfig, relay_line
 
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "

@@ -10,7 +10,7 @@ batch, teacher payload, weight-sync quantization) and the model config (--model:
 config.json or a checkpoint). Options of this command can also be set in the recipe's [plan]
 section (flags win). Each object is then described: its layout, producer, consumer, owner and lifetime.
 Model-state and KV-cache bytes are exact; activations and workspace are
-estimates (see glmpost/memory_plan.py); the allocator's fragmentation is not modelled (--margin).
+estimates (see glmpost/memory/plan.py); the allocator's fragmentation is not modelled (--margin).
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import click
 import typer
 
 from glmpost.commands.common import print_summary
 from glmpost.commands.options import json_option
+from glmpost.commands.recipe_checks import check_recipe, stage_commands, stage_values
 from glmpost.errors import UsageError
-from glmpost.memory_plan import ModelShape
-from glmpost.memory_roles import format_bytes, format_objects, format_table, memory_objects, plan_memory
-from glmpost.memory_recipe import model_config, workload_from_recipe
+from glmpost.memory.plan import ModelShape
+from glmpost.memory.recipe import model_config, workload_from_recipe
+from glmpost.memory.roles import format_bytes, format_objects, format_table, memory_objects, plan_memory
 
 PLAN_DEFAULTS: dict[str, Any] = {
     "model": "tiny-glm5",
@@ -52,7 +54,6 @@ def plan(
     margin: float | None = typer.Option(None, "--margin", min=0.0, help="Runtime margin as a fraction of each role's sum (the brief's M_runtime_margin). Default: 0."),
     as_json: bool = json_option("the plan"),
 ) -> None:
-    from glmpost.commands.recipe_checks import check_recipe, stage_commands, stage_values
 
     report = check_recipe(recipe)
     if report.errors:
@@ -71,9 +72,7 @@ def plan(
         shape = ModelShape.from_config(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"--model {settings['model']}: not a GLM-5 (GlmMoeDsa) config ({exc})") from None
-    from glmpost.commands.app import app as glmpost_app
-
-    commands = stage_commands(typer.main.get_command(glmpost_app))
+    commands = stage_commands(click.get_current_context().find_root().command)
     values = {name: stage_values(commands[name], given_values) for name, given_values in report.stages.items() if name != "plan"}
     workload = workload_from_recipe(values, settings, lambda name: stage_values(commands[name], {}) if name in commands else {})
     rows = plan_memory(shape, workload)

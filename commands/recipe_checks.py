@@ -10,12 +10,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import click
 import typer
 
 from glmpost.commands.options import flag_of
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
+from glmpost.pipeline import load_pipeline
 from glmpost.rl.batch_rules import batch_arithmetic
+from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
+from glmpost.rl.sao import SAOConfig
+from glmpost.rl.sft import SFTConfig
+from glmpost.rl.trainer import GRPOConfig, OPDConfig
 from glmpost.toml import load_recipe
 
 # Values of path parameters with these suffixes are input files no stage writes: they must exist.
@@ -158,7 +164,6 @@ def stage_values(command: Any, given: dict[str, Any]) -> dict[str, Any]:
 def check_pipeline(report: RecipeReport) -> None:
     """``[pipeline]``: its keys (declared once, as :class:`glmpost.pipeline.PipelineConfig`'s
     settings) and what they name, checked as the pipeline scripts will load them."""
-    from glmpost.pipeline import load_pipeline
 
     try:
         report.pipeline = load_pipeline(report.path)
@@ -173,10 +178,6 @@ def check_pipeline(report: RecipeReport) -> None:
 
 def trainer_config_errors(stage: str, values: dict[str, Any], command: Any) -> list[str]:
     """Run the trainer's own ``validate()`` and DeepSpeed-config checks on the section's values."""
-    from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
-    from glmpost.rl.sft import SFTConfig
-    from glmpost.rl.sao import SAOConfig
-    from glmpost.rl.trainer import GRPOConfig, OPDConfig
 
     errors = []
     config_class = {"train-grpo": GRPOConfig, "train-sao": SAOConfig, "qat": SFTConfig, "opd-merge": OPDConfig}.get(stage)
@@ -204,10 +205,8 @@ def check_recipe(path: Path, *, ranks: int | None = None, root: Any = None) -> R
     ``ranks`` (data-parallel training ranks) defaults to the ``[pipeline]``'s train-ranks x
     train-nodes, else 1.
     """
-    if root is None:
-        from glmpost.commands.app import app as glmpost_app
-
-        root = typer.main.get_command(glmpost_app)
+    if root is None:  # the running glmpost command's root, whose subcommands are the stages
+        root = click.get_current_context().find_root().command
     report = RecipeReport(Path(path))
     recipe = load_recipe(report.path)
     commands = stage_commands(root)

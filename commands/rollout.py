@@ -80,9 +80,9 @@ import typer
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.commands.options import config_from, json_option, option, with_options
 from glmpost.errors import UsageError
+from glmpost.kernel.sglang_client import without_api_key
 from glmpost.rollout.follow import RolloutFollowConfig, follow_rollout
 from glmpost.rollout.runner import RolloutConfig, RolloutRunner
-from glmpost.serving.sglang_client import without_api_key
 
 
 @with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue", "kv_on_switch"))

@@ -32,12 +32,12 @@ from typing import Any, List, Optional
 
 import typer
 
-from glmpost.closure.teachers import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.closure.teacher_follow import follow_score_teacher
 from glmpost.commands.options import config_from, follow_from, json_option, option, with_options
-from glmpost.relay import RELAY_OPTIONS, RelayConfig, relay_line
-from glmpost.serving.sglang_client import check_api_key, without_api_key
+from glmpost.kernel.sglang_client import check_api_key, without_api_key
+from glmpost.spool.relay import RELAY_OPTIONS, RelayConfig, relay_line
+from glmpost.teachers.follow import follow_score_teacher
+from glmpost.teachers.run import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
 
 
 @with_options(RelayConfig, RELAY_OPTIONS)

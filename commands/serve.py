@@ -48,7 +48,7 @@ import typer
 
 from glmpost.commands.common import config_option
 from glmpost.commands.options import config_from, option
-from glmpost.serving.http_server import ServeConfig, serve_checkpoint
+from glmpost.server.http import ServeConfig, serve_checkpoint
 
 STAGE = "serve"
 

@@ -24,8 +24,8 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.commands.options import config_from, json_option, option
-from glmpost.serving.sglang_client import check_api_key, without_api_key
-from glmpost.serving.weight_sync import SyncConfig, failed_servers_error, sync_report, sync_weights_run
+from glmpost.kernel.sglang_client import check_api_key, without_api_key
+from glmpost.weight_sync.run import SyncConfig, failed_servers_error, sync_report, sync_weights_run
 
 
 def sync_weights(

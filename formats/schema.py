@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -161,7 +161,7 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
         elif spec.kind == "segments" and isinstance(value, (list, tuple)):
             out[name] = [_to_segment(i, s) for i, s in enumerate(value)]
         elif spec.kind == "map" and isinstance(value, Mapping):
-            out[name] = _to_free_form(value, name)
+            out[name] = to_free_form(value, name)
         else:
             out[name] = value
     return out
@@ -209,7 +209,7 @@ _CONTEXT = Field(CONTEXT_KEY, "array", ROLLOUT, dtype=np.dtype("int32"), shape=(
 def _to_segment(index: int, segment: Any) -> Any:
     if not isinstance(segment, Mapping):
         return segment
-    out = _to_free_form(segment, f"segments[{index}]")
+    out = to_free_form(segment, f"segments[{index}]")
     for key in ("start", "end", "turn"):
         if isinstance(out.get(key), np.integer):
             out[key] = int(out[key])
@@ -221,14 +221,14 @@ def _to_segment(index: int, segment: Any) -> Any:
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
-def _to_free_form(value: Any, where: str) -> Any:
+def to_free_form(value: Any, where: str) -> Any:
     """Free-form maps (task, sampling, extra, ...) hold msgpack-able values with ``str`` keys."""
     if isinstance(value, _SCALARS):
         if isinstance(value, int) and not -(2**63) <= value < 2**64:
             raise RecordError(f"{where}: integer {value} does not fit 64 bits")
         return value
     if isinstance(value, np.generic):
-        return _to_free_form(value.item(), where)
+        return to_free_form(value.item(), where)
     if isinstance(value, np.ndarray):
         if value.dtype.str.lstrip("<>|=") not in _FREE_FORM_DTYPES:
             raise RecordError(f"{where}: arrays of dtype {value.dtype} cannot be stored")
@@ -238,10 +238,10 @@ def _to_free_form(value: Any, where: str) -> Any:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise RecordError(f"{where}: map key {key!r} is not a string")
-            out[key] = _to_free_form(item, f"{where}.{key}")
+            out[key] = to_free_form(item, f"{where}.{key}")
         return out
     if isinstance(value, (list, tuple)):
-        return [_to_free_form(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return [to_free_form(item, f"{where}[{i}]") for i, item in enumerate(value)]
     raise RecordError(f"{where}: values of type {type(value).__name__} cannot be stored")
 
 

@@ -23,10 +23,10 @@ from glmpost.formats.shards import (
     FORMAT_NAME,
     HEADER_KEYS,
     ZSTD_MAGIC,
+    BadExtension,
     ShardError,
-    _BadExt,
-    _checksum,
-    _unpacker,
+    checksum_text,
+    record_unpacker,
 )
 from glmpost.formats.windows import CONTEXT_KEY
 
@@ -49,7 +49,7 @@ class _ObjectStream:
         self.trailing_bytes = 0
         self._file = open(path, "rb")
         self._decompressor = zstandard.ZstdDecompressor().decompressobj()
-        self._unpacker = _unpacker()
+        self.record_unpacker = record_unpacker()
         self._buffer = bytearray()  # uncompressed bytes from offset _buffer_start, not yet checksummed
         self._buffer_start = 0
         self._crc = 0
@@ -62,8 +62,8 @@ class _ObjectStream:
 
     def __iter__(self) -> Iterator[Any]:
         while True:
-            for obj in self._unpacker:
-                self._last_start, self._end = self._end, self._unpacker.tell()
+            for obj in self.record_unpacker:
+                self._last_start, self._end = self._end, self.record_unpacker.tell()
                 if self._crc_from is None:
                     self._crc_from = self._end
                 yield obj
@@ -105,8 +105,8 @@ class _ObjectStream:
                 self.trailing_bytes += len(self._decompressor.unused_data)
             if data:
                 if self._crc_from is None and len(self._buffer) > _MAX_HEADER:
-                    raise _BadExt(f"no msgpack object in the first {_MAX_HEADER >> 20} MiB")
-                self._unpacker.feed(data)
+                    raise BadExtension(f"no msgpack object in the first {_MAX_HEADER >> 20} MiB")
+                self.record_unpacker.feed(data)
                 self._buffer += data
                 return True
 
@@ -225,9 +225,9 @@ class ShardReader:
             raise ShardError(self.path, "malformed footer (needs 'records' and 'checksum')")
         if footer["records"] != count:
             raise ShardError(self.path, f"footer count mismatch: footer says {footer['records']} records, found {count}")
-        if footer["checksum"] != _checksum(crc):
+        if footer["checksum"] != checksum_text(crc):
             raise ShardError(
-                self.path, f"checksum mismatch: footer has {footer['checksum']}, records hash to {_checksum(crc)}"
+                self.path, f"checksum mismatch: footer has {footer['checksum']}, records hash to {checksum_text(crc)}"
             )
 
     def _check_end(self, stream: _ObjectStream, objects: Iterator[Any]) -> None:
@@ -256,7 +256,7 @@ _DECODE_ERRORS = (msgpack.UnpackException, ValueError, zstandard.ZstdError, Recu
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, zstandard.ZstdError):
         return f"corrupt zstd data: {exc}"
-    if isinstance(exc, _BadExt):
+    if isinstance(exc, BadExtension):
         return str(exc)
     return f"corrupt msgpack data: {exc or type(exc).__name__}"
 

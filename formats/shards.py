@@ -41,8 +41,8 @@ from glmpost.errors import GlmpostError
 from glmpost.formats.schema import (
     SCHEMA_VERSION,
     RecordError,
-    _to_free_form,
     normalize_record,
+    to_free_form,
     validate_record,
 )
 from glmpost.fsutil import fsync_dir
@@ -101,22 +101,22 @@ def encode_array(arr: np.ndarray) -> msgpack.ExtType:
     return msgpack.ExtType(ARRAY_EXT_CODE, head + arr.astype(DTYPE_CODES[code], copy=False).tobytes())
 
 
-class _BadExt(ValueError):
+class BadExtension(ValueError):
     pass
 
 
 def decode_ext(code: int, payload: bytes) -> np.ndarray:
     """Inverse of :func:`encode_array`: a writable, aligned numpy array (a copy of the payload)."""
     if code != ARRAY_EXT_CODE:
-        raise _BadExt(f"unknown msgpack ExtType code {code}")
+        raise BadExtension(f"unknown msgpack ExtType code {code}")
     if len(payload) < 2 or payload[0] not in DTYPE_CODES:
-        raise _BadExt("array with an unknown dtype code")
+        raise BadExtension("array with an unknown dtype code")
     dtype, ndim = DTYPE_CODES[payload[0]], payload[1]
     try:
         shape = struct.unpack_from(f"<{ndim}I", payload, 2)
         arr = np.frombuffer(payload, dtype, offset=2 + 4 * ndim).reshape(shape)
     except (struct.error, ValueError):
-        raise _BadExt("array payload size does not match its shape") from None
+        raise BadExtension("array payload size does not match its shape") from None
     return arr.astype(_NATIVE[payload[0]])  # a native-order, aligned, writable copy
 
 
@@ -132,12 +132,12 @@ def _packer() -> msgpack.Packer:
     return msgpack.Packer(default=_pack_default, use_bin_type=True, autoreset=True)
 
 
-def _unpacker() -> msgpack.Unpacker:
+def record_unpacker() -> msgpack.Unpacker:
     # max_buffer_size=0 means the 4 GiB maximum; one record is one object, so this bounds a record.
     return msgpack.Unpacker(ext_hook=decode_ext, raw=False, max_buffer_size=0, strict_map_key=True)
 
 
-def _checksum(crc: int) -> str:
+def checksum_text(crc: int) -> str:
     return f"crc32:{crc:08x}"
 
 
@@ -190,7 +190,7 @@ class ShardWriter:
         if not isinstance(tokenizer_revision, str) or not tokenizer_revision:
             raise ShardError(self.path, "tokenizer_revision must be a non-empty string")
         try:
-            options = _to_free_form(dict(options), "options")
+            options = to_free_form(dict(options), "options")
         except RecordError as exc:
             raise ShardError(self.path, f"header {exc}") from None
         return {
@@ -228,7 +228,7 @@ class ShardWriter:
         self.records += 1
 
     def _footer(self) -> dict[str, Any]:
-        return {"footer": True, "records": self.records, "checksum": _checksum(self._crc)}
+        return {"footer": True, "records": self.records, "checksum": checksum_text(self._crc)}
 
     def close(self) -> Path:
         """Write the footer and publish the shard at ``path`` (atomically); returns ``path``."""

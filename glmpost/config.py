@@ -107,7 +107,6 @@ class ConfigError(UsageError):
 def domain_assignment(value: Any, *, flag: str, example: str) -> tuple[str, str]:
     """``DOMAIN=VALUE`` (a ``--route`` / ``--verifier`` item) as ``(domain, value)``, both stripped;
     anything else is a usage error that shows ``flag`` and ``example`` (``DOMAIN=CHECKPOINT``)."""
-    from glmpost.errors import UsageError
 
     if isinstance(value, tuple):
         return value

@@ -18,3 +18,9 @@ class UsageError(GlmpostError):
     """The invocation was wrong: a bad option value, a missing input (exit code 2)."""
 
     exit_code = 2
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none), for one-line errors."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

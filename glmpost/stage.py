@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from glmpost import __version__
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
+from glmpost.formats import ShardError, ShardReader
 from glmpost.fsutil import write_text_atomic
 
 
@@ -88,7 +89,6 @@ def shard_outputs(paths: list[Path], out: Path, *, what: str) -> dict[Path, Path
 def complete_shard(target: Path, stage: str, *, redo: str) -> bool:
     """Whether ``target`` is a complete shard written by ``stage`` (read through, checksums verified);
     when it is not, says why it will be redone (``redo``: ``judging again``)."""
-    from glmpost.formats import ShardError, ShardReader
 
     if not target.exists():
         return False

@@ -1,3 +1,5 @@
+from glmpost.errors import UsageError
+
 """The TOML reader every recipe goes through: the standard library's ``tomllib`` (Python 3.11+), or
 ``tomli``, the package it was taken from, on Python 3.10 (pyproject.toml installs it there)."""
 
@@ -11,7 +13,6 @@ __all__ = ["load_recipe", "tomllib"]
 
 def load_recipe(path) -> dict:
     """A TOML recipe as a dict; a missing, directory or malformed file is a one-line usage error."""
-    from glmpost.errors import UsageError
 
     try:
         with open(path, "rb") as f:

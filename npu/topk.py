@@ -47,7 +47,7 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
         return torch.empty((*scores.shape[:-1], k), dtype=torch.int32, device=scores.device)
     if 8 * k >= length:
         return composite_topk(scores, k)
-    top = _original_topk(scores, k + 1, dim=-1)
+    top = original_topk(scores, k + 1, dim=-1)
     values = top.values
     distinct = (values[..., :-1] > values[..., 1:]).all(-1)
     indices = top.indices[..., :k]
@@ -74,7 +74,7 @@ def composite_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
         ordered.masked_fill_(values.isnan(), torch.iinfo(torch.int32).min)
     positions = torch.arange(0xFFFFFFFF, 0xFFFFFFFF - values.shape[-1], -1, dtype=torch.int64, device=values.device)
     keys = ordered.to(torch.int64).bitwise_left_shift_(32).bitwise_or_(positions)
-    return _original_topk(keys, k, dim=-1).indices.to(torch.int32)
+    return original_topk(keys, k, dim=-1).indices.to(torch.int32)
 
 
 def sorted_deterministic_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -96,12 +96,12 @@ def _eligible(scores: torch.Tensor, dim: int, largest: bool, out) -> bool:
 
 def _topk_values(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *, out=None):
     if not _eligible(self, dim, largest, out):
-        return _original_topk(self, k, dim, largest, sorted, out=out)
+        return original_topk(self, k, dim, largest, sorted, out=out)
     indices = deterministic_topk(self, k).long()
     return torch.return_types.topk((self.gather(-1, indices), indices))
 
 
-_original_topk = torch.Tensor.topk
+original_topk = torch.Tensor.topk
 
 # The indexer whose forward is running (innermost last): its rule and observers decide what
 # ``Tensor.topk`` does while it runs.
@@ -113,9 +113,9 @@ def _indexer_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = Tru
     if module._glmpost_deterministic_topk:
         result = _topk_values(self, k, dim, largest, sorted, out=out)
     elif out is not None:
-        result = _original_topk(self, k, dim, largest, sorted, out=out)
+        result = original_topk(self, k, dim, largest, sorted, out=out)
     else:
-        result = _original_topk(self, k, dim, largest, sorted)
+        result = original_topk(self, k, dim, largest, sorted)
     if _eligible(self, dim, largest, out):
         for observer in list(module._glmpost_topk_observers):
             observer(module, self, result.indices)

@@ -85,7 +85,7 @@ def server(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     """The in-process engine the ``server`` fixture serves (batch size 8)."""
-    from glmpost.checkpoints import load_model
-    from glmpost.rollout.engine import LocalEngine
+    from glmpost.kernel.engine import LocalEngine
+    from glmpost.kernel.loading import load_model
 
     return LocalEngine(load_model(tiny_checkpoint), batch_size=8, pad_token_id=0)

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from glmpost.checkpoints import load_model, load_tokenizer
 from glmpost.envs import Step
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
+from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import prepare_batch
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
 from glmpost.formats import ShardReader
-from glmpost.formats.spool import Spool
+from glmpost.spool.spool import Spool
 
 GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
 

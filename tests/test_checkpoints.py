@@ -11,13 +11,12 @@ from glmpost.checkpoints import (
     CheckpointError,
     CheckpointManifest,
     CheckpointRoot,
-    load_model,
-    load_tokenizer,
     read_manifest,
     resolve_checkpoint,
     tokenizer_revision,
     write_manifest,
 )
+from glmpost.kernel.loading import load_model, load_tokenizer
 
 
 def _version(tmp_path: Path, name: str, version: int, parent: str | None = None) -> Path:

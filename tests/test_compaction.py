@@ -12,23 +12,21 @@ budget that forces several compactions per trajectory.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from test_agentic import STOPS, Countdown, judged_by_env
+from test_formats import compacted_record
 
-from glmpost.checkpoints import load_model, load_tokenizer
 from glmpost.formats import ShardReader, context_windows, resolve_shard_paths
+from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.advantages import ADVANTAGE_SCALINGS, cross_segment_factor, later_trainable_tokens
 from glmpost.rl.batches import MicroBatch, prepare_batch, segment_accounting, train_examples
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder
-
-from test_agentic import STOPS, Countdown, judged_by_env
-from test_formats import compacted_record
 
 BUDGET = 80
 
@@ -308,8 +306,8 @@ def test_the_trainer_scores_every_action_and_summary_token_on_its_own_window_as_
 def test_score_teacher_scores_each_window_on_its_own_context(compacted, tiny_checkpoint, glmpost_cli, tmp_path):
     """The teacher prefills each window on the context the student saw: its log-prob of every action
     and summary token equals a forward over that window's context and tokens (<= 1e-5)."""
-    from glmpost.closure.logprobs import sequence_log_probs
     from glmpost.formats import window_inputs
+    from glmpost.kernel.logprobs import sequence_log_probs
 
     out, _ = compacted
     scored = glmpost_cli("score-teacher", out, "--teacher", tiny_checkpoint, "--out", tmp_path / "scored")

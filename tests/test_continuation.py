@@ -1,4 +1,4 @@
-"""KV caches kept between turns (glmpost.rollout.continuation): a continued turn prefills only its
+"""KV caches kept between turns (glmpost.kernel.continuation): a continued turn prefills only its
 new tokens, and its samples and log-probs are those of the trajectory scored whole."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from glmpost.checkpoints import load_model
-from glmpost.rollout.continuation import TurnCaches
-from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.kernel.continuation import TurnCaches
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model
 
 STOPS = list(range(20, 80))  # frequent enough that rows stop at different steps
 

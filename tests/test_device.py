@@ -209,7 +209,7 @@ torch._register_device_module("npu", _module)
 
 CHILD = """
 import json, sys
-import glmpost, glmpost.npu, glmpost.npu.device, glmpost.closure.logprobs
+import glmpost, glmpost.npu, glmpost.npu.device, glmpost.kernel.logprobs
 result = {"imported_at_start": "torch_npu" in sys.modules}
 from glmpost.npu import device as dev
 dev._cuda_available = lambda: True  # npu must win over cuda

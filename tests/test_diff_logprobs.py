@@ -12,13 +12,13 @@ import torch
 from conftest import run_glmpost
 
 from glmpost.checkpoints import MANIFEST, tokenizer_revision
-from glmpost.rollout.engine import SamplingParams
-from glmpost.closure.mismatch import (
+from glmpost.diff.mismatch import (
     inverse_cdf_samples,
     parse_gates,
     sampled_token_agreement,
     summarize,
 )
+from glmpost.kernel.engine import SamplingParams
 
 
 def test_summary_statistics_hand_computed():

@@ -1,4 +1,4 @@
-"""Log-probs under top-k / top-p truncation and the log-prob kinds (glmpost.rollout.distribution):
+"""Log-probs under top-k / top-p truncation and the log-prob kinds (glmpost.kernel.distribution):
 the train-side chunked paths compute exactly what the engine records (TRL#6789: an IS ratio that
 ignores truncation measures the truncation, not the engines)."""
 
@@ -9,9 +9,7 @@ import math
 import pytest
 import torch
 
-from glmpost.closure.logprobs import sequence_log_probs, token_log_probs_from_hidden
-from glmpost.models.tiny import build_model, tiny_glm5_config
-from glmpost.rollout.distribution import (
+from glmpost.kernel.distribution import (
     LOG_PROB_FLOOR,
     LOG_PROB_KINDS,
     ScoredDistribution,
@@ -19,7 +17,9 @@ from glmpost.rollout.distribution import (
     keep_mask,
     scored_distribution,
 )
-from glmpost.rollout.engine import LocalEngine, SamplingParams
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.logprobs import sequence_log_probs, token_log_probs_from_hidden
+from glmpost.models.tiny import build_model, tiny_glm5_config
 
 FILTER = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}  # the issue's round-trip settings
 

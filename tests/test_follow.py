@@ -13,7 +13,7 @@ import pytest
 
 from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
-from glmpost.formats.spool import Spool
+from glmpost.spool.spool import Spool
 
 
 def _judged_batch(glmpost_cli, checkpoint, tmp_path, name: str) -> list[Path]:

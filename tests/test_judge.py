@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from glmpost.checkpoints import load_tokenizer
 from glmpost.formats import read_shard, write_shard
-from glmpost.rollout.prompts import encode_prompt
+from glmpost.formats.prompts import encode_prompt
+from glmpost.kernel.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

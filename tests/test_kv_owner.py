@@ -14,10 +14,11 @@ import shutil
 
 import pytest
 import torch
-
-from glmpost.checkpoints import CheckpointManifest, CheckpointRoot, load_model, tokenizer_revision, write_manifest
-from glmpost.formats import ShardReader, resolve_shard_paths
 from test_agentic import STOPS, Countdown
+
+from glmpost.checkpoints import CheckpointManifest, CheckpointRoot, tokenizer_revision, write_manifest
+from glmpost.formats import ShardReader, resolve_shard_paths
+from glmpost.kernel.loading import load_model
 
 
 class SwitchOnFirstStep(Countdown):
@@ -44,7 +45,7 @@ class SyncOnFirstStep(Countdown):
         self.url, self.model_path, self.version = url, model_path, version
 
     def step(self, action):
-        from glmpost.serving.sglang_client import SGLangClient
+        from glmpost.kernel.sglang_client import SGLangClient
 
         if self.url not in SyncOnFirstStep.synced:
             SyncOnFirstStep.synced.add(self.url)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.rollout.engine import LocalEngine, SamplingParams
-from glmpost.rollout.prompts import encode_prompt, read_prompts
+from glmpost.formats.prompts import encode_prompt, read_prompts
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rewards.verifiers import VerifyContext, count_verifier
-from glmpost.rollout.records import RolloutPrompt, rollout_record
 from glmpost.rl.batches import prepare_batch
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 TASK = Path(__file__).resolve().parents[1] / "recipes" / "data" / "count-train.jsonl"
 NEW_TOKENS = 8

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glmpost.closure.logprobs import (
+from glmpost.kernel.distribution import ScoredDistribution
+from glmpost.kernel.heads import plain_linear
+from glmpost.kernel.logprobs import (
     TokenLogProbs,
     _chunked_log_probs,
     sequence_log_probs,
     token_log_probs_from_hidden,
 )
-from glmpost.closure.heads import plain_linear
-from glmpost.rollout.distribution import ScoredDistribution
 from glmpost.models.tiny import build_model, tiny_glm5_config
 
 LENGTHS = (23, 17, 9)  # right-padded rows of one batch; L = 23 is divisible by no chunk size used

@@ -12,13 +12,13 @@ import copy
 import pytest
 import torch
 
-from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.kernel.continuation import TurnCaches
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.models import native_attention
 from glmpost.models.native_attention import LatentCache, attention_of, set_attention
 from glmpost.models.tiny import build_model, tiny_glm5_config
 from glmpost.npu.topk import composite_topk, deterministic_topk, install_deterministic_topk, sorted_deterministic_topk
-from glmpost.rollout.continuation import TurnCaches
-from glmpost.rollout.engine import LocalEngine, SamplingParams
 
 NAN, INF = float("nan"), float("inf")
 

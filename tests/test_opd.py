@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.rl.distributed import LocalBackend
-from glmpost.rollout.engine import LocalEngine, SamplingParams
-from glmpost.closure.logprobs import sequence_log_probs
-from glmpost.closure.scoring import score_tokens
+from glmpost.formats.prompts import encode_prompt
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.logprobs import sequence_log_probs
+from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import opd_advantages
-from glmpost.rl.losses import opd_pg_loss, sampled_reverse_kl, topk_reverse_kl
-from glmpost.rollout.prompts import encode_prompt
-from glmpost.rollout.records import RolloutPrompt, rollout_record
 from glmpost.rl.batches import collate, prepare_opd_batch
+from glmpost.rl.distributed import LocalBackend
+from glmpost.rl.losses import opd_pg_loss, sampled_reverse_kl, topk_reverse_kl
 from glmpost.rl.trainer import OPDConfig, PolicyTrainer
+from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 NAN = float("nan")
 

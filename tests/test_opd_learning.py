@@ -31,16 +31,12 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import (
-    CheckpointManifest,
-    NextVersion,
-    load_model,
-    load_tokenizer,
-)
-from glmpost.rollout.engine import LocalEngine, SamplingParams
-from glmpost.rollout.prompts import conversation_record, encode_prompt, read_prompts
-from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
+from glmpost.checkpoints import CheckpointManifest, NextVersion
+from glmpost.formats.prompts import conversation_record, encode_prompt, read_prompts
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import TrainExample, collate
+from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DATA = RECIPES / "data"

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmpost.memory_plan import (
+from glmpost.kernel.continuation import TurnCaches
+from glmpost.memory.native import latent_cache_capacity, native_cache_bytes
+from glmpost.memory.plan import (
     ModelShape,
     indexer_cache_bytes,
     kv_cache_bytes,
     model_state_bytes,
     saved_activation_bytes,
 )
-from glmpost.memory_native import latent_cache_capacity, native_cache_bytes
 from glmpost.models.native_attention import set_attention
 from glmpost.models.tiny import build_model, tiny_glm5_config
-from glmpost.rollout.continuation import TurnCaches
 
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVATION_TOLERANCE = 0.05
@@ -66,8 +66,8 @@ def test_parameter_count_at_glm5_dimensions():
 
 def test_model_state_of_one_train_step_is_exact():
     """Weights, gradients and AdamW moments after one micro-step of the trainer's local backend."""
+    from glmpost.kernel.logprobs import sequence_log_probs
     from glmpost.rl.distributed import LocalBackend
-    from glmpost.closure.logprobs import sequence_log_probs
     from glmpost.rl.trainer import GRPOConfig
 
     config = tiny_glm5_config()
@@ -103,7 +103,7 @@ def test_zero_stages_divide_the_model_state_hand_computed():
 
 
 def _saved_bytes(model, ids) -> int:
-    from glmpost.closure.logprobs import sequence_log_probs
+    from glmpost.kernel.logprobs import sequence_log_probs
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -143,7 +143,7 @@ def test_native_saved_activations_grow_linearly_where_the_reference_grows_quadra
 def test_native_latent_cache_bytes_are_exact():
     """Prefill P tokens and decode through the engine: the LatentCache buffers hold exactly the
     planned capacity (doubling) of latents, roped keys and indexer keys."""
-    from glmpost.rollout.engine import LocalEngine, SamplingParams
+    from glmpost.kernel.engine import LocalEngine, SamplingParams
 
     config = tiny_glm5_config()
     model = build_model(config, seed=0)
@@ -165,7 +165,7 @@ PEAK_CHILD = """
 import sys, torch
 sys.path.insert(0, {benchmarks!r})
 from memory import PeakMemory
-from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.models.native_attention import set_attention
 from glmpost.models.tiny import build_model, tiny_glm5_config
 torch.set_num_threads(1)
@@ -188,7 +188,7 @@ def test_native_training_step_peak_matches_the_plan_within_10_percent():
     import subprocess
     import sys
 
-    from glmpost.memory_roles import Workload, plan_memory
+    from glmpost.memory.roles import Workload, plan_memory
 
     batch, seq, chunk = 1, 4096, 512
     script = PEAK_CHILD.format(benchmarks=str(ROOT / "benchmarks"), batch=batch, seq=seq, chunk=chunk)

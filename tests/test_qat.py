@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmpost.checkpoints import load_model, read_manifest
+from glmpost.checkpoints import read_manifest
+from glmpost.kernel.loading import load_model
 from glmpost.quant.formats import load_quantized_state
 from glmpost.quant.qat import apply_fake_quant
 from glmpost.quant.spec import make_spec

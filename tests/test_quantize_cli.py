@@ -180,7 +180,7 @@ def test_scheme_none_dequantizes_a_quantized_checkpoint_to_the_qat_forward_weigh
     import torch
     from safetensors.torch import load_file
 
-    from glmpost.checkpoints import load_model
+    from glmpost.kernel.loading import load_model
     from glmpost.quant.formats import load_quantized_state
 
     packed = tmp_path / "w4"
@@ -213,7 +213,7 @@ def test_rerun_skips_and_recipe_config(glmpost_cli, tiny_checkpoint, tmp_path):
 
 def test_in_memory_fused_experts_fake_quant_equal_the_deployed_per_expert_weights(glmpost_cli, tiny_checkpoint, tmp_path):
     """QAT sees GlmMoeDsa's fused 3-D expert parameters; the checkpoint holds per-expert Linears."""
-    from glmpost.checkpoints import load_model
+    from glmpost.kernel.loading import load_model
 
     out = tmp_path / "experts"
     spec = make_spec("w4a16", group_size=16)

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glmpost.checkpoints import CheckpointError, load_tokenizer, tokenizer_revision
+from glmpost.checkpoints import CheckpointError, tokenizer_revision
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.kernel.loading import load_tokenizer
 from glmpost.rewards import (
     ComponentResult,
     ComponentSpec,

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import CheckpointRoot, load_model
-from glmpost.rollout.engine import filter_logits
+from glmpost.checkpoints import CheckpointRoot
 from glmpost.formats import ShardReader, read_shard, resolve_shard_paths
-from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.kernel.engine import filter_logits
+from glmpost.kernel.loading import load_model
+from glmpost.kernel.logprobs import sequence_log_probs
 
 
 def _prompts(tmp_path, count=5):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from serve_process import start_server, stop_server
 
-from glmpost.checkpoints import load_model
 from glmpost.formats import ShardReader, write_shard
-from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.kernel.loading import load_model
+from glmpost.kernel.logprobs import sequence_log_probs
 
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from serve_process import start_server, stop_server
 
-from glmpost.rollout.engine import SamplingParams
 from glmpost.formats import ShardReader, resolve_shard_paths
-from glmpost.serving.sglang_client import (
+from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.sglang_client import (
     ServerError,
     SGLangClient,
     SGLangPool,

@@ -15,16 +15,13 @@ import numpy as np
 import pytest
 import torch
 from serve_process import start_server, stop_server
+from test_serve import _prompts, _records
 
-from glmpost.rollout.engine import SamplingParams
-from glmpost.serving.sglang_client import (
+from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.sglang_client import (
     ServerError,
     SGLangClient,
 )
-
-
-from test_serve import _prompts, _records
-
 
 API_KEY = "k3y-Of-The-Test_42"
 
@@ -151,7 +148,7 @@ def test_server_info_is_get_server_info_with_the_settings_clients_read(server):
 
 
 def test_generate_echoes_rid_and_returns_token_texts(server, tiny_checkpoint):
-    from glmpost.checkpoints import load_tokenizer
+    from glmpost.kernel.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_checkpoint)[0]
     client = SGLangClient(server, retries=0)
@@ -180,7 +177,7 @@ def test_generate_echoes_rid_and_returns_token_texts(server, tiny_checkpoint):
 
 
 def test_stop_strings_end_the_response_as_sglang_ends_it(server, engine, tiny_checkpoint):
-    from glmpost.checkpoints import load_tokenizer
+    from glmpost.kernel.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_checkpoint)[0]
     client = SGLangClient(server, retries=0)
@@ -215,7 +212,7 @@ def test_stop_strings_end_the_response_as_sglang_ends_it(server, engine, tiny_ch
 
 
 def test_log_prob_kind_classifier_on_hand_made_values():
-    from glmpost.serving.server_settings import classify_log_prob_kind as kind
+    from glmpost.kernel.server_settings import classify_log_prob_kind as kind
 
     r, t = -2.0, -0.9  # log_softmax(z)[a] and log_softmax(z / 0.5)[a] of an argmax a: sharpening raises it
     assert kind(r, 0.0, 0.0, 0.0) == "sampled"
@@ -235,7 +232,7 @@ def test_log_prob_kind_classifier_on_hand_made_values():
 
 
 def test_rejected_field_tells_a_refused_field_from_other_failures():
-    from glmpost.serving.server_settings import rejected_field
+    from glmpost.kernel.server_settings import rejected_field
 
     def error(status, detail):
         return ServerError(f"POST http://top_k.example:1/generate: HTTP {status}: {detail}", url="http://x", status=status)
@@ -291,8 +288,8 @@ class _OldSGLang(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def old_sglang():
-    from http.server import ThreadingHTTPServer
     import threading
+    from http.server import ThreadingHTTPServer
 
     _OldSGLang.seen = []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _OldSGLang)
@@ -320,8 +317,8 @@ def test_an_sglang_without_sampling_seed_is_one_error_before_any_record(glmpost_
 
 
 def test_the_probe_finds_the_default_servers_kind(server, tiny_checkpoint):
-    from glmpost.checkpoints import load_tokenizer
-    from glmpost.serving.server_settings import probe_log_prob_kind, probe_prompts
+    from glmpost.kernel.loading import load_tokenizer
+    from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts
 
     assert probe_log_prob_kind(SGLangClient(server, retries=0), probe_prompts(load_tokenizer(tiny_checkpoint)[0])) == "sampled"
 
@@ -330,9 +327,9 @@ def test_the_probe_finds_the_default_servers_kind(server, tiny_checkpoint):
 def test_rollout_records_the_kind_its_server_returns(glmpost_cli, engine, tiny_checkpoint, tmp_path, kind):
     """serve --log-prob-kind KIND: /server_info says KIND, the probe finds KIND, rollout --engine sglang
     (auto) records KIND with seed_reproducible true, and the log-probs are of KIND."""
-    from glmpost.checkpoints import load_tokenizer
-    from glmpost.rollout.engine import sequence_seed
-    from glmpost.serving.server_settings import probe_log_prob_kind, probe_prompts
+    from glmpost.kernel.engine import sequence_seed
+    from glmpost.kernel.loading import load_tokenizer
+    from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts
 
     proc, url = start_server(tiny_checkpoint, "--log-prob-kind", kind, "--batch-size", "8")
     try:

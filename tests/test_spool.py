@@ -1,4 +1,4 @@
-"""The spool (formats/spool.py, SPEC §12): atomic publication, claims that race across processes,
+"""The spool (glmpost/spool/spool.py, SPEC §12): atomic publication, claims that race across processes,
 leases that return a dead consumer's claims, commits by trajectory id, and the refusals."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from glmpost.formats import ShardReader, ShardWriter, synthetic_record, write_shard
-from glmpost.formats.spool import Spool, SpoolError
+from glmpost.spool.spool import Spool, SpoolError
 
 REVISION = "synthetic-tokenizer"
 

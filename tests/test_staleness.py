@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import load_model, load_tokenizer
+from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import drop_stale, failure_counts, prepare_batch, whole_groups
 from glmpost.rl.losses import dis_policy_loss
 from glmpost.rl.masks import dis_mask
-from glmpost.rollout.refill import refill_slots
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rollout.refill import refill_slots
 
 
 def test_dis_policy_loss_is_minus_r_a_and_its_gradient_r_a():

@@ -103,9 +103,9 @@ def test_plain_sync_is_bit_exact_and_published_atomically(glmpost_cli, tiny_chec
 @pytest.mark.parametrize("scheme,args", [("fp8-block", []), ("w4a16", ["--group-size", "16"])])
 def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_checkpoint, tmp_path, scheme, args):
     """One quantizer: the rollout checkpoint holds the same codes, scales and config as `glmpost quantize`."""
-    from glmpost.checkpoints import load_model
+    from glmpost.kernel.loading import load_model
     from glmpost.quant.formats import load_quantized_state
-    from glmpost.serving.sync import load_rollout_state
+    from glmpost.weight_sync.sync import load_rollout_state
 
     out = tmp_path / "rollout"
     result = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", out, "--quantize", scheme, *args, "--json")
@@ -128,7 +128,7 @@ def test_quantized_sync_writes_what_glmpost_quantize_writes(glmpost_cli, tiny_ch
 
 
 def test_small_shards_get_an_index_and_load_back(glmpost_cli, tiny_checkpoint, tmp_path):
-    from glmpost.serving.sync import load_rollout_state
+    from glmpost.weight_sync.sync import load_rollout_state
 
     out = tmp_path / "rollout"
     result = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", out, "--max-shard-size", "0.2")
@@ -258,7 +258,7 @@ class Served:
         self.proc, self.url = start_server(checkpoint)
 
     def client(self):
-        from glmpost.serving.sglang_client import SGLangClient
+        from glmpost.kernel.sglang_client import SGLangClient
 
         return SGLangClient(self.url, timeout=60, retries=0)
 
@@ -348,7 +348,7 @@ def test_deepspeed_zero_checkpoint_is_consolidated(glmpost_cli, tiny_checkpoint,
     script.write_text(f"""
 import torch
 from pathlib import Path
-from glmpost.checkpoints import load_model
+from glmpost.kernel.loading import load_model
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.trainer import GRPOConfig
 session = TrainingSession.start(device="cpu", deterministic=False, zero_stage=2, deepspeed_config=None)
@@ -389,7 +389,7 @@ session.close()
 
 
 def test_one_sync_at_a_time_per_rollout_root(glmpost_cli, tiny_checkpoint, tmp_path):
-    from glmpost.serving.sync import root_lock
+    from glmpost.weight_sync.sync import root_lock
 
     out = tmp_path / "rollout"
     with root_lock(out):
@@ -401,7 +401,7 @@ def test_one_sync_at_a_time_per_rollout_root(glmpost_cli, tiny_checkpoint, tmp_p
 def test_recipe_section_sets_dtype_for_rollout(glmpost_cli, tiny_checkpoint, tmp_path):
     import torch
 
-    from glmpost.checkpoints import load_model
+    from glmpost.kernel.loading import load_model
 
     recipe = tmp_path / "recipe.toml"
     recipe.write_text('[sync-weights]\ndtype = "bfloat16"\nkeep = 1\n')
@@ -421,7 +421,7 @@ def test_a_server_runs_the_dequantized_weights_of_a_quantized_rollout_version(gl
     greedy tokens are those of the dequantized model in this process."""
     import torch
 
-    from glmpost.checkpoints import load_model
+    from glmpost.kernel.loading import load_model
 
     out, served = served_rollout
     train = make_version(tiny_checkpoint, tmp_path / "train", 1, noise=0.5)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import load_model
 from glmpost.formats import ShardReader, resolve_shard_paths
-from glmpost.closure.logprobs import sequence_log_probs
+from glmpost.kernel.loading import load_model
+from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.npu.topk import deterministic_topk, install_deterministic_topk
 
 NAN, INF = float("nan"), float("inf")
@@ -77,11 +77,11 @@ def test_rollout_and_trainer_log_probs_agree_only_with_the_deterministic_rule(gl
 
 
 # --------------------------------------------------------------------------------------------
-# The indexer comparison's pure functions (glmpost.closure.mismatch), on hand-computed cases
+# The indexer comparison's pure functions (glmpost.diff.mismatch), on hand-computed cases
 
 
 def test_set_overlap_hand_computed():
-    from glmpost.closure.mismatch import topk_set_overlap
+    from glmpost.diff.indexer_probe import topk_set_overlap
 
     a = torch.tensor([[3, 1, 2, -1], [0, 1, 2, 3], [5, 4, -1, -1], [-1, -1, -1, -1], [7, -1, -1, -1]])
     b = torch.tensor([[1, 3, 2, -1], [0, 1, 2, 4], [5, 4, -1, -1], [-1, -1, -1, -1], [8, 9, -1, -1]])
@@ -96,7 +96,7 @@ def test_set_overlap_hand_computed():
 
 
 def test_boundary_ties_and_valid_selection_hand_computed():
-    from glmpost.closure.mismatch import boundary_ties, valid_selection
+    from glmpost.diff.indexer_probe import boundary_ties, valid_selection
 
     scores = torch.tensor([
         [3.0, 0.0, 0.0, 0.0, -INF],  # k=2: s(2) = s(3) = 0 -> tie; k=3 too
@@ -113,7 +113,7 @@ def test_boundary_ties_and_valid_selection_hand_computed():
 
 
 def test_bf16_equal_scores_select_identical_sets_and_tie_at_the_boundary():
-    from glmpost.closure.mismatch import boundary_ties, topk_set_overlap
+    from glmpost.diff.indexer_probe import boundary_ties, topk_set_overlap
 
     # Distinct in float32, all equal to 1.0 once rounded to bfloat16 (8 mantissa bits).
     scores = torch.tensor([1.0, 1.001, 1.002, 0.5, 1.003, 0.25]).repeat(3, 1)

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from test_follow import _judged_batch, _publish
+from test_train_grpo import GLMPOST, _free_port, _judged
 
 from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
-from glmpost.formats.spool import Spool
 from glmpost.rl.batches import TrainExample
 from glmpost.rl.critic import init_critic, load_critic
 from glmpost.rl.distributed import LocalBackend
 from glmpost.rl.sao import CriticTrainer, SAOConfig, explained_variance
-from test_follow import _judged_batch, _publish
-from test_train_grpo import GLMPOST, _free_port, _judged
+from glmpost.spool.spool import Spool
 
 
 def _sao(glmpost_cli, judged, checkpoint, critic, out, *args):

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from glmpost.checkpoints import load_model, load_tokenizer
-from glmpost.rl.distributed import LocalBackend
-from glmpost.rollout.engine import LocalEngine, SamplingParams
-from glmpost.rollout.prompts import encode_prompt
-from glmpost.rollout.records import RolloutPrompt, rollout_record
+from glmpost.formats.prompts import encode_prompt
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import prepare_batch
+from glmpost.rl.distributed import LocalBackend
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from glmpost.errors import UsageError
 from glmpost.registry import Registry
+from glmpost.rewards.verifiers import load_hook
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,6 @@ def resolve_environment(spec: str, options: dict[str, Any] | None = None, *, whe
     built with ``options``; one instance is made and checked here, so a spec that does not exist,
     does not build with these options, or lacks ``reset`` / ``step`` is one :class:`UsageError`
     naming ``where``."""
-    from glmpost.rewards.verifiers import load_hook
 
     options = dict(options or {})
     if spec in ENVIRONMENTS:

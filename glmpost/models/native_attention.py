@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from glmpost.npu.topk import deterministic_topk, original_topk
+
 ATTENTION_CHOICES = ("native", "reference")
 DEFAULT_ATTENTION = "native"
 # Indexer scores held at once per layer (float32 [B, chunk, index_heads, keys]): 1 Mi entries = 4 MiB.
@@ -55,8 +57,8 @@ class KeyMask:
 class LatentCache:
     """Per layer, the compressed MLA cache and the indexer's keys, appended in place.
 
-    Duck-types what :class:`glmpost.rollout.engine.LocalEngine` and
-    :mod:`glmpost.rollout.continuation` use of a transformers cache (``get_seq_length``,
+    Duck-types what :class:`glmpost.kernel.engine.LocalEngine` and
+    :mod:`glmpost.kernel.continuation` use of a transformers cache (``get_seq_length``,
     ``batch_select_indices``, ``copy.deepcopy``). Buffers grow by doubling, so appending ``n`` tokens
     one at a time copies ``O(n)`` entries in all.
     """
@@ -142,12 +144,11 @@ def index_scores(indexer, queries: torch.Tensor, weights: torch.Tensor, keys: to
 
 def select_topk(indexer, scores: torch.Tensor, k: int) -> torch.Tensor:
     """The indexer's top-k of ``scores`` by its rule (int32), observers told as the reference's are."""
-    from glmpost.npu.topk import _original_topk, deterministic_topk
 
     if getattr(indexer, "_glmpost_deterministic_topk", False):
         indices = deterministic_topk(scores, k)
     else:
-        indices = _original_topk(scores, k, dim=-1).indices.to(torch.int32)
+        indices = original_topk(scores, k, dim=-1).indices.to(torch.int32)
     for observer in list(getattr(indexer, "_glmpost_topk_observers", ())):
         observer(indexer, scores, indices)
     return indices

@@ -18,7 +18,11 @@ from typing import Any, Optional
 
 import torch
 
+from glmpost.checkpoints import CheckpointManifest, tokenizer_revision, write_manifest
 from glmpost.config import ConfigError, setting, shared
+from glmpost.errors import UsageError
+from glmpost.models.tokenizer import stop_token_ids, train_tokenizer
+from glmpost.stage import MetricsWriter, log, write_stage_json
 
 TINY_GLM5: dict[str, Any] = {
     "vocab_size": 512,
@@ -137,11 +141,6 @@ def write_tiny_checkpoint(directory, settings: dict[str, Any], *, preset: str, s
     from transformers import GlmMoeDsaConfig
     from transformers.utils import logging as hf_logging
 
-    from glmpost.checkpoints import CheckpointManifest, tokenizer_revision, write_manifest
-    from glmpost.errors import UsageError
-    from glmpost.models.tokenizer import stop_token_ids, train_tokenizer
-    from glmpost.stage import log
-
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
     log(f"training a {settings['vocab_size']}-id byte-level BPE tokenizer on the shipped task text")
@@ -170,7 +169,6 @@ def write_tiny_checkpoint(directory, settings: dict[str, Any], *, preset: str, s
 def init_model_run(config: InitModelConfig, settings: dict[str, Any], staging: Path, options: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """Write the checkpoint of ``settings`` (:meth:`InitModelConfig.model_settings`), ``metrics.jsonl``
     and ``stage.json`` (recording ``options``) into ``staging``; ``(summary, human line)``."""
-    from glmpost.stage import MetricsWriter, write_stage_json
 
     facts = write_tiny_checkpoint(staging, settings, preset=config.preset, seed=config.seed, dtype=config.dtype)
     with MetricsWriter(staging / "metrics.jsonl") as metrics:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 from glmpost.config import setting
 from glmpost.errors import UsageError
 from glmpost.pipeline.steps import STAGE_ORDER
@@ -265,7 +266,6 @@ def _validate(config: PipelineConfig, where: str) -> None:
 
 def base_checkpoint_version(config: PipelineConfig, where: str) -> tuple[Path, int]:
     """The base checkpoint's version directory and policy version (0 for a plain HF directory)."""
-    from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 
     if "init-model" in config.stages:
         return config.run_dir / "model", 0

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.quant.core import (
     dequant,
@@ -63,7 +64,6 @@ def default_format(scheme: str) -> str:
 
 def check_format(scheme: str, fmt: str) -> None:
     """Refuse a format that is unknown or cannot hold ``scheme``, naming the config field ``fmt``."""
-    from glmpost.config import ConfigError
 
     if fmt not in FORMATS:
         raise ConfigError("{fmt} {value!r}: unknown format (known: {known})", value=fmt, known=", ".join(FORMATS))

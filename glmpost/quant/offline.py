@@ -21,8 +21,10 @@ from typing import Any, Optional
 from glmpost.checkpoints import resolve_checkpoint
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError
-from glmpost.quant.spec import GroupSizeSetting
+from glmpost.quant.formats import check_format, default_format, dequantize_checkpoint, is_quantized_checkpoint
+from glmpost.quant.spec import GroupSizeSetting, make_spec
 from glmpost.quant.targets import LayerSelection
+from glmpost.quant.writer import plan_checkpoint, quantize_checkpoint
 from glmpost.stage import MetricsWriter, log, write_stage_json
 
 STAGE = "quantize"
@@ -49,10 +51,6 @@ class OfflineQuantization:
     directory, and :meth:`summary`."""
 
     def __init__(self, config: QuantizeConfig):
-        from glmpost.quant.formats import check_format, default_format, is_quantized_checkpoint
-        from glmpost.quant.spec import make_spec
-        from glmpost.quant.writer import plan_checkpoint
-
         self.config = c = config
         self.spec = make_spec(c.scheme, group_size=c.group_size)
         self.fmt = c.fmt or default_format(c.scheme)
@@ -80,7 +78,6 @@ class OfflineQuantization:
     def dequantize(self) -> tuple[dict[str, Any], str]:
         """Write the float checkpoint into ``out`` (the old output stays until the new one is
         complete); ``(summary, human line)``."""
-        from glmpost.quant.formats import dequantize_checkpoint
 
         out = self.config.out
         if out.exists() and not self.config.overwrite:
@@ -97,7 +94,6 @@ class OfflineQuantization:
     def write(self, staging: Path, options: dict[str, Any]):
         """Write the quantized checkpoint, ``metrics.jsonl`` (a row per layer) and ``stage.json``
         (recording ``options``) into ``staging``; the :class:`~glmpost.quant.writer.QuantizeResult`."""
-        from glmpost.quant.writer import quantize_checkpoint
 
         c = self.config
         log(f"quantizing {len(self.plan.chosen)} layer(s) of {self.src} with {c.scheme}"

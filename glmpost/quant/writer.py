@@ -23,7 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glmpost.checkpoints import MANIFEST, CheckpointManifest, read_manifest, tokenizer_revision, write_manifest
+from glmpost.config import ConfigError
+from glmpost.errors import GlmpostError
 from glmpost.fsutil import current_umask, fsync_path
+from glmpost.models.skeleton import model_skeleton
+from glmpost.quant.core import check_shape, dequant, quantize_weight
+from glmpost.quant.formats import (
+    MODELSLIM_DESCRIPTION,
+    encode_layer,
+    encode_weight,
+    modelslim_description,
+    quantization_config,
+)
+from glmpost.quant.targets import candidates_from_model, select_targets
 
 
 def readable_mode() -> int:
@@ -40,8 +53,6 @@ class LayerPlan:
 def layer_plan(skeleton, shapes: dict[str, tuple[int, ...]], spec, *, targets: str = "all", include=(), exclude=()) -> LayerPlan:
     """The layers ``spec`` quantizes among ``shapes`` (on-disk name -> shape); a shape the scheme
     cannot take is an error before anything is written."""
-    from glmpost.quant.core import check_shape
-    from glmpost.quant.targets import candidates_from_model, select_targets
 
     if spec.scheme == "none":
         return LayerPlan()
@@ -76,11 +87,9 @@ def encode_tensor(name: str, tensor, *, spec, fmt: str | None, chosen: set[str],
     module = _module(name)
     if module not in chosen:
         return {name: tensor}, None, None
-    from glmpost.quant.formats import encode_layer, encode_weight
 
     if not measure:
         return encode_weight(module, tensor, spec, fmt), module, None
-    from glmpost.quant.core import dequant, quantize_weight
 
     codes, scale = quantize_weight(tensor, spec)
     wq = dequant(codes, scale, spec, tensor.dtype)
@@ -152,7 +161,6 @@ def write_config(staging: Path, model_config: dict, *, spec, fmt: str | None, pl
                  weight_map: dict[str, str], total_bytes: int, index: bool) -> None:
     """``config.json`` (with ``quantization_config`` unless the scheme is ``none``), msModelSlim's
     description for ``fmt = "msmodelslim"``, and the index when ``index``."""
-    from glmpost.quant.formats import MODELSLIM_DESCRIPTION, modelslim_description, quantization_config
 
     if index:
         write_json_fsynced(staging / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
@@ -180,8 +188,6 @@ def _open_weights(path: Path):
     """``safe_open`` with an unreadable or truncated file reported in one line."""
     from safetensors import SafetensorError, safe_open
 
-    from glmpost.errors import GlmpostError
-
     try:
         return safe_open(str(path), "pt")
     except (SafetensorError, OSError) as exc:
@@ -190,9 +196,6 @@ def _open_weights(path: Path):
 
 def plan_checkpoint(src: Path, spec, *, targets: str, include=(), exclude=()) -> tuple[list[Path], LayerPlan]:
     """The weight files of float checkpoint ``src`` and the layers ``spec`` quantizes in them."""
-    from glmpost.checkpoints import model_skeleton
-    from glmpost.config import ConfigError
-    from glmpost.errors import GlmpostError
 
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -215,9 +218,6 @@ def quantize_checkpoint(src: Path, staging: Path, files: list[Path], plan: Layer
     """Write ``src`` quantized by ``spec`` into ``staging``, one output file per input file, with its
     config, the other files of the checkpoint and a manifest (policy version kept, stage quantize)."""
     import shutil
-
-    from glmpost.checkpoints import MANIFEST, CheckpointManifest, read_manifest, tokenizer_revision, write_manifest
-    from glmpost.errors import GlmpostError
 
     import torch
 

@@ -1,22 +1,21 @@
 """``judge --follow IN --out OUT``: judge rollout shards as they land in spool ``IN`` and publish
-each judged shard into spool ``OUT`` under the same name (:mod:`glmpost.relay`)."""
+each judged shard into spool ``OUT`` under the same name (:mod:`glmpost.spool.relay`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from glmpost.checkpoints import load_tokenizer
-from glmpost.relay import RelayConfig, relay
+from glmpost.kernel.loading import load_tokenizer
+from glmpost.npu import resolve_device
+from glmpost.rewards.judging import STAGE, check_input
+from glmpost.rewards.mixture import MODEL_SOURCES, RewardMixture, RewardStats, uses_domain_routing
+from glmpost.rewards.verifiers import VerifierTable
+from glmpost.spool.relay import RelayConfig, relay
 
 
 def follow_judge(run, follow: RelayConfig) -> dict[str, Any]:
-    """:func:`~glmpost.relay.relay` with :meth:`JudgeRun.judge_shard <glmpost.rewards.judging.JudgeRun.judge_shard>`."""
+    """:func:`~glmpost.spool.relay.relay` with :meth:`JudgeRun.judge_shard <glmpost.rewards.judging.JudgeRun.judge_shard>`."""
     from tqdm import tqdm
-
-    from glmpost.npu import resolve_device
-    from glmpost.rewards.judging import STAGE, check_input
-    from glmpost.rewards.mixture import MODEL_SOURCES, RewardMixture, RewardStats, uses_domain_routing
-    from glmpost.rewards.verifiers import VerifierTable
 
     c = run.config
     tokenizer, revision = load_tokenizer(c.checkpoint)

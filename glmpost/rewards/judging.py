@@ -18,9 +18,17 @@ from typing import Any, Iterator
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import load_tokenizer
 from glmpost.config import ConfigError, setting, shared
-from glmpost.formats import ShardReader, ShardWriter, iter_checked_records, require_fields, resolve_shard_paths, select_shards
+from glmpost.formats import (
+    ShardReader,
+    ShardWriter,
+    iter_checked_records,
+    require_fields,
+    resolve_shard_paths,
+    select_shards,
+)
+from glmpost.kernel.loading import load_tokenizer
+from glmpost.npu import resolve_device
 from glmpost.rewards.mixture import (
     MODEL_SOURCES,
     ComponentSpec,
@@ -100,7 +108,6 @@ class JudgeRun:
 
         totals = RewardStats(self.specs)
         if pending:
-            from glmpost.npu import resolve_device
 
             needs_model = any(spec.source in MODEL_SOURCES for spec in self.specs)
             mixture = RewardMixture(self.specs, tokenizer=tokenizer, tokenizer_revision=revision, verifiers=table,

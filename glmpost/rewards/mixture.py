@@ -185,6 +185,7 @@ def _check_options(spec: ComponentSpec) -> None:
         if spec.source == "orm" and o.get("activation", "sigmoid") not in ("sigmoid", "none"):
             raise ValueError(f"component {name!r}: activation must be sigmoid or none, got {o['activation']!r}")
         if spec.source == "judge":
+            # lazily: the model rewards import torch and transformers, the verifier-only mixture does not
             from glmpost.rewards.models import JudgeConfig, check_judge_config
 
             try:
@@ -384,7 +385,7 @@ class RewardMixture:
         if spec.source == "truncated":
             return _per_record(lambda v: ComponentResult(truncated_penalty(v.record.get("status", ""))))
         if spec.source == "orm":
-            from glmpost.rewards.models import OrmConfig, OutcomeRewardModel
+            from glmpost.rewards.models import OrmConfig, OutcomeRewardModel  # torch: lazily (see above)
 
             orm = OutcomeRewardModel(OrmConfig(**o), tokenizer_revision=self.tokenizer_revision, device=device)
 
@@ -394,7 +395,7 @@ class RewardMixture:
 
             return score_orm
         if spec.source == "judge":
-            from glmpost.rewards.models import GenerativeJudge, JudgeConfig
+            from glmpost.rewards.models import GenerativeJudge, JudgeConfig  # torch: lazily (see above)
 
             judge = GenerativeJudge(JudgeConfig(**o), device=device)
 

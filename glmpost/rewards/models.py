@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from glmpost.checkpoints import (CheckpointError, apply_attention, load_model, load_tokenizer, resolve_checkpoint,
-                                 tokenizer_revision)
+from glmpost.checkpoints import CheckpointError, resolve_checkpoint, tokenizer_revision
 from glmpost.errors import GlmpostError
+from glmpost.formats.prompts import encode_prompt
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import apply_attention, load_model, load_tokenizer
 
 ACTIVATIONS = ("sigmoid", "none")
 DEFAULT_SCORE_PATTERN = r"Score:\s*([0-9]+(?:\.[0-9]+)?)"
@@ -237,7 +239,6 @@ class GenerativeJudge:
         self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
         self.directory = resolve_checkpoint(config.checkpoint)
         model = load_model(config.checkpoint, device=device, attention=config.attention)
-        from glmpost.rollout.engine import LocalEngine
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = LocalEngine(model, batch_size=config.batch_size, pad_token_id=pad)
@@ -251,7 +252,6 @@ class GenerativeJudge:
     def encode(self, rubric: str) -> list[int]:
         """Token ids of the rubric as a user turn of the judge's chat template (plain text without one)."""
         if self.has_chat_template:
-            from glmpost.rollout.prompts import encode_prompt
 
             return encode_prompt(self.tokenizer, [{"role": "user", "content": rubric}])
         return [int(i) for i in self.tokenizer.encode(rubric)]
@@ -259,7 +259,6 @@ class GenerativeJudge:
     def generate(self, prompts: Sequence[str], responses: Sequence[str], keys: Sequence[str]) -> list[str | ModelScore]:
         """The judge's greedy output text for each (prompt, response); a rubric too long for the
         judge's context comes back as a failed :class:`ModelScore` instead."""
-        from glmpost.rollout.engine import SamplingParams
 
         outputs: list[str | ModelScore] = []
         todo: list[int] = []

@@ -23,9 +23,21 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from glmpost.config import setting
-from glmpost.checkpoints import (TOKENIZER_FILES, CheckpointError, CheckpointManifest, load_model, read_manifest, resolve_checkpoint,
-                                 tokenizer_revision, write_manifest)
+from glmpost.checkpoints import (
+    MANIFEST,
+    TOKENIZER_FILES,
+    CheckpointError,
+    CheckpointManifest,
+    CheckpointRoot,
+    read_manifest,
+    resolve_checkpoint,
+    tokenizer_revision,
+    version_dir_name,
+    write_manifest,
+)
+from glmpost.config import ConfigError, setting
+from glmpost.kernel.loading import load_model
+from glmpost.stage import MetricsWriter, write_stage_json
 
 VALUE_HEAD = "value_head.safetensors"
 CRITIC_GROUPS = {"mlp": ".mlp.", "attention": ".self_attn."}  # trainable groups: a parameter-name part each
@@ -82,9 +94,6 @@ def init_critic_root(policy: Path | str, out: Path | str, config: InitCriticConf
     with ``stage.json`` (the tensors frozen by default) and ``metrics.jsonl``; a root that holds a
     version already is left as it is. Returns the summary."""
     import shutil
-
-    from glmpost.checkpoints import CheckpointRoot
-    from glmpost.stage import MetricsWriter, write_stage_json
 
     root = CheckpointRoot(out)
     if root.versions():
@@ -189,8 +198,6 @@ class CriticVersions:
 
     def __init__(self, root: Path | str, *, policy: Path, version: int, groups: Sequence[str], optimizer: Any, init: bool,
                  seed: int = 0):
-        from glmpost.checkpoints import CheckpointRoot
-        from glmpost.config import ConfigError
 
         self.root, self.groups, self.optimizer_config = CheckpointRoot(root), tuple(groups), optimizer
         path = self.root.path
@@ -219,7 +226,6 @@ class CriticVersions:
     def finish_interrupted(root: Path | str, policy_root: Path | str) -> list[int]:
         """Publish every complete critic staged in ``root`` whose policy version ``policy_root``
         published (a crash between the two publishes); returns their versions."""
-        from glmpost.checkpoints import MANIFEST, CheckpointRoot
 
         critics, policies, done = CheckpointRoot(root), CheckpointRoot(policy_root), []
         if not critics.path.is_dir():
@@ -233,8 +239,6 @@ class CriticVersions:
 
     @property
     def staging(self) -> Path:
-        from glmpost.checkpoints import version_dir_name
-
         return self.root.path / f".staging-{version_dir_name(self.version)}"
 
     def setup(self, session: Any, *, dtype: str | None, **load: Any) -> tuple[ValueModel, Any]:
@@ -272,8 +276,6 @@ class CriticVersions:
         """Every rank (ZeRO-3 gathers the weights); rank 0 writes the critic version into the root's
         staging, its manifest last (a staged critic with a manifest is complete)."""
         import shutil
-
-        from glmpost.stage import write_stage_json
 
         staging = self.staging
         if self.backend.rank == 0 and staging.exists():

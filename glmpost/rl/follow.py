@@ -5,7 +5,7 @@ formats/SPEC.md §12).
 
 The trainer stays in memory (:class:`~glmpost.rl.persistent.PersistentRun`), set up once from the
 output root's newest version (the initial ``--checkpoint`` before the first). Each round: finish
-any commit a crash interrupted (:meth:`~glmpost.formats.spool.Spool.reconcile` from the published
+any commit a crash interrupted (:meth:`~glmpost.spool.spool.Spool.reconcile` from the published
 manifests, also for a shard claimed again after its lease was reaped), take this trainer's claims
 not yet trained and claim ready shards, oldest first, until they hold ``follow_records`` records;
 train one update on them, leaving out every record the ledger says was trained. Every
@@ -26,16 +26,23 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from collections import Counter
 from typing import Any, Optional, Protocol
 
+from glmpost.checkpoints import CheckpointError, CheckpointRoot, NextVersion, read_manifest, resolve_checkpoint
 from glmpost.config import setting
+from glmpost.errors import UsageError
 from glmpost.formats import ShardReader
-from glmpost.formats.spool import DEFAULT_LEASE_S, Spool, lease_kept
-from glmpost.stage import MetricsWriter, log, stop_on_signals
+from glmpost.kernel.loading import load_tokenizer
 from glmpost.rl.batches import trained_records
+from glmpost.rl.critic import CriticVersions
+from glmpost.rl.persistent import PersistentRun, newest_parent
+from glmpost.rl.run import load_for_training
+from glmpost.rl.updates import NothingToTrain, grpo_batch, grpo_trainer, opd_batch, opd_trainer, sao_batch, sao_trainer
+from glmpost.spool.spool import DEFAULT_LEASE_S, Spool, lease_kept
+from glmpost.stage import MetricsWriter, log, stop_on_signals
 
 
 @dataclass
@@ -65,7 +72,6 @@ def committed_shards(root: Path, spool: Spool, read: dict[int, dict] | None = No
     """``{shard name: (version, ids)}`` of every version under ``root`` whose manifest commits
     shards of ``spool`` (its ``extra.spool``). ``read`` keeps each version's commit record between
     calls (a published version never changes), so a long run reads each manifest once."""
-    from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
 
     read = {} if read is None else read
     found: dict[str, tuple[int, list[str]]] = {}
@@ -101,7 +107,6 @@ class FollowTrainer(Protocol):
 
 def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, trainer: FollowTrainer) -> dict[str, Any]:
     """Run the follow loop (module doc); returns the run's summary."""
-    from glmpost.rl.updates import NothingToTrain
 
     spool = Spool(config.follow, tokenizer_revision=tokenizer_revision)
     spool.bind_consumer_root(out)
@@ -241,9 +246,6 @@ def _training_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, optio
     """:func:`follow_spool` with a trainer kept in memory (``build`` makes it, ``make_batch`` each update's examples)."""
     import os
 
-    from glmpost.errors import UsageError
-    from glmpost.rl.persistent import PersistentRun
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--follow trains in one process for now: every rank would claim its own shards; "
                          "run it without torchrun / deepspeed")
@@ -259,9 +261,6 @@ def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, c
                 ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:
     """``train-grpo --follow``: a :func:`~glmpost.rl.updates.grpo_batch` update per batch; the KL
     reference (``kl_coef`` > 0) is ``ref_checkpoint``, else the version the run started from."""
-    from glmpost.checkpoints import load_tokenizer, resolve_checkpoint
-    from glmpost.rl.run import load_for_training
-    from glmpost.rl.updates import grpo_batch, grpo_trainer
 
     tokenizer, revision = load_tokenizer(checkpoint)
     reference_dir = resolve_checkpoint(ref_checkpoint or checkpoint)
@@ -278,8 +277,6 @@ def opd_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options, co
                stage_options: dict[str, Any]) -> dict[str, Any]:
     """``opd-merge --follow``: a :func:`~glmpost.rl.updates.opd_batch` update per batch (group size
     1: an update per ``follow_records`` scored trajectories)."""
-    from glmpost.checkpoints import load_tokenizer
-    from glmpost.rl.updates import opd_batch, opd_trainer
 
     tokenizer, revision = load_tokenizer(checkpoint)
     return _training_follow(follow, checkpoint=checkpoint, out=out, options=options, stage="opd-merge", config=config,
@@ -293,10 +290,6 @@ def sao_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, critic_root
                stage_options: dict[str, Any]) -> dict[str, Any]:
     """``train-sao --follow``: a :func:`~glmpost.rl.updates.sao_batch` update per batch (group size 1),
     the critic kept in memory beside the policy and published with each version under ``critic_root``."""
-    from glmpost.checkpoints import NextVersion, load_tokenizer
-    from glmpost.rl.critic import CriticVersions
-    from glmpost.rl.persistent import newest_parent
-    from glmpost.rl.updates import sao_batch, sao_trainer
 
     CriticVersions.finish_interrupted(critic_root, out)
     plan = NextVersion.plan(newest_parent(Path(out), Path(checkpoint)), out)

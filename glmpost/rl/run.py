@@ -27,8 +27,9 @@ from typing import Any, Callable, Protocol
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import CheckpointManifest, NextVersion, load_model
+from glmpost.checkpoints import CheckpointManifest, NextVersion
 from glmpost.config import ConfigError, setting, shared
+from glmpost.kernel.loading import load_model
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
 from glmpost.stage import log, write_stage_json
 

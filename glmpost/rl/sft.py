@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from glmpost.rl.distributed import LocalBackend, OptimizerConfig
-from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.config import setting
+from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.rl.batches import TrainExample, collate, train_examples
+from glmpost.rl.distributed import LocalBackend, OptimizerConfig
 
 
 @dataclass

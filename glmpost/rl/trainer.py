@@ -33,16 +33,15 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from glmpost.closure.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.config import SettingError, setting
-from glmpost.closure.scoring import score_tokens
+from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
+from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
 from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit
 from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
 from glmpost.rl.distributed import LocalBackend, OptimizerConfig
 from glmpost.rl.losses import LOSS_NORMALIZATIONS, LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
 from glmpost.rl.masks import TRUST_MASKS
-
 
 LOSS_DENOMINATORS = ("trusted", "action")
 PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not once before the update

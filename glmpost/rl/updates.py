@@ -15,22 +15,31 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from glmpost.checkpoints import load_tokenizer
 from glmpost.errors import GlmpostError
 from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
+from glmpost.formats.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
+from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.loading import load_tokenizer
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
-from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun
-from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.batches import (check_version_lags, drop_stale, failure_counts, prepare_batch, prepare_opd_batch,
-                                segment_accounting, trained_records, train_examples, usable_records)
+from glmpost.rl.batches import (
+    check_version_lags,
+    drop_stale,
+    failure_counts,
+    prepare_batch,
+    prepare_opd_batch,
+    segment_accounting,
+    train_examples,
+    trained_records,
+    usable_records,
+)
 from glmpost.rl.critic import CriticVersions
+from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
+from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
-from glmpost.rollout.distribution import ScoredDistribution, scored_distribution
-from glmpost.rollout.engine import SamplingParams
-from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
 from glmpost.stage import log
 
 

@@ -9,7 +9,7 @@ answer rendered once with the chat template's observation turn (``<|observation|
 Each turn's prompt is exactly everything before it.
 
 Turn ``t`` of sequence ``KEY`` samples with the seed of ``KEY`` (turn 0, as a single-turn rollout) or
-``KEY#turnT``, so a trajectory's samples depend on its own seed only (:func:`turn_key`).
+``KEY#turnT``, so a trajectory's samples depend on its own seed only (:func:`glmpost.kernel.engine.turn_key`).
 
 A trajectory ends ``completed`` when the environment says done, ``truncated`` when a turn hits
 ``max_new_tokens``, the turn budget runs out, or the next observation would overflow the context
@@ -25,15 +25,14 @@ the exact ids it was sampled after (:attr:`Turn.context`).
 from __future__ import annotations
 
 import concurrent.futures
-
 import difflib
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from glmpost.envs import Action, EnvironmentFailure, call_environment, checked_reset, checked_step
+from glmpost.kernel.engine import Completion, turn_key
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, due, fit_pairs
-from glmpost.rollout.engine import Completion
 
 
 @dataclass
@@ -116,11 +115,6 @@ class Trajectory:
         """The newest ``count`` (action ids, observation ids) pairs, as a rebuilt context copies them."""
         pairs = [(t.action.token_ids, t.pair_ids) for t in self.turns if t.kind == "action" and t.pair_ids]
         return pairs[max(len(pairs) - count, 0) :] if count else []
-
-
-def turn_key(key: str, turn: int) -> str:
-    """The seed key of turn ``turn`` of sequence ``key`` (turn 0 keeps ``key``)."""
-    return key if turn == 0 else f"{key}#turn{turn}"
 
 
 def home_server(key: str, servers: int) -> int:

@@ -1,5 +1,5 @@
 """The two rollout engines a run samples with, behind one interface (``prepare``, ``generate``,
-``close``): ``local`` (:class:`~glmpost.rollout.engine.LocalEngine` in this process) and ``sglang``
+``close``): ``local`` (:class:`~glmpost.kernel.engine.LocalEngine` in this process) and ``sglang``
 (SGLang servers or ``glmpost serve`` over HTTP, each sequence's seed sent as ``sampling_seed``; every
 server checked first: reachable, taking the API key, serving the checkpoint's tokenizer revision,
 taking the run's sampling fields; its settings read once for ``seed_reproducible`` and the log-prob
@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 from tqdm import tqdm
 
 from glmpost import __version__
-from glmpost.checkpoints import CheckpointError, load_model, load_tokenizer, read_manifest, resolve_checkpoint
+from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 from glmpost.config import ConfigError
-from glmpost.rollout.continuation import TurnCaches
-from glmpost.rollout.engine import Completion, LocalEngine, SamplingParams, sequence_seed
+from glmpost.kernel.continuation import TurnCaches
+from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
+from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.server_settings import ServerSettings, probe_log_prob_kind, probe_prompts, rejected_field
+from glmpost.kernel.sglang_client import ServerError, SGLangPool
 from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
 from glmpost.stage import log
 
@@ -40,14 +43,6 @@ def eos_id_list(default_stops: int | list[int] | None) -> list[int]:
 def engine_version() -> str:
     """The version stamped in each record's engine map (this glmpost's)."""
     return __version__
-
-
-def as_version(value: Any) -> int | None:
-    """A server's weight_version as a policy version when it is an integer, else None."""
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 @dataclass
@@ -156,7 +151,7 @@ class SGLangBackend:
     Each server's settings are read once (``settings``, in pool order): records say
     ``seed_reproducible`` only when every server does, and carry the servers' log-prob kind
     (``kind_setting``, or with ``auto`` the one they report, else the one
-    :func:`~glmpost.serving.server_settings.probe_log_prob_kind` finds on ``probe_prompts``).
+    :func:`~glmpost.kernel.server_settings.probe_log_prob_kind` finds on ``probe_prompts``).
     """
 
     def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int,
@@ -178,8 +173,6 @@ class SGLangBackend:
         """Read the checkpoint's config (no weights) and connect to the servers, each checked
         (``device`` is unused: the servers hold the model)."""
         from transformers import AutoConfig, GenerationConfig
-
-        from glmpost.serving.server_settings import probe_prompts
 
         version_dir = str(checkpoint.version_dir)
         model_config = AutoConfig.from_pretrained(version_dir)
@@ -214,7 +207,6 @@ class SGLangBackend:
     def _check_fields(self, client: Any) -> None:
         """One 1-token request with the run's sampling params: a server that refuses one of its
         fields, or the API key, fails the whole run here, before any shard."""
-        from glmpost.serving.sglang_client import ServerError
 
         prompt = self.probe_prompts[0] if self.probe_prompts else [0]
         try:
@@ -229,8 +221,6 @@ class SGLangBackend:
     def _server_kind(self, client: Any, settings: Any) -> str:
         """The log-prob kind of one server: the setting (which must not contradict what the server
         reports), else the reported one, else the probed one."""
-        from glmpost.serving.server_settings import probe_log_prob_kind
-        from glmpost.serving.sglang_client import ServerError
 
         reported = settings.log_prob_kind
         if self.kind_setting != "auto":
@@ -254,7 +244,6 @@ class SGLangBackend:
     def _run_error(self, exc: Any) -> ConfigError | None:
         """The one error for the whole run that a failed request is when every request would fail
         alike (the API key refused, a sampling field rejected), else None (the request is aborted)."""
-        from glmpost.serving.server_settings import rejected_field
 
         if exc.status == 401:
             return api_key_error(exc)
@@ -282,7 +271,6 @@ class SGLangBackend:
         mix homes and go to their home first, failing over to the next server only when it fails;
         :meth:`served` says which server answered each key. ``sessions``: the server's prefix cache
         finds each trajectory's history by its ids, nothing to name."""
-        from glmpost.serving.sglang_client import ServerError
 
         everything = list(range(len(sequences)))
         groups = [everything] if homes is None else [[i for i in everything if homes[i] == h] for h in sorted(set(homes))]
@@ -322,7 +310,6 @@ class SGLangBackend:
 
     def _answers(self, answers: Any, expected: int) -> list[Outcome]:
         """A chunk's answers as outcomes; the wrong number of answers is a failed request."""
-        from glmpost.serving.sglang_client import ServerError
 
         if not isinstance(answers, list) or len(answers) != expected:
             raise ServerError(f"{len(answers) if isinstance(answers, list) else 'no'} answers for {expected} sequences",
@@ -348,7 +335,6 @@ def api_key_error(exc: Any) -> ConfigError:
 def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) -> tuple[Any, list[Any]]:
     """A pool over the ``server`` URLs, each checked (reachable, serving our tokenizer revision, taking
     our API key), and each server's settings, in pool order."""
-    from glmpost.serving.sglang_client import SGLangPool
 
     try:
         pool = SGLangPool(config.server, concurrency=config.concurrency, timeout=config.timeout, retries=config.retries,
@@ -360,11 +346,9 @@ def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) 
 
 def check_server(client: Any, config: RolloutConfig, *, revision: str, version_dir: Path) -> Any:
     """Ask one server for its model info and settings (quickly); returns its
-    :class:`~glmpost.serving.server_settings.ServerSettings`, the run's one read of them. An unreachable
+    :class:`~glmpost.kernel.server_settings.ServerSettings`, the run's one read of them. An unreachable
     server, a refused API key or another tokenizer revision is an error; a server that batches fewer
     sequences than ``batch_size``, or does not say its seeds reproduce, is warned about."""
-    from glmpost.serving.server_settings import ServerSettings
-    from glmpost.serving.sglang_client import ServerError
 
     quick = type(client)(client.url, timeout=min(config.timeout, 30.0), retries=min(config.retries, 1), backoff=0.2,
                          api_key=client.api_key)

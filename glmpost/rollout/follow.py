@@ -38,12 +38,13 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import LATEST, CheckpointRoot
 from glmpost.config import ConfigError, setting
-from glmpost.formats.spool import Spool
 from glmpost.npu import resolve_device
+from glmpost.rollout.agentic import ObservationRenderer
 from glmpost.rollout.engines import LocalBackend, PolicyCheckpoint, engine_version, open_backend
 from glmpost.rollout.records import load_rollout_prompts
 from glmpost.rollout.refill import refill_metrics
 from glmpost.rollout.runner import STAGE, RolloutConfig, RolloutRunner, shard_metrics, task_parts
+from glmpost.spool.spool import Spool
 from glmpost.stage import MetricsWriter, log, stop_on_signals, write_stage_json
 
 
@@ -116,7 +117,6 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
     runner = RolloutRunner(config, options=options)
     runner.environment = config.environment()
     if runner.environment is not None:
-        from glmpost.rollout.agentic import ObservationRenderer
 
         runner.renderer = ObservationRenderer(checkpoint.tokenizer)
         runner.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)

@@ -2,7 +2,7 @@
 
 A line is a record in the JSON form ``glmpost shards cat`` prints, or a text conversation (``prompt``
 or chat ``messages``, an optional reference ``response``) that the checkpoint's tokenizer and chat
-template encode (:func:`glmpost.rollout.prompts.conversation_record`). Records go into shards of
+template encode (:func:`glmpost.formats.prompts.conversation_record`). Records go into shards of
 ``records_per_shard`` in the caller's staging directory, one ``metrics.jsonl`` line per shard and a
 summary line at the end.
 """
@@ -15,11 +15,11 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import load_tokenizer
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.formats import ShardWriter, record_from_json
-from glmpost.rollout.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.formats.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.kernel.loading import load_tokenizer
 from glmpost.stage import MetricsWriter, write_stage_json
 
 STAGE = "shards.import"

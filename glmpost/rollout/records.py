@@ -14,11 +14,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from glmpost.rollout.engine import Completion, SamplingParams
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.formats import SHARD_SUFFIX, iter_checked_records, resolve_shard_paths
-from glmpost.rollout.prompts import encode_prompt, read_prompts
+from glmpost.formats.prompts import encode_prompt, read_prompts
+from glmpost.kernel.engine import Completion, SamplingParams
 
 
 @dataclass
@@ -30,6 +30,14 @@ class RolloutPrompt:
     domain: str = ""
     task: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # file:line or shard:record, for error messages
+
+
+def as_version(value: Any) -> int | None:
+    """A server's weight_version as a policy version when it is an integer, else None."""
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str) -> list[RolloutPrompt]:
@@ -149,7 +157,6 @@ def trajectory_record(
     ``extra.compaction`` sums the compactions up (formats/SPEC.md §5)."""
     record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
                             policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
-    from glmpost.rollout.engines import as_version
 
     stamp = policy_version if token_policy_version is None else token_policy_version
     ids, actions, log_probs, segments, versions, stale = [], [], [], [], [], []

@@ -3,7 +3,7 @@
     check the settings -> open the checkpoint -> load the prompts -> open the engine
     -> claim the output directory -> plan this task's shards -> write the missing ones
 
-* **engine**: ``local`` samples in this process (:class:`~glmpost.rollout.engine.LocalEngine`,
+* **engine**: ``local`` samples in this process (:class:`~glmpost.kernel.engine.LocalEngine`,
   ``batch_size`` sequences per call); ``sglang`` sends the same batches to SGLang servers (or
   ``glmpost serve``) with each sequence's seed as ``sampling_seed``, after checking that every server
   is reachable, takes ``api_key``, serves the checkpoint's tokenizer revision and takes the run's
@@ -30,27 +30,41 @@ import numpy as np
 from tqdm import tqdm
 
 from glmpost.config import ConfigError, setting, shared
+from glmpost.envs import resolve_environment
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
+from glmpost.kernel.distribution import LOG_PROB_KINDS
+from glmpost.kernel.engine import Completion, SamplingParams
+from glmpost.kernel.sglang_client import check_api_key
 from glmpost.npu import resolve_device
-from glmpost.rollout.distribution import LOG_PROB_KINDS
-from glmpost.rollout.engine import Completion, SamplingParams
+from glmpost.rollout.agentic import (
+    MultiTurnSettings,
+    ObservationRenderer,
+    Trajectory,
+    home_server,
+    retokenize_drift,
+    run_trajectories,
+)
+from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, ContextBuilder, resume_pieces
 from glmpost.rollout.engines import (
     LocalBackend,
     Outcome,
     PolicyCheckpoint,
     SGLangBackend,
-    as_version,
     engine_version,
     eos_id_list,
     open_backend,
 )
-from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, ContextBuilder, resume_pieces
-from glmpost.rollout.agentic import (MultiTurnSettings, ObservationRenderer, Trajectory, home_server, retokenize_drift,
-                                     run_trajectories)
+from glmpost.rollout.records import (
+    RolloutPrompt,
+    aborted_record,
+    as_version,
+    check_context,
+    load_rollout_prompts,
+    rollout_record,
+    trajectory_record,
+)
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
-from glmpost.rollout.records import (RolloutPrompt, aborted_record, check_context, load_rollout_prompts, rollout_record,
-                                     trajectory_record)
 from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
 
 STAGE = "rollout"
@@ -137,7 +151,6 @@ class RolloutConfig:
         rollouts; an unknown one or bad options is one error naming the option."""
         if self.env is None:
             return None
-        from glmpost.envs import resolve_environment
 
         try:
             options = json.loads(self.env_options)
@@ -183,7 +196,6 @@ class RolloutConfig:
     def check_engine(self) -> None:
         """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that
         cannot go in a header (without repeating it)."""
-        from glmpost.serving.sglang_client import check_api_key
 
         if self.engine_name not in ENGINES:
             raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)

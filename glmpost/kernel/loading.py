@@ -1,0 +1,94 @@
+"""Loading a checkpoint for computation: its tokenizer and its model (quantized checkpoints
+dequantized, the GLM-5 attention implementation and the deterministic DSA top-k selected)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from glmpost.checkpoints import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint, tokenizer_revision
+from glmpost.config import ConfigError
+from glmpost.errors import first_line
+from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
+from glmpost.npu.topk import install_deterministic_topk
+from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state
+
+
+def load_tokenizer(checkpoint: Path | str):
+    """The checkpoint's tokenizer and its revision, refusing tokenizer files edited after the manifest."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_checkpoint(checkpoint)
+    revision = tokenizer_revision(directory)
+    if (directory / MANIFEST).is_file():
+        recorded = read_manifest(directory).tokenizer_revision
+        if recorded != revision:
+            raise CheckpointError(
+                f"{directory}: tokenizer files have revision {revision} but {MANIFEST} records {recorded}"
+            )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{directory}: tokenizer does not load ({first_line(exc)})") from None
+    return tokenizer, revision
+
+
+def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True,
+               attention: str = "native"):
+    """``AutoModelForCausalLM`` from a root or version directory, in eval mode.
+
+    A quantized checkpoint (``glmpost quantize`` / ``sync-weights --quantize`` output: a
+    ``quantization_config`` or msModelSlim description) is dequantized with the one quantizer's
+    ``dequant`` (:func:`glmpost.quant.formats.load_quantized_state`): the float weights a rollout
+    engine computes with. A tensor the architecture needs but the checkpoint lacks is an error, never
+    a random initialisation.
+
+    With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
+    :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
+    and the trainer attend to the same keys for the same tokens. ``attention`` ``native`` (the
+    default) runs GLM-5 attention through :mod:`glmpost.models.native_attention`, ``reference``
+    through transformers' modules (ConfigError naming ``attention`` for anything else).
+    """
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    directory = resolve_checkpoint(checkpoint)
+    try:
+        config_json = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{directory}/config.json: unreadable ({first_line(exc)})") from None
+    try:
+        if is_quantized_checkpoint(directory, config_json):
+            state = load_quantized_state(directory, dtype)
+            config = AutoConfig.from_pretrained(str(directory))
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            # from_pretrained maps on-disk names to in-memory ones (per-expert -> fused MoE weights).
+            model_class = AutoModelForCausalLM._model_mapping[type(config)]
+            model, info = model_class.from_pretrained(
+                None, config=config, state_dict=state, dtype=dtype or "auto", output_loading_info=True
+            )
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto", output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise CheckpointError(f"{directory}: model does not load ({first_line(exc)})") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"{directory}: missing tensors {', '.join(missing[:3])}{more}")
+    if deterministic_topk:
+        install_deterministic_topk(model)
+    apply_attention(model, attention)
+    return model.to(device).eval()
+
+
+def apply_attention(model, attention: str) -> int:
+    """Run ``model``'s GLM-5 attention ``native`` or ``reference``
+    (:func:`glmpost.models.native_attention.set_attention`); an unknown name is a ConfigError naming
+    the ``attention`` field. Returns the number of attention layers switched."""
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigError("{attention} {value!r}: expected native or reference", value=attention)
+    return set_attention(model, attention)

@@ -1,0 +1,408 @@
+"""An HTTP client for SGLang's native API, as served by SGLang itself and by ``glmpost serve``.
+
+Only the endpoints glmpost uses (DESIGN.md §6: "in-process torch engine, also served over HTTP by
+``glmpost serve`` with SGLang's native API"; same client at scale):
+
+* ``POST /generate``: token ids in, token ids and log-probs out (TITO: no text round trip).
+* ``POST /update_weights_from_disk``, ``GET /get_weight_version`` (``/model_info`` where a newer
+  SGLang answers 404 there), ``GET /model_info``, ``GET /health``.
+* ``GET /server_info`` (``/get_server_info`` where an older SGLang answers 404 there): the server's
+  settings (SGLang's server args, e.g. ``enable_deterministic_inference``), read once per client
+  (:meth:`SGLangClient.settings`).
+
+Response shapes follow SGLang (python/sglang/srt/managers/tokenizer_manager.py
+``detokenize_logprob_tokens`` / ``convert_logprob_style``; scheduler ``_process_input_token_logprobs``;
+entrypoints/http_server.py ``update_weights_from_disk``): a log-prob entry is a list
+``[logprob, token_id, text_or_None]``; ``input_token_logprobs`` starts at ``logprob_start_len`` and its
+first entry's logprob is ``None``; ``finish_reason`` is ``{"type": "stop", "matched": id}``,
+``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
+
+An ``api_key`` is sent as ``Authorization: Bearer KEY`` (SGLang's ``--api-key``) and never appears in
+a message. Failures: connection errors, timeouts and HTTP 5xx are retried ``retries`` times with
+exponential backoff (``backoff * 2**attempt`` seconds); HTTP 4xx is not retried (a 401 says whether
+a key was sent). A request that finally fails
+raises :class:`ServerError` (a :class:`~glmpost.errors.GlmpostError`, so a CLI prints one line).
+:class:`SGLangPool` spreads requests over several servers with bounded concurrency and fails over to
+the next server when one is unreachable.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from glmpost.config import ConfigError
+from glmpost.errors import GlmpostError
+
+__all__ = ["SGLangClient", "SGLangPool", "ServerError", "check_api_key", "parse_server_urls", "without_api_key"]
+
+
+class ServerError(GlmpostError):
+    """A request to a server that finally failed.
+
+    Attributes:
+        url: the server's base URL.
+        status: the HTTP status, or None when no HTTP answer came (connection refused, timeout).
+        retryable: True for connection errors, timeouts and 5xx (another server may succeed).
+    """
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, retryable: bool = False):
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.retryable = retryable
+
+
+def parse_server_urls(value: str | Sequence[str]) -> list[str]:
+    """``"http://a:1,http://b:2"`` (or a list) -> normalised base URLs without a trailing slash.
+
+    A bare ``host:port`` gets ``http://``. Raises ValueError for an empty list.
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    urls = []
+    for item in items:
+        item = item.strip().rstrip("/")
+        if not item:
+            continue
+        if "://" not in item:
+            item = "http://" + item
+        urls.append(item)
+    if not urls:
+        raise ValueError("no server URL given")
+    return urls
+
+
+def check_api_key(key: str | None) -> str | None:
+    """``key`` when it can go in an HTTP header (printable ASCII, no spaces), None for none or "".
+
+    Raises :class:`~glmpost.config.ConfigError` naming the ``api_key`` setting (every config that
+    holds a key calls it so) and never repeating the key."""
+    if key is None or key == "":
+        return None
+    if not all("!" <= ch <= "~" for ch in key):
+
+        raise ConfigError("{api_key}: an API key must be printable ASCII without spaces")
+    return key
+
+
+def without_api_key(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without ``api_key``: what stage.json, shard headers and logs may record."""
+    return {name: value for name, value in options.items() if name != "api_key"}
+
+
+_RETRYABLE_EXCEPTIONS = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
+                         http.client.HTTPException, OSError)
+
+
+class SGLangClient:
+    """One SGLang (or ``glmpost serve``) server.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:30000``.
+        timeout: seconds to wait for one HTTP answer (a long generation must fit in it).
+        retries: extra attempts after a connection error, timeout or 5xx (0 = try once).
+        backoff: seconds before the first retry; doubled before each further one.
+        api_key: sent as ``Authorization: Bearer KEY`` with every request (None: no header).
+    """
+
+    def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None):
+        self.url = parse_server_urls(url)[0]
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.api_key = check_api_key(api_key)
+        self._settings: dict | None = None
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r})"
+
+    # ------------------------------------------------------------------ transport
+
+    def request(self, method: str, path: str, body: Any = None, *, ok_statuses: Iterable[int] = ()) -> Any:
+        """One JSON request with retries; returns the decoded JSON answer (None for an empty body).
+
+        ``ok_statuses`` are non-2xx statuses whose JSON body is returned instead of raising (SGLang
+        answers a refused weight update with HTTP 400 and ``{"success": false, ...}``).
+        """
+        ok = set(ok_statuses)
+        data = None if body is None else json.dumps(body).encode()
+        last: ServerError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._once(method, path, data, ok)
+            except ServerError as exc:
+                last = exc
+                if not exc.retryable:
+                    raise
+        assert last is not None
+        raise ServerError(f"{last} (after {self.retries + 1} attempts)", url=self.url, status=last.status, retryable=True)
+
+    def _headers(self, data: bytes | None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def _once(self, method: str, path: str, data: bytes | None, ok: set[int]) -> Any:
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data))
+        where = f"{method} {self.url}{path}"
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                return _decode(response.read(), where, self.url)
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            if exc.code in ok:
+                return _decode(raw, where, self.url)
+            detail = _error_detail(raw) or exc.reason
+            if exc.code == 401:
+                detail = (f"{detail}: the server refused the API key" if self.api_key is not None
+                          else f"{detail}: the server wants an API key and none was given")
+            raise ServerError(f"{where}: HTTP {exc.code}: {detail}", url=self.url, status=exc.code,
+                              retryable=exc.code >= 500) from None
+        except _RETRYABLE_EXCEPTIONS as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise ServerError(f"{where}: {str(reason) or type(reason).__name__}", url=self.url,
+                              retryable=True) from None
+
+    # ------------------------------------------------------------------ endpoints
+
+    def health(self) -> dict:
+        """``GET /health``: ``{}`` when the server is up (SGLang answers an empty 200); raises ServerError."""
+        answer = self.request("GET", "/health")
+        return answer if isinstance(answer, dict) else {}
+
+    def model_info(self) -> dict:
+        """``GET /model_info`` (``/get_model_info`` on older SGLang).
+
+        SGLang's keys include ``model_path``, ``tokenizer_path``, ``is_generation`` and
+        ``weight_version``; ``glmpost serve`` adds ``tokenizer_revision``, ``policy_version``,
+        ``architectures``, ``vocab_size`` and ``engine``.
+        """
+        try:
+            return self.request("GET", "/model_info")
+        except ServerError as exc:
+            if exc.status != 404:
+                raise
+            return self.request("GET", "/get_model_info")
+
+    def server_info(self) -> dict:
+        """``GET /server_info`` (SGLang's current name), ``/get_server_info`` where that answers 404.
+
+        SGLang answers its server args (``enable_deterministic_inference``, ``random_seed``, ...), the
+        scheduler info, ``internal_states`` and ``version``; ``glmpost serve`` answers its model info,
+        counters (``stats``), ``enable_deterministic_inference`` (true), ``version`` and
+        ``log_prob_kind``."""
+        try:
+            answer = self.request("GET", "/server_info")
+        except ServerError as exc:
+            if exc.status != 404:
+                raise
+            answer = self.request("GET", "/get_server_info")
+        return answer if isinstance(answer, dict) else {}
+
+    def settings(self) -> dict:
+        """:meth:`server_info` as read the first time (a server's settings do not change while it runs);
+        ``{}`` for a server that has neither route (both 404). Raises ServerError otherwise."""
+        if self._settings is None:
+            try:
+                self._settings = self.server_info()
+            except ServerError as exc:
+                if exc.status != 404:
+                    raise
+                self._settings = {}
+        return self._settings
+
+    def get_weight_version(self) -> str | None:
+        """The server's ``weight_version`` (None if it has none): ``GET /get_weight_version``, or
+        ``/model_info``'s ``weight_version`` where a newer SGLang retired that endpoint (404)."""
+        try:
+            answer = self.request("GET", "/get_weight_version")
+        except ServerError as exc:
+            if exc.status != 404:
+                raise
+            answer = self.model_info()
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        return None if version is None else str(version)
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None, flush_cache: bool = True,
+                                 abort_all_requests: bool = False) -> dict:
+        """``POST /update_weights_from_disk``: load ``model_path`` in place of the current weights.
+
+        Returns SGLang's answer ``{"success": bool, "message": str, "num_paused_requests": int}``
+        (``glmpost serve`` adds ``weight_version``) — also when the server refuses the update
+        (HTTP 400, ``success`` false, old weights kept). Raises ServerError when no answer comes.
+        """
+        body: dict[str, Any] = {"model_path": str(model_path), "flush_cache": flush_cache,
+                                "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        answer = self.request("POST", "/update_weights_from_disk", body, ok_statuses=(400,))
+        if not isinstance(answer, dict) or "success" not in answer:
+            raise ServerError(f"POST {self.url}/update_weights_from_disk: unexpected answer {answer!r}", url=self.url)
+        return answer
+
+    def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict | Sequence[dict], *,
+                 return_logprob: bool = True, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 **fields: Any) -> dict | list[dict]:
+        """``POST /generate`` with token ids (one prompt, or a batch as a list of lists).
+
+        ``sampling_params`` as SGLang takes them: ``max_new_tokens``, ``temperature``, ``top_p``,
+        ``top_k`` (-1 or 0 = off), ``stop_token_ids``, ``sampling_seed`` (per-sequence seed),
+        ``ignore_eos``. Returns for one prompt (a list of these for a batch)::
+
+            {"text": str, "output_ids": [int, ...],
+             "meta_info": {"id": str, "finish_reason": {"type": "stop", "matched": id} | {"type": "length", "length": n},
+                           "prompt_tokens": P, "completion_tokens": T, "cached_tokens": int, "weight_version": str|None,
+                           # with return_logprob:
+                           "output_token_logprobs": [[logprob, token_id, None], ...],           # T entries
+                           "input_token_logprobs": [[None, id, None], [logprob, id, None], ...],  # P - start entries
+                           # with top_logprobs_num = k > 0: per position a list of k [logprob, id, None]
+                           "output_top_logprobs": [[[lp, id, None], ...], ...], "input_top_logprobs": [None, [...], ...]}}
+
+        ``logprob_start_len`` -1 asks for no input log-probs (``input_token_logprobs`` empty). Further
+        ``fields`` (``rid``, ``return_text_in_logprobs``) go into the body as they are.
+        """
+        body = {"input_ids": [list(map(int, x)) for x in input_ids] if _is_batch(input_ids) else list(map(int, input_ids)),
+                "sampling_params": sampling_params, "return_logprob": return_logprob,
+                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num, **fields}
+        return self.request("POST", "/generate", body)
+
+    def score(self, input_ids: Sequence[int], logprob_start_len: int, top_logprobs_num: int = 0) -> dict:
+        """Log-probs of the given tokens ``input_ids[logprob_start_len:]``, each under its own prefix.
+
+        A prefill-only ``/generate`` (``max_new_tokens`` 0, temperature 1: the model's own
+        distribution) asking for input log-probs from ``logprob_start_len - 1``, whose first
+        (``None``) entry SGLang leaves empty, so ``logprob_start_len`` must be >= 1. Returns::
+
+            {"token_log_probs": [float, ...],        # len(input_ids) - logprob_start_len entries
+             "top_ids": [[int] * k, ...],            # only with top_logprobs_num = k > 0, same length
+             "top_log_probs": [[float] * k, ...],
+             "weight_version": str | None}
+
+        Entry ``i`` is ``log p(input_ids[start + i] | input_ids[:start + i])``; the top-k lists are the
+        ``k`` most likely tokens at that same position.
+        """
+        if not 1 <= logprob_start_len <= len(input_ids):
+            raise ValueError(f"logprob_start_len must be in [1, {len(input_ids)}], got {logprob_start_len}")
+        answer = self.generate(input_ids, {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True,
+                               logprob_start_len=logprob_start_len - 1, top_logprobs_num=top_logprobs_num)
+        meta = answer["meta_info"]
+        entries = meta.get("input_token_logprobs") or []
+        want = len(input_ids) - logprob_start_len
+        if len(entries) != want + 1:
+            raise ServerError(f"POST {self.url}/generate: {len(entries)} input log-probs for a request that needs {want + 1}",
+                              url=self.url)
+        result: dict[str, Any] = {"token_log_probs": [float(e[0]) for e in entries[1:]],
+                                  "weight_version": meta.get("weight_version")}
+        if top_logprobs_num > 0:
+            tops = (meta.get("input_top_logprobs") or [])[1:]
+            if len(tops) != want:
+                raise ServerError(f"POST {self.url}/generate: {len(tops)} input top-k rows, expected {want}", url=self.url)
+            result["top_ids"] = [[int(e[1]) for e in row] for row in tops]
+            result["top_log_probs"] = [[float(e[0]) for e in row] for row in tops]
+        return result
+
+
+class SGLangPool:
+    """Several servers behind one interface, with at most ``concurrency`` requests in flight.
+
+    Request ``i`` goes to server ``i % len(urls)``; when that server finally fails with a connection
+    error, timeout or 5xx, the next server is tried, and only when every server failed does the call
+    raise :class:`ServerError`. Every server gets the same ``api_key``.
+    """
+
+    def __init__(self, urls: str | Sequence[str], *, concurrency: int = 8, timeout: float = 600.0, retries: int = 3,
+                 backoff: float = 0.5, api_key: str | None = None):
+        self.clients = [SGLangClient(u, timeout=timeout, retries=retries, backoff=backoff, api_key=api_key)
+                        for u in parse_server_urls(urls)]
+        self.concurrency = max(1, concurrency)
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    def call(self, index: int, fn: Callable[[SGLangClient], Any]) -> Any:
+        """``fn(client)`` on server ``index % n``, failing over to the others on retryable errors."""
+        last: ServerError | None = None
+        for k in range(len(self.clients)):
+            client = self.clients[(index + k) % len(self.clients)]
+            try:
+                return fn(client)
+            except ServerError as exc:
+                last = exc
+                if not exc.retryable:
+                    raise
+        assert last is not None
+        raise last
+
+    def submit(self, index: int, fn: Callable[[SGLangClient], Any]) -> Future:
+        """Run :meth:`call` on the pool's threads; the future raises ServerError on final failure."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="sglang")
+        return self._executor.submit(self.call, index, fn)
+
+    def map(self, fn: Callable[[SGLangClient, Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``fn(client, item)`` for every item, in order; an item whose request failed yields its
+        :class:`ServerError` instead of a result (so no item is lost)."""
+        futures = [self.submit(i, lambda c, item=item: fn(c, item)) for i, item in enumerate(items)]
+        results = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except ServerError as exc:
+                results.append(exc)
+        return results
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> "SGLangPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_batch(input_ids: Any) -> bool:
+    return len(input_ids) > 0 and isinstance(input_ids[0], (list, tuple))
+
+
+def _decode(raw: bytes, where: str, url: str) -> Any:
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        text = raw[:200].decode(errors="replace").strip()
+        raise ServerError(f"{where}: answer is not JSON: {text!r}", url=url) from None
+
+
+def _error_detail(raw: bytes) -> str:
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw[:200].decode(errors="replace").strip()
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        for key in ("message", "detail", "error"):
+            if key in payload:
+                return str(payload[key])
+    return str(payload)[:200]

@@ -1,0 +1,406 @@
+"""``glmpost serve``: the embedded engine behind the subset of SGLang's native HTTP API glmpost uses.
+
+DESIGN.md §6 ("rollout / teacher engine: in-process torch engine, also served over HTTP by
+``glmpost serve`` with SGLang's native API"); the brief's weight-sync chain "发送 → 原子切换 → 确认"
+ends in ``/update_weights_from_disk`` and a read of the weight version.
+
+Endpoints and shapes follow SGLang (python/sglang/srt/entrypoints/http_server.py for the routes and
+the ``update_weights_from_disk`` answer; managers/io_struct.py ``GenerateReqInput``;
+managers/tokenizer_manager.py ``detokenize_logprob_tokens`` / ``convert_logprob_style`` for
+``meta_info``; managers/scheduler ``_process_input_token_logprobs`` for the leading ``None``;
+managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
+
+* ``POST /generate``: ``input_ids`` (one list or a batch), ``sampling_params`` (a dict or one per
+  sequence: ``max_new_tokens`` (0 = prefill-only scoring), ``temperature``, ``top_p``, ``top_k``,
+  ``stop_token_ids``, ``stop`` (a string or a list: the sequence stops once its decoded output
+  contains one; ``finish_reason`` ``{"type": "stop", "matched": "STRING"}``), ``ignore_eos``,
+  ``sampling_seed``, ``no_stop_trim`` (``text`` keeps the matched stop); ``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``stream_interval``, ``custom_params`` accepted and ignored;
+  penalties, ``min_p``, ``min_new_tokens``, ``n`` and grammars refused unless at their defaults),
+  ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``
+  (entries ``[logprob, id, token_text]``), ``rid`` (echoed as ``meta_info["id"]``; a batch's string
+  ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence). Answer per sequence
+  ``{"text", "output_ids", "meta_info"}`` (:mod:`glmpost.server.answers`).
+* ``POST /update_weights_from_disk``: ``model_path``, ``weight_version``, ``flush_cache``,
+  ``abort_all_requests``; answer ``{"success", "message", "num_paused_requests"}`` (HTTP 400 when
+  refused; the old weights stay).
+* ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``; ``GET /server_info`` (also
+  ``/get_server_info``, its older name): the model info, ``enable_deterministic_inference`` (always
+  true: a sequence's tokens and log-probs follow from its ``sampling_seed``), ``log_prob_kind``,
+  ``version`` (glmpost's), and counters since start (requests, engine batches, sequences, generated
+  tokens, seconds the engine was busy).
+* With an API key every route but ``/health`` wants ``Authorization: Bearer KEY`` (or
+  ``x-api-key: KEY``) and answers HTTP 401 ``{"error": "Unauthorized"}`` without it, as SGLang's
+  ``add_api_key_middleware`` (srt/utils/auth.py) does.
+
+One worker thread owns the :class:`~glmpost.kernel.engine.LocalEngine`; HTTP threads only parse, queue and
+wait. Concurrent single-sequence requests are merged into one engine batch (up to ``batch_size``); a
+batch request runs as its own batch(es), exactly as the in-process engine would run the same list,
+so ``rollout --engine sglang`` reproduces ``--engine local`` bit for bit. Weight swaps happen between
+batches. Output log-probs are of the server's ``log_prob_kind`` (:mod:`glmpost.kernel.distribution`;
+by default ``sampled``, the distribution sampled from: temperature, top-k, top-p; greedy requests
+``raw``); input log-probs are the model's own (temperature 1), by the trainer's formula.
+
+This module holds :class:`EngineServer` (the worker, request batching, weight swaps) and checkpoint
+loading. Parsing and validating ``/generate`` requests is :mod:`glmpost.server.parsing`, shaping
+each sequence's answer :mod:`glmpost.server.answers`; the HTTP
+routes, the listening server and its signal-driven lifetime are :mod:`glmpost.server.http`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+from glmpost import __version__
+from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint, tokenizer_revision
+from glmpost.errors import GlmpostError
+from glmpost.kernel.continuation import TurnCaches
+from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
+from glmpost.kernel.engine import LocalEngine, Scores
+from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.server.answers import input_start, sequence_answer
+from glmpost.server.parsing import RequestError, SequenceRequest, parse_generate
+
+
+@dataclass
+class _Job:
+    kind: str  # "generate" or "update"
+    payload: Any
+    batch: bool = False  # a batch request: run as its own engine batch(es), never merged
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class LoadedCheckpoint:
+    engine: LocalEngine
+    tokenizer: Any
+    version_dir: Path
+    revision: str
+    policy_version: int | None
+    config: dict
+    tensors: dict[str, tuple[int, ...]]
+    caches: TurnCaches | None = None  # KV caches of these weights that later requests may extend
+
+
+def model_tensors(model) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a loaded model's parameters and buffers (quantized checkpoints are
+    dequantized on load, so a float and a quantized version of one model compare equal)."""
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, deterministic_topk: bool,
+                    prefix_cache_batches: int = 0, attention: str = "native") -> LoadedCheckpoint:
+    """Model, tokenizer and identity of a checkpoint root or version directory, with a prefix cache
+    of ``prefix_cache_batches`` engine batches (0: none)."""
+
+    version_dir = resolve_checkpoint(checkpoint)
+    tokenizer, revision = load_tokenizer(version_dir)
+    try:
+        policy_version: int | None = read_manifest(version_dir).policy_version
+    except CheckpointError:
+        policy_version = None
+    try:
+        config = json.loads((version_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GlmpostError(f"{version_dir}/config.json: unreadable ({exc})") from None
+    model = load_model(version_dir, device=device, deterministic_topk=deterministic_topk, attention=attention)
+    tensors = model_tensors(model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engine = LocalEngine(model, batch_size=batch_size, pad_token_id=pad)
+    caches = TurnCaches(retain=prefix_cache_batches) if prefix_cache_batches else None
+    return LoadedCheckpoint(engine, tokenizer, version_dir, revision, policy_version, config, tensors, caches)
+
+
+# A pause between requests this long ends a burst of clients sending their next request.
+ARRIVAL_GAP_S = 0.01
+
+
+class EngineServer:
+    """The worker that owns the engine, and the request handling behind the HTTP routes."""
+
+    def __init__(self, checkpoint: str | Path, *, device: Any = "cpu", batch_size: int = 32, deterministic_topk: bool = True,
+                 weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND,
+                 prefix_cache_batches: int = 0, attention: str = "native"):
+        self.device = device
+        self.attention = attention
+        self.log_prob_kind = check_log_prob_kind(log_prob_kind)
+        self.batch_size = batch_size
+        self.deterministic_topk = deterministic_topk
+        self.batch_wait_s = batch_wait_s
+        self.prefix_cache_batches = prefix_cache_batches
+        self.loaded = load_checkpoint(checkpoint, device=device, batch_size=batch_size, deterministic_topk=deterministic_topk,
+                                      prefix_cache_batches=prefix_cache_batches, attention=attention)
+        self.weight_version = weight_version if weight_version is not None else (
+            str(self.loaded.policy_version) if self.loaded.policy_version is not None else "default")
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._inflight = 0  # single-sequence generate requests received and not yet answered
+        self._last_merged = 1  # sequences in the last merged batch of single requests
+        # Most single requests in flight at once while the last batch ran, and during the current
+        # one: the number of clients that will send again within milliseconds of being answered.
+        self._recent_peak = 1
+        self._peak_now = 0
+        self._last_arrival = 0.0
+        self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
+        # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
+        # and tokens generated, prompt tokens read from the prefix cache, and the seconds the engine
+        # spent running batches.
+        self.stats = {"requests": 0, "batches": 0, "sequences": 0, "generated_tokens": 0, "cached_tokens": 0,
+                      "engine_busy_s": 0.0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._worker.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for job in pending:
+            job.error = RequestError("server is shutting down", 503)
+            job.done.set()
+        self._worker.join(timeout=30)
+
+    def submit(self, job: _Job) -> Any:
+        with self._cond:
+            if self._stopping:
+                raise RequestError("server is shutting down", 503)
+            self._queue.append(job)
+            self._last_arrival = time.perf_counter()
+            self._cond.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    # ------------------------------------------------------------------ routes
+
+    def model_info(self) -> dict:
+        loaded = self.loaded
+
+        return {
+            "model_path": str(loaded.version_dir),
+            "tokenizer_path": str(loaded.version_dir),
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "model_type": loaded.config.get("model_type"),
+            "architectures": loaded.config.get("architectures"),
+            "tokenizer_revision": loaded.revision,
+            "policy_version": loaded.policy_version,
+            "vocab_size": loaded.config.get("vocab_size"),
+            "max_position_embeddings": loaded.config.get("max_position_embeddings"),
+            "engine": "glmpost-serve",
+            "engine_version": __version__,
+            "batch_size": self.batch_size,
+            "device": str(self.device),
+        }
+
+    def generate(self, body: dict) -> Any:
+        items, batch = parse_generate(body, self.loaded, log_prob_kind=self.log_prob_kind)
+        if batch:
+            return self.submit(_Job("generate", items, batch=True))
+        with self._cond:
+            self._inflight += 1
+            self._peak_now = max(self._peak_now, self._inflight)
+        try:
+            return self.submit(_Job("generate", items))[0]
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def server_info(self) -> dict:
+        """``GET /server_info`` (and ``/get_server_info``): what ``/model_info`` says, the settings
+        clients read (``enable_deterministic_inference``: a sequence's tokens and log-probs are a
+        function of its ``sampling_seed``; ``log_prob_kind``; ``version``; glmpost's ``attention`` path)
+        and the counters since start."""
+
+        stats = {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}
+        return {**self.model_info(), "enable_deterministic_inference": True, "log_prob_kind": self.log_prob_kind,
+                "version": __version__, "attention": self.attention, "batch_wait_s": self.batch_wait_s, "stats": stats}
+
+    def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
+            raise RequestError("update_weights_from_disk needs model_path (a checkpoint directory)")
+        version = body.get("weight_version")
+        job = _Job("update", {"model_path": body["model_path"], "weight_version": None if version is None else str(version),
+                              "abort_all_requests": bool(body.get("abort_all_requests", False))})
+        answer = self.submit(job)
+        return (HTTPStatus.OK if answer["success"] else HTTPStatus.BAD_REQUEST), answer
+
+    # ------------------------------------------------------------------ the worker
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+            jobs = [job]
+            if job.kind == "generate" and not job.batch:
+                jobs = self._gather(job)
+            try:
+                if job.kind == "update":
+                    job.result = self._update(job.payload)
+                else:
+                    self._run_generate([it for j in jobs for it in j.payload])
+                    for j in jobs:
+                        j.result = [it.result for it in j.payload]
+            except RequestError as exc:
+                for j in jobs:
+                    j.error = exc
+            except Exception as exc:  # the engine failed on this batch: answer 500, keep serving
+                for j in jobs:
+                    j.error = RequestError(f"engine error: {type(exc).__name__}: {exc}", 500)
+            if job.kind == "generate":
+                self.stats["requests"] += sum(j.error is None for j in jobs)
+            for j in jobs:
+                j.done.set()
+
+    def _gather(self, first: _Job) -> list[_Job]:
+        """Merge queued single-sequence generate jobs into ``first``'s batch, up to ``batch_size``."""
+        jobs, count = [first], len(first.payload)
+        with self._cond:
+            # Wait up to batch_wait_s for at least as many single requests as the previous merged
+            # batch had, for every one received, and for as many as were in flight at once while
+            # the last batch ran (the clients just answered are sending their next request right
+            # now), so clients that fell into two cohorts merge back into one batch. Answered clients
+            # send again in a burst: once no request has arrived for ARRIVAL_GAP_S the burst is over
+            # (clients that finished are not coming back), and the batch starts.
+            started = time.perf_counter()
+            deadline = started + self.batch_wait_s
+            while True:
+                target = min(self.batch_size, max(self._last_merged, self._inflight, self._recent_peak, 1))
+                waiting = sum(len(j.payload) for j in self._queue if j.kind == "generate" and not j.batch)
+                now = time.perf_counter()
+                quiet = now - max(self._last_arrival, started)
+                if count + waiting >= target or now >= deadline or quiet >= ARRIVAL_GAP_S or self._stopping:
+                    break
+                self._cond.wait(min(deadline - now, ARRIVAL_GAP_S - quiet))
+            kept: deque[_Job] = deque()
+            while self._queue:
+                job = self._queue.popleft()
+                if job.kind == "generate" and not job.batch and count + len(job.payload) <= self.batch_size:
+                    jobs.append(job)
+                    count += len(job.payload)
+                elif job.kind == "update":  # keep order: nothing queued after an update joins earlier work
+                    kept.append(job)
+                    kept.extend(self._queue)
+                    self._queue.clear()
+                else:
+                    kept.append(job)
+            self._queue.extendleft(reversed(kept))
+            self._recent_peak, self._peak_now = max(self._peak_now, 1), self._inflight
+        self._last_merged = count
+        return jobs
+
+    def _run_generate(self, items: list[SequenceRequest]) -> None:
+        loaded = self.loaded
+        engine = loaded.engine
+        started = time.perf_counter()
+        # Input log-probs (SGLang's input_token_logprobs): entries for positions start .. P-1, the
+        # first one None (it has no prefix in the request's window), so score start+1 .. P-1.
+        need_scores = [i for i, it in enumerate(items) if it.return_logprob and it.logprob_start_len + 1 < len(it.prompt)]
+        scores: dict[int, Scores] = {}
+        for top_n in sorted({items[i].top_logprobs_num for i in need_scores}):
+            idx = [i for i in need_scores if items[i].top_logprobs_num == top_n]
+            for i, s in zip(idx, engine.score([items[i].prompt for i in idx], [input_start(items[i]) + 1 for i in idx],
+                                              top_logprobs_num=top_n)):
+                scores[i] = s
+        # Generation: one engine call per group of identical sampling settings, in request order.
+        groups: dict[tuple, list[int]] = {}
+        for i, it in enumerate(items):
+            if it.params.max_new_tokens > 0:
+                p = it.params
+                key = (p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop_token_ids), p.log_prob_kind,
+                       it.top_logprobs_num)
+                groups.setdefault(key, []).append(i)
+        completions, cached = {}, {}
+        for key, idx in groups.items():
+            outs = engine.generate([items[i].prompt for i in idx], None, items[idx[0]].params,
+                                   seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1], caches=loaded.caches)
+            completions.update(zip(idx, outs))
+            if loaded.caches is not None:
+                cached.update(zip(idx, loaded.caches.last_reused))
+        latency = time.perf_counter() - started
+        for i, it in enumerate(items):
+            it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
+                                        weight_version=self.weight_version, latency=latency, cached_tokens=cached.get(i, 0))
+            out_ids = it.result["output_ids"]
+            self.stats["generated_tokens"] += len(out_ids)
+            self.stats["cached_tokens"] += cached.get(i, 0)
+        self.stats["batches"] += 1
+        self.stats["sequences"] += len(items)
+        self.stats["engine_busy_s"] += time.perf_counter() - started
+
+    def _update(self, payload: dict) -> dict:
+        """Validate and load a checkpoint; swap it in only when everything checks out."""
+        old = self.loaded
+
+        def refuse(message: str) -> dict:
+            return {"success": False, "message": message, "num_paused_requests": 0, "weight_version": self.weight_version}
+
+        try:
+            target = resolve_checkpoint(payload["model_path"])
+            config = json.loads((target / "config.json").read_text())
+            for key in ("architectures", "model_type"):
+                if config.get(key) != old.config.get(key):
+                    return refuse(f"{target}: {key} {config.get(key)!r} differs from the served {old.config.get(key)!r}")
+            revision = tokenizer_revision(target)
+            if revision != old.revision:
+                return refuse(f"{target}: tokenizer revision {revision} differs from the served {old.revision}")
+            # load_model refuses a checkpoint that lacks a tensor; shapes must match the served model's.
+            new = load_checkpoint(target, device=self.device, batch_size=self.batch_size, deterministic_topk=self.deterministic_topk,
+                                  prefix_cache_batches=self.prefix_cache_batches, attention=self.attention)
+            bad = sorted(n for n in old.tensors if new.tensors.get(n) != old.tensors[n])
+            if bad:
+                return refuse(f"{target}: tensor {bad[0]} has shape {list(new.tensors.get(bad[0], ()))}, the served one {list(old.tensors[bad[0]])}")
+        except (GlmpostError, OSError, ValueError) as exc:
+            return refuse(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        aborted = 0
+        if payload["abort_all_requests"]:
+            aborted = self._abort_queued()
+        self.loaded = new
+        if payload["weight_version"] is not None:
+            self.weight_version = payload["weight_version"]
+        del old
+        return {"success": True, "message": f"Succeeded to update model weights from {target}.",
+                "num_paused_requests": 0, "num_aborted_requests": aborted, "weight_version": self.weight_version}
+
+    def _abort_queued(self) -> int:
+        """Answer every queued generate request with finish_reason abort (SGLang's abort_all_requests)."""
+        with self._cond:
+            jobs = [j for j in self._queue if j.kind == "generate"]
+            for j in jobs:
+                self._queue.remove(j)
+        for j in jobs:
+            j.result = [{"text": "", "output_ids": [], "meta_info": {
+                "id": uuid.uuid4().hex, "finish_reason": {"type": "abort", "message": "aborted by update_weights_from_disk"},
+                "prompt_tokens": len(it.prompt), "completion_tokens": 0, "cached_tokens": 0,
+                "weight_version": self.weight_version}} for it in j.payload]
+            j.done.set()
+        return len(jobs)
+
+
+__all__ = [
+    "EngineServer",
+    "load_checkpoint",
+    "model_tensors",
+]

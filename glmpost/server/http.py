@@ -1,0 +1,282 @@
+"""The HTTP side of ``glmpost serve``: SGLang's native routes over an :class:`~glmpost.server.engine.EngineServer`.
+
+:class:`_Handler` maps each route (see :mod:`glmpost.server.engine` for the endpoints and their
+shapes) to an engine call and answers JSON; a refused request is ``{"error": {"message", "code"}}``
+with its 4xx status, an unexpected failure a 500, and no request takes the server down. With an
+``api_key`` every route but ``/health`` first checks ``Authorization: Bearer KEY`` (or
+``x-api-key``; ``hmac.compare_digest``) and answers 401 ``{"error": "Unauthorized"}`` without it, as
+SGLang's middleware does; the key is never logged nor echoed.
+:func:`make_http_server` builds the threading server, :func:`serve_until_signalled` runs it until
+SIGTERM or SIGINT, and :func:`bound_address` says where it listens. :func:`serve_checkpoint` is one
+``glmpost serve`` run (:class:`ServeConfig`): the engine, the listening server and the metrics lines.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Optional
+
+from glmpost.config import ConfigError, setting, shared
+from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, LOG_PROB_KINDS
+from glmpost.kernel.sglang_client import check_api_key
+from glmpost.npu import resolve_device
+from glmpost.server.engine import EngineServer
+from glmpost.server.parsing import RequestError
+from glmpost.stage import MetricsWriter, log
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "glmpost-serve"
+    engine: EngineServer  # set on the subclass made by make_http_server
+    quiet = True
+    api_key: Optional[str] = None  # set on the subclass: every route but /health then wants it
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if not self.quiet:
+            super().log_message(format, *args)
+
+    def _send(self, status: int, payload: Any) -> None:
+        body = b"" if payload is None else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str) -> None:
+        self._send(status, {"error": {"message": message, "code": int(status)}})
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            return json.loads(raw) if raw else {}
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"the request body is not JSON ({exc})") from None
+
+    def _authorized(self, path: str) -> bool:
+        """True without an API key, for ``/health`` (probes carry no secrets, as in SGLang), and for
+        ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (compared in constant time)."""
+        if self.api_key is None or path.startswith("/health"):
+            return True
+        expected = self.api_key.encode()
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        offered = [token] if scheme.lower() == "bearer" else []
+        offered += [self.headers.get("x-api-key") or ""]
+        # Header values are latin-1 text; the key is printable ASCII (check_api_key).
+        return any(hmac.compare_digest(o.strip().encode("latin-1", "replace"), expected) for o in offered if o)
+
+    def _dispatch(self, method: str) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            if not self._authorized(path):
+                self._send(401, {"error": "Unauthorized"})
+            elif method == "GET" and path == "/health":
+                self._send(200, None)
+            elif method == "GET" and path in ("/get_weight_version", "/weight_version"):
+                self._send(200, {"weight_version": self.engine.weight_version})
+            elif method == "GET" and path in ("/model_info", "/get_model_info"):
+                self._send(200, self.engine.model_info())
+            elif method == "GET" and path in ("/server_info", "/get_server_info"):
+                self._send(200, self.engine.server_info())
+            elif method == "POST" and path == "/generate":
+                self._send(200, self.engine.generate(self._body()))
+            elif method == "POST" and path == "/update_weights_from_disk":
+                status, answer = self.engine.update_weights_from_disk(self._body())
+                self._send(status, answer)
+            elif path in ("/health", "/get_weight_version", "/model_info", "/server_info", "/get_server_info", "/generate",
+                          "/update_weights_from_disk"):
+                self._error(405, f"{method} is not allowed on {path}")
+            else:
+                self._error(404, f"no route {path}")
+        except RequestError as exc:
+            self._error(exc.status, str(exc))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away
+        except Exception as exc:  # never let one request take the server down
+            try:
+                self._error(500, f"{type(exc).__name__}: {exc}")
+            except OSError:
+                pass
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+
+def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True,
+                     api_key: Optional[str] = None) -> ThreadingHTTPServer:
+    """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port); with
+    ``api_key`` every route but ``/health`` wants it."""
+    handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet, "api_key": api_key or None})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, on_ready=None, on_tick=None,
+                          tick_s: float = 10.0) -> None:
+    """Serve until SIGTERM or SIGINT, then stop accepting, fail queued work with 503, and return.
+    ``on_tick(final)`` runs every ``tick_s`` seconds and once more (``final`` True) after the stop."""
+    import signal
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="glmpost-serve-http", daemon=True)
+    engine.start()
+    thread.start()
+    try:
+        if on_ready is not None:
+            on_ready()
+        next_tick = time.monotonic() + tick_s
+        while not stop.wait(min(0.5, max(0.0, next_tick - time.monotonic()))):
+            if time.monotonic() >= next_tick:
+                if on_tick is not None:
+                    on_tick(False)
+                next_tick += tick_s
+                if next_tick <= time.monotonic():  # a slow tick: skip the missed ones, no backlog
+                    next_tick = time.monotonic() + tick_s
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if on_tick is not None:
+            on_tick(True)
+
+
+def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:
+    host, port = server.server_address[:2]
+    return (host if isinstance(host, str) else host.decode()), int(port)
+
+
+@dataclass
+class ServeConfig:
+    """The settings of ``glmpost serve`` (its options, under the same names); refusals name these fields."""
+
+    checkpoint: Optional[Path] = None  # a root (its LATEST) or a version directory
+    host: str = setting("127.0.0.1", "Address to listen on (loopback by default; 0.0.0.0 exposes it).")
+    port: int = setting(30000, "TCP port; 0 picks a free one (printed when ready).", min=0, max=65535)
+    device: str = shared("device")
+    batch_size: int = setting(32, "Most sequences decoded together in one engine batch.", min=1)
+    prefix_cache_batches: int = setting(
+        8, "Engine batches whose KV caches are kept for requests that extend their ids (a multi-turn trajectory's "
+        "next turn prefills only its new tokens, as with SGLang's radix cache; meta_info.cached_tokens); 0 = off.",
+        min=0)
+    batch_wait_ms: float = setting(
+        50.0, "Most time the engine waits for as many single requests as its last batch had before it starts a batch.", min=0.0)
+    weight_version: Optional[str] = setting(None, "Initial weight_version reported; default: the checkpoint's policy version.")
+    api_key: Optional[str] = setting(
+        None, "Require 'Authorization: Bearer KEY' on every route but /health (HTTP 401 without it), as SGLang's --api-key.")
+    log_prob_kind: str = setting(
+        DEFAULT_LOG_PROB_KIND, "What output log-probs are log-probs of (reported in /server_info; greedy requests "
+        "are always raw): " + "; ".join(f"{kind}: {what}" for kind, what in LOG_PROB_KINDS.items()) + ".")
+    deterministic_topk: bool = shared("deterministic_topk")
+    attention: str = shared("attention")
+    log_requests: bool = setting(False, "Log every HTTP request to stderr.")
+    metrics: Optional[Path] = setting(
+        None, "Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.")
+    metrics_interval: float = setting(10.0, "Seconds between --metrics lines.", min=0.1)
+
+
+class _MetricsLines:
+    """The ``serve/*`` counters appended to ``metrics`` on every tick from :meth:`start` on: the
+    engine's stats, uptime, weight version and generated tokens per second over the interval."""
+
+    def __init__(self, path: Path):
+        try:
+            self.writer = MetricsWriter(path)
+        except OSError as exc:
+            raise ConfigError("{metrics} {path}: cannot open for appending ({reason})", path=path,
+                              reason=exc.strerror or exc) from None
+        self.path = path
+
+    def start(self, engine: EngineServer) -> None:
+        self.engine = engine
+        self.started = self.last_time = time.monotonic()
+        self.last_tokens = 0
+
+    def write(self, final: bool) -> None:
+        now, stats = time.monotonic(), dict(self.engine.stats)
+        interval = max(now - self.last_time, 1e-9)
+        try:
+            self.writer.write(
+                **{f"serve/{k}": (round(v, 6) if isinstance(v, float) else v) for k, v in stats.items()},
+                **{"serve/uptime_s": round(now - self.started, 3), "serve/weight_version": self.engine.weight_version,
+                   "serve/tokens_per_s": round((stats["generated_tokens"] - self.last_tokens) / interval, 3),
+                   "serve/final": final},
+            )
+        except OSError as exc:  # a full disk must not take the server down
+            log(f"--metrics {self.path}: cannot write ({exc.strerror or exc}); serving on")
+        self.last_time, self.last_tokens = now, stats["generated_tokens"]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _checked_settings(config: ServeConfig) -> Optional[str]:
+    """Refuse an unknown ``log_prob_kind`` or an API key that cannot go in a header (without
+    repeating it); returns the key (None for none)."""
+
+    if config.log_prob_kind not in LOG_PROB_KINDS:
+        raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
+                          value=config.log_prob_kind)
+    return check_api_key(config.api_key)
+
+
+def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]) -> dict[str, Any]:
+    """Serve ``config.checkpoint`` until SIGTERM or SIGINT (:func:`serve_until_signalled`), calling
+    ``on_listening(url)`` once the server is ready; returns the engine's counters at stop."""
+    api_key = _checked_settings(config)
+    metrics = _MetricsLines(config.metrics) if config.metrics is not None else None
+    try:
+        device = resolve_device(config.device)
+        engine = EngineServer(config.checkpoint, device=device, batch_size=config.batch_size,
+                              deterministic_topk=config.deterministic_topk, attention=config.attention,
+                              weight_version=config.weight_version,
+                              batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind,
+                              prefix_cache_batches=config.prefix_cache_batches)
+        try:
+            server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key)
+        except OSError as exc:
+            raise ConfigError("{host} {address} {port} {number}: cannot listen ({reason})", address=config.host,
+                              number=config.port, reason=exc.strerror or exc) from None
+        host, port = bound_address(server)
+        shown = f"[{host}]" if ":" in host else host
+
+        def ready() -> None:
+            log(f"serving {engine.loaded.version_dir} (weight_version {engine.weight_version}, tokenizer "
+                f"{engine.loaded.revision}) on {device}, batch size {config.batch_size}, log-probs {engine.log_prob_kind}"
+                + (", API key required" if api_key else ""))
+            on_listening(f"http://{shown}:{port}")
+
+        if metrics is not None:
+            metrics.start(engine)
+        serve_until_signalled(engine, server, on_ready=ready, on_tick=metrics.write if metrics else None,
+                              tick_s=config.metrics_interval)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    stats = engine.stats
+    log(f"stopped after {stats['batches']} engine batches, {stats['sequences']} sequences, "
+        f"{stats['generated_tokens']} generated tokens")
+    return dict(stats)
+
+
+__all__ = [
+    "ServeConfig",
+    "bound_address",
+    "make_http_server",
+    "serve_checkpoint",
+    "serve_until_signalled",
+]

@@ -1,1 +1,0 @@
-"""Serving: ``glmpost serve`` (SGLang's native API), the SGLang HTTP client and weight sync."""

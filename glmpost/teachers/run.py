@@ -1,0 +1,466 @@
+"""Teacher scoring of student rollout shards (what ``glmpost score-teacher`` runs).
+
+Every record is routed by its domain to exactly one teacher (:class:`Routing`); the teacher prefills
+the student's exact token ids at temperature 1 and each action token gets its log-prob (payload
+``sampled``), plus the teacher's top-k ids and log-probs (payload ``topk``). Teachers must share the
+student's tokenizer revision and vocabulary size. Everything that can fail is checked before
+anything is written; each output shard is written atomically (:class:`ScoreTeacherRun`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
+from glmpost.config import ConfigError, domain_assignment, setting, shared
+from glmpost.errors import GlmpostError
+from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards, window_views
+from glmpost.kernel.distribution import ScoredDistribution
+from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.scoring import TeacherPayload, joined_payload, payload_from_rows, score_records
+from glmpost.kernel.sglang_client import ServerError, SGLangPool
+from glmpost.npu import resolve_device
+from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
+
+STAGE = "score-teacher"
+ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "observation_mask", "status", "tokenizer_revision")
+TEACHER_FIELDS = ("teacher_log_probs", "teacher_topk_ids", "teacher_topk_log_probs", "teacher")
+PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "chunk_size", "device", "config", "zstd_level", "server")
+PAYLOADS = ("sampled", "topk")
+ENGINES = ("local", "sglang")
+SCORING_TEMPERATURE = 1.0  # the teacher's own distribution (brief: log pi_T(y_t|s_t))
+
+
+def parse_route(value: Any) -> tuple[str, str]:
+    """``--route DOMAIN=CHECKPOINT`` as ``(domain, checkpoint)``."""
+    return domain_assignment(value, flag="--route", example="DOMAIN=CHECKPOINT")
+
+
+def parse_routes(value: Any) -> dict[str, str]:
+    """The recipe's [score-teacher.routes] table, or --routes 'DOMAIN=CKPT,DOMAIN=CKPT'."""
+    if isinstance(value, str):
+        value = dict(parse_route(part) for part in value.split(",") if part.strip())
+    if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
+        raise ConfigError("{routes} / [score-teacher.routes]: expected DOMAIN = \"CHECKPOINT\" entries, got {value!r}",
+                          value=value)
+    return {str(k): str(v) for k, v in value.items()}
+
+
+@dataclass
+class ScoreTeacherConfig:
+    """What one ``score-teacher`` run does (the options of ``glmpost score-teacher``, under the same
+    names). ``options`` are the effective options written to ``stage.json`` and the shard headers
+    (the run spells their ``route`` as ``DOMAIN=CKPT`` strings)."""
+
+    inputs: list[str]  # student rollout shards: files, directories or globs
+    out: Path  # one scored shard per input shard, same file name
+    teacher: Path | None = setting(None, "One teacher checkpoint (root or version) for every record.")
+    routes: dict[str, str] | None = setting(None, "Domain-to-teacher table, as the recipe's [score-teacher.routes] "
+                                            "(DOMAIN=CKPT,... on the command line).")
+    route: list[tuple[str, str]] = field(default_factory=list)  # --route DOMAIN=CKPT items; they win over routes
+    default_teacher: Path | None = setting(
+        None, "Teacher for records whose domain has no route; without it such a record is an error.")
+    student: Path | None = setting(None, "Student checkpoint whose vocabulary teachers must share (default: the "
+                                   "checkpoint the rollout shards recorded, if it exists).")
+    payload: str = setting("sampled", "sampled (one log-prob per token) or topk (also the teacher's top-k ids and log-probs).")
+    topk: int = setting(8, "k of the top-k payload.", min=1)
+    engine: str = setting("local", "local (in-process prefill) or sglang (--server).")
+    server: str | None = setting(None, "URL[,URL...] of SGLang-compatible servers serving the one teacher (--engine sglang).")
+    api_key: str | None = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).")
+    batch_size: int = setting(8, "Records per teacher forward (local engine) or requests in flight (sglang).", min=1)
+    chunk_size: int = setting(512, "Positions per chunk of the teacher's LM head (bounds [chunk, V] memory).", min=1)
+    device: str = shared("device")
+    attention: str = shared("attention")
+    shard_index: int = shared("shard_index")
+    num_shards: int = shared("num_shards")
+    zstd_level: int = shared("zstd_level")
+    overwrite: bool = shared("overwrite")
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Teacher:
+    """One teacher checkpoint, loaded once whatever the number of domains routed to it."""
+
+    path: Path  # the resolved version directory
+    id: str
+    revision: str
+    vocab_size: int
+    policy_version: int | None
+    model: Any = None
+    pad_token_id: int = 0
+
+    def info(self, *, payload: str, topk: int, engine: str) -> dict[str, Any]:
+        """The ``teacher`` map of a scored record (without its ``route``)."""
+        info = {"id": self.id, "checkpoint": str(self.path), "tokenizer_revision": self.revision, "payload": payload,
+                "temperature": SCORING_TEMPERATURE, "engine": engine, "vocab_size": self.vocab_size}
+        if self.policy_version is not None:
+            info["policy_version"] = self.policy_version
+        if payload == "topk":
+            info["topk"] = topk
+        return info
+
+
+class Routing:
+    """domain -> teacher; every record goes to exactly one teacher."""
+
+    def __init__(self, routes: dict[str, str], default: str | None):
+        self.routes, self.default = routes, default
+
+    def checkpoint_for(self, domain: str | None, *, where: str) -> str:
+        """The checkpoint scoring records of ``domain``; an unrouted domain without a default is refused."""
+        if domain is not None and domain in self.routes:
+            return self.routes[domain]
+        if self.default is not None:
+            return self.default
+        known = ", ".join(sorted(self.routes)) or "none"
+        raise ConfigError("{where}: domain {domain!r} has no teacher route (routes: {known}); "
+                          "add it to [score-teacher.routes] or pass {default_teacher}", where=where, domain=domain, known=known)
+
+
+def check_config(config: ScoreTeacherConfig) -> Routing:
+    """Refuse contradictory options (payload, engine, teachers, server); returns the routing."""
+    if config.payload not in PAYLOADS:
+        raise ConfigError("{payload} {value!r}: expected one of {known}", value=config.payload, known=", ".join(PAYLOADS))
+    if config.engine not in ENGINES:
+        raise ConfigError("{engine} {value!r}: expected one of {known}", value=config.engine, known=", ".join(ENGINES))
+    table = {**(config.routes or {}), **dict(config.route)}
+    teacher, default = config.teacher, config.default_teacher
+    if teacher is not None and (table or default is not None):
+        raise ConfigError("{teacher} scores every record with one teacher; do not combine it with routes or {default_teacher}")
+    if teacher is None and not table and default is None:
+        raise ConfigError("no teacher: pass {teacher}, a [score-teacher.routes] table / {route}, or {default_teacher}")
+    routing = Routing(table, str(teacher) if teacher is not None else (str(default) if default else None))
+    if config.engine == "sglang" and not config.server:
+        raise ConfigError("{engine} sglang needs {server} URL")
+    return routing
+
+
+class ScoreTeacherRun:
+    """One run: check every input, load the teachers, score each pending shard, summarize."""
+
+    def __init__(self, config: ScoreTeacherConfig):
+        self.config = config
+        self.routing = check_config(config)
+        self.options = {**config.options, "route": [f"{d}={c}" for d, c in config.route]}
+        self.topk = config.topk if config.payload == "topk" else 0
+        self.teachers: dict[str, Teacher] = {}  # route key (domain or '*') -> teacher
+        self.plan: dict[Path, list[str]] = {}  # input shard -> each record's route key
+        self.totals = {"records": 0, "action_tokens": 0, "seconds": 0.0}
+        self.kl_sums: dict[str, list[float]] = {}
+
+    def run(self) -> dict[str, Any]:
+        """Score the pending shards of this task; returns the result summary."""
+        c = self.config
+        paths = select_shards(resolve_shard_paths(c.inputs), c.shard_index, c.num_shards)
+        targets = shard_outputs(paths, c.out, what="scored shards")
+        check_same_options(c.out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=c.overwrite)
+        pending = [p for p in paths if c.overwrite or not complete_shard(targets[p], STAGE, redo="scoring again")]
+        skipped = len(paths) - len(pending)
+        self.check(pending)
+        if pending:
+            self.score(pending, targets)
+        if skipped:
+            log(f"kept {skipped} complete output shard(s) in {c.out} (--overwrite scores them again)")
+        return self.summary(len(pending), skipped)
+
+    def check(self, pending: list[Path]) -> None:
+        """Everything that can fail before anything is written: teachers load, every record carries
+        the rollout fields and routes to a teacher sharing its action space."""
+        opened: dict[str, Teacher] = {}
+        for path in pending:
+            self.plan[path] = _check_input(path, self.routing, self.teachers, opened)
+        if self.config.engine == "sglang" and len(unique_teachers(self.teachers)) > 1:
+            raise ConfigError("{engine} sglang scores with one teacher per run (its {server}); run score-teacher once per teacher")
+        _check_vocabularies(unique_teachers(self.teachers), self.config.student, pending)
+        for path in pending:
+            _check_token_range(path, self.plan[path], self.teachers)
+
+    def score(self, pending: list[Path], targets: dict[Path, Path]) -> None:
+        """Load the teachers (or connect to the server), then score each shard into its target."""
+        c = self.config
+        pool = None
+        if c.engine == "local":
+            load_teachers(unique_teachers(self.teachers), c.device, c.attention)
+        else:
+            pool = _sglang_pool(c.server, unique_teachers(self.teachers)[0], c.batch_size, api_key=c.api_key)
+        c.out.mkdir(parents=True, exist_ok=True)
+        write_stage_json(c.out, STAGE, self.options, teachers={d: t.id for d, t in self.teachers.items()})
+        progress = tqdm(total=sum(len(v) for v in self.plan.values()), desc=STAGE, unit="rec", leave=False, disable=None)
+        try:
+            with MetricsWriter(c.out / "metrics.jsonl") as metrics, progress:
+                for path in pending:
+                    stats = self.score_shard(path, targets[path], pool, progress)
+                    metrics.write(shard=targets[path].name, input=str(path), **stats["metrics"])
+                    self._add(stats)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    def _add(self, stats: dict[str, Any]) -> None:
+        """Add one shard's counts and KL sums to the run's."""
+        for key in self.totals:
+            self.totals[key] += stats[key]
+        for domain, (s, n) in stats["kl"].items():
+            acc = self.kl_sums.setdefault(domain, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += n
+
+    def score_shard(self, path: Path, target: Path, pool: Any, progress: tqdm) -> dict[str, Any]:
+        """Score one shard into ``target`` (atomic: a failure leaves no output shard)."""
+        records = list(ShardReader(path))
+        header = ShardReader(path).header
+        keys = self.plan[path]
+        started = time.perf_counter()
+        payloads = self._payloads(records, keys, pool, progress)
+        seconds = time.perf_counter() - started
+        c = self.config
+        shard_options = {**self.options, "input_shard": str(path)}
+        with ShardWriter(target, stage=STAGE, options=shard_options, tokenizer_revision=header["tokenizer_revision"],
+                         level=c.zstd_level) as writer:
+            action_tokens, kl = _write_scored(writer, records, keys, payloads, self.teachers,
+                                              payload=c.payload, topk=self.topk, engine=c.engine)
+        metrics = {
+            "score/records": len(records),
+            "score/action_tokens": action_tokens,
+            "score/teacher_tokens_per_s": round(action_tokens / max(seconds, 1e-9), 2),
+            **{f"score/rollout_teacher_kl/{d}": s / n for d, (s, n) in sorted(kl.items()) if n},
+        }
+        return {"records": len(records), "action_tokens": action_tokens, "seconds": seconds, "kl": kl, "metrics": metrics}
+
+    def _payloads(self, records: list[dict], keys: list[str], pool: Any, progress: tqdm) -> list[TeacherPayload]:
+        """Each record's teacher payload, scoring the records of one route at a time."""
+        c = self.config
+        payloads: list[Any] = [None] * len(records)
+        for key in sorted(set(keys)):
+            indices = [i for i, k in enumerate(keys) if k == key]
+            # a compacted record is scored window by window, each on the context the student saw
+            windows = [window_views(records[i]) for i in indices]
+            routed = [view for views in windows for view in views]
+            t = self.teachers[key]
+            if c.engine == "local":
+                scored = score_records(t.model, routed, topk=self.topk, batch_size=c.batch_size, chunk_size=c.chunk_size,
+                                       pad_token_id=t.pad_token_id)
+            else:
+                scored = _score_remote(pool, routed, self.topk)
+            parts = iter(scored)
+            for i, views in zip(indices, windows):
+                payloads[i] = joined_payload([next(parts) for _ in views])
+            progress.update(len(indices))
+        return payloads
+
+    def summary(self, shards: int, skipped: int) -> dict[str, Any]:
+        """The result summary the command prints."""
+        totals = self.totals
+        return {
+            "out": str(self.config.out),
+            "shards": shards,
+            "skipped": skipped,
+            "records": totals["records"],
+            "action_tokens": totals["action_tokens"],
+            "teacher_tokens_per_s": round(totals["action_tokens"] / totals["seconds"], 1) if totals["seconds"] else 0.0,
+            "payload": self.config.payload,
+            "teachers": {d: t.id for d, t in sorted(self.teachers.items())},
+            "rollout_teacher_kl": {d: s / n for d, (s, n) in sorted(self.kl_sums.items()) if n},
+        }
+
+    def human(self, summary: dict[str, Any]) -> str:
+        """The summary as lines for a person: totals, then each domain's teacher and rollout KL."""
+        skipped = summary["skipped"]
+        text = (f"{summary['out']}: scored {summary['records']} records ({summary['action_tokens']} action tokens) in {summary['shards']} shard(s)"
+                + (f", kept {skipped}" if skipped else "")
+                + f" with {len(unique_teachers(self.teachers))} teacher(s), payload {summary['payload']}, {summary['teacher_tokens_per_s']} tokens/s")
+        for domain, value in summary["rollout_teacher_kl"].items():
+            routed = summary["teachers"].get(domain, summary["teachers"].get("*", "?"))
+            text += f"\n  {domain}: teacher {routed}, sampled reverse KL at rollout {value:.4f}"
+        return text
+
+
+def unique_teachers(teachers: dict[str, Teacher]) -> list[Teacher]:
+    """The distinct teachers (by resolved path), in routing order."""
+    seen: dict[Path, Teacher] = {}
+    for t in teachers.values():
+        seen.setdefault(t.path, t)
+    return list(seen.values())
+
+
+def _open_teacher(checkpoint: str) -> Teacher:
+    """Resolve a teacher checkpoint and read its tokenizer revision, vocabulary and policy version."""
+    try:
+        path = resolve_checkpoint(checkpoint)
+        _, revision = load_tokenizer(path)
+        from transformers import AutoConfig
+
+        vocab = int(AutoConfig.from_pretrained(str(path)).vocab_size)
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise GlmpostError(f"teacher checkpoint {checkpoint} does not load: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+    try:
+        version = read_manifest(path).policy_version
+    except CheckpointError:
+        version = None
+    name = f"{path.parent.name}/{path.name}" if path.name.startswith("v") and path.name[1:].isdigit() else path.name
+    return Teacher(path, name, revision, vocab, version)
+
+
+def load_teachers(teachers: list[Teacher], device: str, attention: str = "native") -> None:
+    """Load each teacher's model onto ``device`` for the local engine, its GLM-5 attention ``attention``."""
+
+    torch_device = resolve_device(device)
+    for t in teachers:
+        try:
+            t.model = load_model(t.path, device=torch_device, attention=attention)
+        except GlmpostError:
+            raise
+        except Exception as exc:  # e.g. a corrupt safetensors file: one line naming the teacher
+            raise GlmpostError(f"teacher checkpoint {t.path} does not load: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        tokenizer, _ = load_tokenizer(t.path)
+        t.pad_token_id = tokenizer.pad_token_id or 0
+
+
+def _check_input(path: Path, routing: Routing, teachers: dict[str, Teacher], opened: dict[str, Teacher]) -> list[str]:
+    """Read one shard through: rollout fields, no earlier teacher fields, a teacher for each record
+    with the shards' tokenizer revision. Returns each record's route key (its domain or '*')."""
+    reader = ShardReader(path)
+    revision = reader.header["tokenizer_revision"]
+    keys = []
+    for index, record in enumerate(reader):
+        where = f"{STAGE}: {path}: record {index}"
+        require_fields(record, ROLLOUT_FIELDS, where=where)
+        for name in TEACHER_FIELDS:
+            if name in record:
+                raise GlmpostError(f"{where}: already has {name} (scored by {record.get('teacher', {}).get('id')!r}); score the rollout shards")
+        domain = record.get("domain")
+        checkpoint = routing.checkpoint_for(domain, where=f"{path}: record {record['id']!r}")
+        key = domain if domain in routing.routes else "*"
+        if key not in teachers:
+            if checkpoint not in opened:
+                opened[checkpoint] = _open_teacher(checkpoint)
+            teachers[key] = opened[checkpoint]
+        t = teachers[key]
+        if t.revision != revision:
+            raise GlmpostError(
+                f"{path}: teacher {t.path} has tokenizer revision {t.revision} but the student's shards have {revision}; "
+                "teachers must share the student's tokenizer"
+            )
+        keys.append(key)
+    return keys
+
+
+def _check_vocabularies(teachers: list[Teacher], student: Path | None, pending: list[Path]) -> None:
+    """Every teacher's vocabulary size equals the student's and the other teachers'."""
+    reference, name = None, None
+    if student is None:
+        for path in pending[:1]:
+            recorded = ShardReader(path).header.get("options", {}).get("checkpoint")
+            if isinstance(recorded, str) and Path(recorded).exists():
+                student = Path(recorded)
+    if student is not None:
+        try:
+            from transformers import AutoConfig
+
+            reference = int(AutoConfig.from_pretrained(str(resolve_checkpoint(student))).vocab_size)
+            name = f"student {student}"
+        except (CheckpointError, OSError, ValueError) as exc:
+            raise ConfigError("{student} {path}: cannot read its config ({reason})", path=student,
+                              reason=str(exc).splitlines()[0]) from None
+    for t in teachers:
+        if reference is None:
+            reference, name = t.vocab_size, f"teacher {t.path}"
+        elif t.vocab_size != reference:
+            raise GlmpostError(f"teacher {t.path} has a vocabulary of {t.vocab_size} tokens but {name} has {reference}; "
+                               "teachers must share the student's vocabulary")
+
+
+def _check_token_range(path: Path, keys: list[str], teachers: dict[str, Teacher]) -> None:
+    """Every token id of the shard lies inside its record's teacher's vocabulary."""
+    for record, key in zip(ShardReader(path), keys):
+        high = max(int(record["prompt_token_ids"].max(initial=0)), int(record["response_token_ids"].max(initial=0)))
+        if high >= teachers[key].vocab_size:
+            raise GlmpostError(f"{path}: record {record['id']!r} has token id {high}, outside teacher "
+                               f"{teachers[key].path}'s vocabulary of {teachers[key].vocab_size}")
+
+
+def _sglang_pool(server: str, teacher: Teacher, concurrency: int, *, api_key: str | None = None):
+    """Connect to the servers; each must serve the teacher's tokenizer revision and vocabulary."""
+
+    pool = SGLangPool(server, concurrency=concurrency, api_key=api_key)
+    for client in pool.clients:
+        info = client.model_info()
+        theirs = info.get("tokenizer_revision")
+        if theirs is not None and theirs != teacher.revision:
+            pool.close()
+            raise ConfigError("{server} {url} serves tokenizer revision {theirs} but teacher {path} has {revision}",
+                              url=client.url, theirs=theirs, path=teacher.path, revision=teacher.revision, exit_code=1)
+        vocab = info.get("vocab_size")
+        if vocab is not None and int(vocab) != teacher.vocab_size:
+            pool.close()
+            raise ConfigError("{server} {url} serves a vocabulary of {vocab} tokens but teacher {path} has {size}",
+                              url=client.url, vocab=vocab, path=teacher.path, size=teacher.vocab_size, exit_code=1)
+    return pool
+
+
+def _score_remote(pool, records: list[dict], topk: int) -> list[TeacherPayload]:
+    """Each record's payload from the server pool (records without response tokens are not sent)."""
+
+    def one(client, record):
+        ids = np.concatenate([record["prompt_token_ids"], record["response_token_ids"]]).astype(np.int64).tolist()
+        return client.score(ids, len(record["prompt_token_ids"]), top_logprobs_num=topk)
+
+    payloads = []
+    answers = iter(pool.map(one, [r for r in records if len(r["response_token_ids"])]))
+    for record in records:
+        actions = record["action_mask"] & ~record["observation_mask"]
+        if not len(actions):
+            payloads.append(payload_from_rows(np.zeros(0, np.float32), actions,
+                                              *((np.zeros((0, topk), np.int32), np.zeros((0, topk), np.float32)) if topk else ())))
+            continue
+        answer = next(answers)
+        if isinstance(answer, ServerError):
+            raise GlmpostError(f"{STAGE}: record {record['id']!r}: {answer}")
+        if topk:
+            payloads.append(payload_from_rows(answer["token_log_probs"], actions, answer["top_ids"], answer["top_log_probs"]))
+        else:
+            payloads.append(payload_from_rows(answer["token_log_probs"], actions))
+    return payloads
+
+
+def _write_scored(writer: ShardWriter, records: list[dict], keys: list[str], payloads: list[TeacherPayload],
+                  teachers: dict[str, Teacher], *, payload: str, topk: int, engine: str) -> tuple[int, dict[str, list[float]]]:
+    """Write each record with its teacher fields; returns the action-token count and, per domain,
+    the sums (KL, tokens) of the sampled reverse KL at rollout."""
+    kl: dict[str, list[float]] = {}
+    action_tokens = 0
+    for record, key, p in zip(records, keys, payloads):
+        t = teachers[key]
+        out = dict(record)
+        out["teacher_log_probs"] = p.log_probs
+        if p.topk_ids is not None:
+            out["teacher_topk_ids"], out["teacher_topk_log_probs"] = p.topk_ids, p.topk_log_probs
+        out["teacher"] = {**t.info(payload=payload, topk=topk, engine=engine), "route": key}
+        writer.write(out)
+        actions = record["action_mask"] & ~record["observation_mask"]
+        action_tokens += int(actions.sum())
+        # The rollout's own log-probs are the student's at sampling time: when they are of its own
+        # distribution (temperature 1, untruncated, or kind raw) their gap to the teacher is the
+        # sampled reverse KL the distillation starts from.
+        if "rollout_log_probs" in record and _student_own_distribution(record):
+            acc = kl.setdefault(record.get("domain") or "none", [0.0, 0.0])
+            acc[0] += float((record["rollout_log_probs"][actions].astype(np.float64) - p.log_probs[actions]).sum())
+            acc[1] += int(actions.sum())
+    return action_tokens, kl
+
+
+def _student_own_distribution(record: dict) -> bool:
+    """Whether the record's ``rollout_log_probs`` are of the student's own distribution."""
+    try:
+        return SamplingParams.from_record(record.get("sampling")).scored() == ScoredDistribution()
+    except ValueError:  # greedy before log_prob_kind (the point mass's 0), or an unknown kind
+        return False

@@ -1,0 +1,293 @@
+"""One weight sync run: a training checkpoint published as a rollout version, the servers switched to it.
+
+    check the settings -> resolve the source -> lock the rollout root -> clean stale staging
+    -> convert (with progress) and publish, or find it published -> tell and confirm the servers
+    -> prune (``keep``) -> the summary
+
+The steps themselves live in :mod:`glmpost.weight_sync.convert` (:func:`resolve_source`,
+:func:`convert`) and :mod:`glmpost.weight_sync.sync` (:func:`publish`, :func:`prune`,
+:func:`sync_servers`); :func:`sync_weights_run` runs them in order for ``glmpost sync-weights``,
+writing ``ROOT/metrics.jsonl`` and the version's ``stage.json`` and ``glmpost.json``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+from glmpost.checkpoints import (
+    MANIFEST,
+    CheckpointManifest,
+    CheckpointRoot,
+    read_manifest,
+    tokenizer_revision,
+    write_manifest,
+)
+from glmpost.config import ConfigError, setting
+from glmpost.errors import GlmpostError
+from glmpost.kernel.sglang_client import parse_server_urls
+from glmpost.quant.spec import GroupSizeSetting
+from glmpost.stage import MetricsWriter, log, write_stage_json
+from glmpost.weight_sync.convert import DTYPES, SCHEMES, ConvertResult, TrainSource, convert, resolve_source
+from glmpost.weight_sync.sync import (
+    clean_stale_staging,
+    prune,
+    publish,
+    root_lock,
+    staging_dir,
+    sync_servers,
+    weight_version_name,
+)
+
+STAGE = "sync-weights"
+
+
+@dataclass
+class SyncConfig(GroupSizeSetting):
+    """The settings of one sync: the options of ``glmpost sync-weights`` (``group_size`` is the one
+    ``glmpost quantize`` has too); refusals name these fields."""
+
+    checkpoint: Optional[Path] = None  # a glmpost root or version, a Hugging Face or DeepSpeed directory
+    out: Optional[Path] = None  # the rollout root: version directories vNNNNNN and LATEST
+    base: Optional[Path] = setting(
+        None, "For a DeepSpeed checkpoint: the checkpoint whose config.json and tokenizer files to use "
+        "(default: the glmpost version directory holding it).")
+    quantize: str = setting("none", f"Rollout weight quantization: {', '.join(SCHEMES)}.")
+    dtype: str = setting("auto", f"Dtype of the unquantized tensors: {', '.join(DTYPES)} (auto keeps the training dtype).")
+    max_shard_size: float = setting(4096.0, "Largest safetensors shard to write, in MiB.")
+    server: list[str] = setting([], "Server(s) to switch, URL[,URL...] (repeatable); none = publish only.")
+    retries: int = setting(3, "Extra attempts per server after a failed update or confirmation.")
+    backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.")
+    timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).")
+    api_key: Optional[str] = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).")
+    keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
+
+    def check(self) -> None:
+        """Refuse settings that cannot work (before anything is read or written)."""
+        if self.quantize not in SCHEMES:
+            raise ConfigError("{quantize} {value!r}: expected one of {known}", value=self.quantize, known=", ".join(SCHEMES))
+        if self.dtype not in DTYPES:
+            raise ConfigError("{dtype} {value!r}: expected one of {known}", value=self.dtype, known=", ".join(DTYPES))
+        if self.group_size is not None and self.quantize != "w4a16":
+            raise ConfigError("{group_size} applies to {quantize} w4a16 only, not {value}", value=self.quantize)
+        for name in ("keep", "retries"):
+            if getattr(self, name) < 0:
+                raise ConfigError("{%s} {value}: must be >= 0" % name, value=getattr(self, name))
+        if self.max_shard_size <= 0:
+            raise ConfigError("{max_shard_size} {value}: must be > 0", value=self.max_shard_size)
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError("{out} {root} exists and is not a directory", root=self.out)
+
+    def quantization(self) -> dict[str, Any]:
+        """The quantization a version is synced with (kept in its manifest; a rerun must match it)."""
+        group_size = (self.group_size or 128) if self.quantize == "w4a16" else None
+        return {"scheme": self.quantize, "group_size": group_size, "dtype": self.dtype}
+
+
+def server_urls(values: list[str]) -> list[str]:
+    """The servers of repeated ``--server URL[,URL...]`` values, each ``http(s)://HOST:PORT``."""
+
+    items = [item for value in values for item in value.split(",") if item.strip()]
+    if not items:
+        return []
+    urls = parse_server_urls(items)
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError("{server} {url!r}: expected http://HOST:PORT", url=url)
+    return urls
+
+
+def describe_quantization(quantization: dict | None) -> str:
+    """A quantization as the settings that give it, for a :class:`~glmpost.config.ConfigError` message
+    (``{quantize} w4a16 {group_size} 128 {dtype} auto``: a command spells the fields as its flags)."""
+    def literal(value: Any) -> str:
+        return str(value).replace("{", "{{").replace("}", "}}")
+
+    q = quantization or {}
+    text = "{quantize} " + literal(q.get("scheme"))
+    if q.get("group_size"):
+        text += " {group_size} " + literal(q["group_size"])
+    return text + " {dtype} " + literal(q.get("dtype"))
+
+
+def _resolve(config: SyncConfig) -> TrainSource:
+    """The training checkpoint, refused when the rollout root holds it."""
+    source = resolve_source(config.checkpoint, config.base)
+    out = config.out
+    if out.resolve() in (source.path.resolve(), *source.path.resolve().parents):
+        raise ConfigError("{out} {root} holds the training checkpoint {path}; use a separate rollout root", root=out, path=source.path)
+    return source
+
+
+def _check_published(config: SyncConfig, source: TrainSource, target: Path) -> None:
+    """``target`` exists: it must be this source synced with these settings (versions are never overwritten)."""
+    before = read_manifest(target)
+    done_source = before.extra.get("source", {})
+    if before.stage != STAGE or done_source.get("revision") != source.revision:
+        raise ConfigError("{out} {root}: {name} was published from another checkpoint ({path}); policy versions are "
+                          "never overwritten", root=config.out, name=target.name, path=done_source.get("path", before.parent))
+    if before.extra.get("quantization") != config.quantization():
+        raise ConfigError("{out} {root}: {name} was synced with " + describe_quantization(before.extra.get("quantization"))
+                          + ", now " + describe_quantization(config.quantization()) + "; use another {out}",
+                          root=config.out, name=target.name)
+
+
+def _check_new(config: SyncConfig, source: TrainSource, target: Path, latest: int | None) -> None:
+    """``target`` may be written: no foreign directory there, and the version is not older than LATEST."""
+    if target.exists():
+        raise GlmpostError(f"{target} exists but has no {MANIFEST}; remove it (not written by sync-weights)")
+    version = source.policy_version
+    if latest is not None and version < latest:
+        raise ConfigError("{checkpoint} {path} is policy version {version}, older than {root}'s LATEST v{latest:06d}; "
+                          "rollout versions only move forward", path=source.path, version=version, root=config.out, latest=latest)
+
+
+def _convert_into(config: SyncConfig, source: TrainSource, staging: Path, options: dict[str, Any]) -> ConvertResult:
+    """Convert ``source`` into ``staging`` (progress on stderr) with its manifest and ``stage.json``."""
+    with tqdm(desc=STAGE, unit="tensor", leave=False, disable=None, file=sys.stderr) as bar:
+        result = convert(source, staging, scheme=config.quantize, group_size=config.group_size, dtype=config.dtype,
+                         max_shard_bytes=int(config.max_shard_size * 2**20), progress=bar.update)
+    if result.unexpected:
+        log(f"{len(result.unexpected)} tensor(s) the architecture does not load were copied as they are "
+            f"(first: {result.unexpected[0]})")
+    manifest = CheckpointManifest(
+        policy_version=source.policy_version, tokenizer_revision=tokenizer_revision(staging), stage=STAGE,
+        step=source.step, parent=str(source.path),
+        extra={"source": source.to_json(), "quantization": config.quantization(),
+               "quantized_layers": len(result.quantized_layers), "files": result.files},
+    )
+    write_manifest(staging, manifest)
+    write_stage_json(staging, STAGE, options, source=source.to_json())
+    return result
+
+
+def _write_version(config: SyncConfig, source: TrainSource, target: Path, options: dict[str, Any],
+                   metrics: MetricsWriter) -> dict[str, Any]:
+    """Convert into a staging directory, publish it as ``target`` and switch LATEST; the convert summary."""
+    version = source.policy_version
+    staging = staging_dir(config.out, version)
+    log(f"converting {source.path} ({source.kind}, policy version {version}) -> {target}"
+        + (f" quantized {config.quantize}" if config.quantize != "none" else ""))
+    try:
+        result = _convert_into(config, source, staging, options)
+        publish(config.out, staging, version)
+    except BaseException:  # a failed conversion leaves nothing behind (a killed one: the next run cleans)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    metrics.write(**{"sync/policy_version": version, "sync/convert_s": round(result.seconds, 3),
+                     "sync/bytes_in": result.bytes_in, "sync/bytes_out": result.bytes_out,
+                     "sync/quantize": config.quantize, "sync/quantized_layers": len(result.quantized_layers)})
+    log(f"published {target} and switched {config.out}/LATEST to it")
+    return {"convert_s": round(result.seconds, 3), "bytes_in": result.bytes_in, "bytes_out": result.bytes_out,
+            "tensors": result.tensors, "quantized_layers": len(result.quantized_layers), "files": result.files}
+
+
+def _sync(config: SyncConfig, urls: list[str], target: Path, version: int, *, skipped: bool,
+          metrics: MetricsWriter) -> list[dict[str, Any]]:
+    """Tell every server to load ``target`` and confirm it; one metrics line per server; the rows."""
+    results = sync_servers(urls, target.resolve(), weight_version_name(version), retries=config.retries,
+                           backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped, api_key=config.api_key)
+    rows = [r.to_json() for r in results]
+    for row in rows:
+        metrics.write(**{"sync/policy_version": version, "sync/server": row["url"], "sync/status": row["status"],
+                         "sync/version_before": row["version_before"], "sync/version_after": row["version_after"],
+                         "sync/attempts": row["attempts"], "sync/server_s": row["seconds"], "sync/error": row["error"]})
+    return rows
+
+
+def _prune(config: SyncConfig, rows: list[dict[str, Any]]) -> list[int]:
+    """``keep``: remove old versions, never one a server reported (before or after its update)."""
+    reported = {int(v) for r in rows for v in (r["version_before"], r["version_after"]) if v and str(v).isdigit()}
+    removed = prune(config.out, config.keep, protect=reported)
+    if removed:
+        log(f"pruned {', '.join(f'v{v:06d}' for v in removed)} (--keep {config.keep})")
+    return removed
+
+
+def sync_weights_run(config: SyncConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """Publish ``config.checkpoint`` into ``config.out`` and switch ``config.server`` to it; the summary.
+
+    ``options`` (the effective command-line options) go to the version's ``stage.json``. A version
+    already published from the same source is not written again (its servers are still confirmed);
+    failed servers are in the summary's ``failed_servers`` (see :func:`failed_servers_error`)."""
+    config.check()
+    urls = server_urls(config.server)
+    source = _resolve(config)
+    out, version = config.out, source.policy_version
+    root = CheckpointRoot(out)
+    with root_lock(out), MetricsWriter(out / "metrics.jsonl") as metrics:
+        stale = clean_stale_staging(out)
+        if stale:
+            log(f"removed staging left by an interrupted sync: {', '.join(stale)}")
+        latest = root.latest()
+        target = root.version_dir(version)
+        convert_summary: dict[str, Any] = {}
+        skipped = (target / MANIFEST).is_file()
+        if skipped:
+            _check_published(config, source, target)
+            log(f"{target} already exists: this source was synced; nothing to write")
+            if latest is None or latest < version:  # a sync killed between the rename and LATEST
+                root.set_latest(version)
+        else:
+            _check_new(config, source, target, latest)
+            convert_summary = _write_version(config, source, target, options, metrics)
+        rows = _sync(config, urls, target, version, skipped=skipped, metrics=metrics)
+        removed = _prune(config, rows)
+    return {
+        "out": str(out), "version_dir": str(target), "policy_version": version,
+        "weight_version": weight_version_name(version), "source": str(source.path), "source_kind": source.kind,
+        "quantize": config.quantize, "skipped": skipped, **convert_summary, "servers": rows,
+        "failed_servers": [r["url"] for r in rows if r["status"] == "failed"], "pruned": removed,
+    }
+
+
+def server_table(rows: list[dict[str, Any]]) -> str:
+    """The per-server results as an aligned text table."""
+    headers = ["server", "status", "before", "after", "attempts", "seconds", "error"]
+    cells = [[r["url"], r["status"], str(r["version_before"]), str(r["version_after"]), str(r["attempts"]),
+              f"{r['seconds']:.2f}", r["error"] or ""] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def sync_report(summary: dict[str, Any]) -> str:
+    """The human-readable summary of :func:`sync_weights_run`: the version, the servers, what was pruned."""
+    action = "already published (skipped)" if summary["skipped"] else (
+        f"published from {summary['source']} ({summary['quantize']}, {summary['bytes_in'] / 2**20:.2f} MiB -> "
+        f"{summary['bytes_out'] / 2**20:.2f} MiB in {summary['convert_s']:.2f} s)")
+    text = f"{summary['version_dir']}: policy version {summary['policy_version']} {action}"
+    if summary["servers"]:
+        text += "\n" + server_table(summary["servers"])
+    if summary["pruned"]:
+        text += f"\npruned: {', '.join(f'v{v:06d}' for v in summary['pruned'])}"
+    return text
+
+
+def failed_servers_error(summary: dict[str, Any]) -> GlmpostError | None:
+    """The error naming the first server that is not on the new weight version, or None when all are."""
+    failed = [r for r in summary["servers"] if r["status"] == "failed"]
+    if not failed:
+        return None
+    first = failed[0]
+    more = f" (and {len(failed) - 1} more server(s))" if len(failed) > 1 else ""
+    return GlmpostError(f"server {first['url']} is not on weight version {summary['weight_version']} after "
+                        f"{first['attempts']} attempt(s): {first['error']}{more}")
+
+
+__all__ = [
+    "STAGE",
+    "SyncConfig",
+    "describe_quantization",
+    "failed_servers_error",
+    "server_table",
+    "server_urls",
+    "sync_report",
+    "sync_weights_run",
+]

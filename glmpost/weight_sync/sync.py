@@ -1,0 +1,237 @@
+"""Weight sync: a training checkpoint becomes a rollout checkpoint the servers switch to atomically.
+
+Brief, 「稀疏与版本契约」: "权重同步包含训练分片 → 推理分片 → 量化 → 发送 → 原子切换 → 确认，不把
+'传输完成'等同于'新策略已生效'". Each arrow is one step here:
+
+1. **训练分片** (:func:`glmpost.weight_sync.convert.resolve_source`): a glmpost checkpoint (root → ``LATEST``, or a version
+   directory), a plain Hugging Face directory, or a DeepSpeed ZeRO checkpoint written by
+   ``engine.save_checkpoint`` (consolidated with ``deepspeed.utils.zero_to_fp32``; ``config.json``
+   and the tokenizer come from ``base``).
+2. **推理分片** (:func:`glmpost.weight_sync.convert.convert`): the tensors in on-disk Hugging Face names (transformers' own
+   reverse weight conversion turns fused in-memory experts back into per-expert tensors), checked
+   against the architecture (a missing tensor is an error naming it), written as safetensors shards
+   of at most ``max_shard_bytes``.
+3. **量化**: optional ``fp8-block`` / ``w4a16`` through THE quantizer
+   (:func:`glmpost.quant.formats.encode_weight` = ``encode_layer(quantize_weight(w))``, the
+   layer selection of :mod:`glmpost.quant.targets`), the same codes ``glmpost quantize`` writes;
+   layers are quantized on one thread per core while the next tensors are read (``glmpost.weight_sync.convert._pipelined``).
+4. **原子切换** (:func:`publish`): every file is written into a hidden staging directory of the
+   rollout root, fsynced, renamed to ``vNNNNNN`` and only then is ``LATEST`` replaced atomically.
+5. **发送 → 确认** (:func:`sync_server`): each server is told ``update_weights_from_disk`` with the
+   published directory and ``weight_version``, and the sync counts only when the server then
+   *reports* that version: a transfer that "succeeded" while the server still serves the old
+   version is an error.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve_checkpoint, version_dir_name
+from glmpost.config import ConfigError
+from glmpost.fsutil import fsync_dir
+from glmpost.kernel.sglang_client import ServerError, SGLangClient
+from glmpost.quant.formats import load_quantized_state, read_tensors
+
+STAGING_PREFIX = ".staging-"
+LOCK_FILE = ".sync-weights.lock"
+PAUSE_ENV = "GLMPOST_SYNC_PAUSE_BEFORE_PUBLISH"
+
+
+# ---------------------------------------------------------------------------------------- publish
+
+
+@contextmanager
+def root_lock(root: Path) -> Iterator[None]:
+    """Exclusive lock of a rollout root for one sync (released by the kernel if the process dies); a
+    root another sync holds is refused naming the config field ``out``."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError("{out} {root}: another sync-weights is writing into it ({lock} is locked)",
+                              root=root, lock=LOCK_FILE, exit_code=1) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def staging_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"{STAGING_PREFIX}{version_dir_name(version)}"
+
+
+def clean_stale_staging(root: Path) -> list[str]:
+    """Remove staging directories a killed sync left behind (call with :func:`root_lock` held)."""
+    removed = []
+    if Path(root).is_dir():
+        for child in sorted(Path(root).iterdir()):
+            if child.name.startswith(STAGING_PREFIX) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child.name)
+    return removed
+
+
+def publish(root: Path, staging: Path, version: int) -> Path:
+    """Rename the complete, fsynced ``staging`` to ``root/vNNNNNN``, then switch ``LATEST`` to it.
+
+    ``GLMPOST_SYNC_PAUSE_BEFORE_PUBLISH=SECONDS`` sleeps just before the rename (a test hook: a
+    sync killed there must leave ``LATEST`` and every server on the old version)."""
+    fsync_dir(staging)
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        import sys
+
+        sys.stderr.write(f"glmpost: {PAUSE_ENV}: pausing {pause}s before publishing {staging}\n")
+        sys.stderr.flush()
+        time.sleep(float(pause))
+    return CheckpointRoot(root).publish(staging, version)
+
+
+def prune(root: Path, keep: int, *, protect: set[int] = frozenset()) -> list[int]:
+    """Delete all but the newest ``keep`` versions; never ``LATEST`` nor a version in ``protect``
+    (e.g. one a server still reports). Returns the removed versions."""
+    if keep <= 0:
+        return []
+    ckpt = CheckpointRoot(root)
+    versions = ckpt.versions()
+    latest = ckpt.latest()
+    keep_set = set(versions[-keep:]) | set(protect) | ({latest} if latest is not None else set())
+    removed = []
+    for version in versions:
+        if version in keep_set:
+            continue
+        target = ckpt.version_dir(version)
+        trash = Path(root) / f"{STAGING_PREFIX}prune-{version_dir_name(version)}"
+        os.replace(target, trash)  # out of sight of readers first, then deleted
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(version)
+    if removed:
+        fsync_dir(Path(root))
+    return removed
+
+
+# ---------------------------------------------------------------------------------------- servers
+
+
+@dataclass
+class ServerResult:
+    """What one server did: ``status`` is ``updated``, ``current`` (already on the version) or ``failed``."""
+
+    url: str
+    status: str
+    version_before: str | None = None
+    version_after: str | None = None
+    attempts: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "status": self.status, "version_before": self.version_before,
+                "version_after": self.version_after, "attempts": self.attempts, "seconds": round(self.seconds, 3),
+                "error": self.error}
+
+
+def weight_version_name(policy_version: int) -> str:
+    """The ``weight_version`` string servers are given and must report: the policy version."""
+    return str(policy_version)
+
+
+def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int = 3, backoff: float = 1.0,
+                timeout: float = 600.0, skip_if_current: bool = False, api_key: str | None = None) -> ServerResult:
+    """Tell one server to load ``model_path`` as ``weight_version`` and confirm it reports it.
+
+    An attempt is: ``update_weights_from_disk`` (must answer ``success``), then
+    ``get_weight_version`` (must equal ``weight_version``: "传输完成" is not "新策略已生效").
+    A failed attempt is retried ``retries`` times, ``backoff * 2**k`` seconds apart."""
+
+    client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff, api_key=api_key)
+    result = ServerResult(url=client.url, status="failed")
+    started = time.perf_counter()
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        result.attempts = attempt + 1
+        try:
+            if result.version_before is None:
+                result.version_before = client.get_weight_version()
+                if skip_if_current and result.version_before == weight_version:
+                    result.status, result.version_after, result.error = "current", weight_version, None
+                    break
+            answer = client.update_weights_from_disk(str(model_path), weight_version=weight_version)
+            if not answer.get("success"):
+                result.error = f"update_weights_from_disk refused: {answer.get('message') or answer}"
+                continue
+            result.version_after = client.get_weight_version()
+            if result.version_after != weight_version:
+                result.error = (f"still reports weight version {result.version_after!r} after "
+                                f"update_weights_from_disk to {weight_version!r}")
+                continue
+            result.status, result.error = "updated", None
+            break
+        except ServerError as exc:
+            result.error = str(exc)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def sync_servers(urls: list[str], model_path: Path, weight_version: str, **kwargs: Any) -> list[ServerResult]:
+    """:func:`sync_server` on every server at once (threads); results in the order of ``urls``."""
+    if not urls:
+        return []
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(16, len(urls)), thread_name_prefix="sync") as pool:
+        return list(pool.map(lambda u: sync_server(u, model_path, weight_version, **kwargs), urls))
+
+
+# ---------------------------------------------------------------------------------------- load
+
+
+def load_rollout_state(version_dir: Path | str, dtype: Any = None) -> dict:
+    """``{on-disk name: float tensor}`` of a rollout checkpoint: quantized layers dequantized by
+    :func:`glmpost.quant.formats.load_quantized_state` (the same ``dequant`` as QAT), others as stored."""
+
+    directory = resolve_checkpoint(version_dir)
+    config = json.loads((directory / "config.json").read_text())
+    if "quantization_config" in config:
+        return load_quantized_state(directory, dtype)
+    tensors = read_tensors(directory)
+    if dtype is not None:
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    return tensors
+
+
+def read_root_state(root: Path) -> tuple[int | None, list[int]]:
+    """(``LATEST`` version or None, the complete versions) of a rollout root."""
+    ckpt = CheckpointRoot(root)
+    try:
+        latest = ckpt.latest()
+    except CheckpointError:
+        latest = None
+    return latest, ckpt.versions()
+
+
+__all__ = [
+    "LATEST",
+    "ServerResult",
+    "clean_stale_staging",
+    "load_rollout_state",
+    "prune",
+    "publish",
+    "root_lock",
+    "staging_dir",
+    "sync_server",
+    "sync_servers",
+    "weight_version_name",
+]
