@@ -1,0 +1,228 @@
+"""The import graph and the size of the pieces (issue 29, CONTRIBUTING "Layers").
+
+Read from the source with ``ast`` (nothing is imported): every ``import`` of a glmpost module,
+module-level or inside a function (``if TYPE_CHECKING:`` blocks aside), is an edge between the
+packages of the two modules. The rules:
+
+- no cycle between packages;
+- the kernel (``glmpost/kernel``) imports no stage package;
+- no module imports another module's underscore-private name;
+- an import of a glmpost module inside a function says why on its line or the line above
+  (the only reason left: keeping torch out of a light module's import);
+- modules of at most 400 lines and functions of at most 60, unless a function's docstring says
+  why it must be one piece; the pieces not yet split are listed below, and the list may only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where each importable package's files live (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"glmpost": ROOT / "glmpost", "glmpost.commands": ROOT / "commands",
+                "glmpost.formats": ROOT / "formats", "glmpost.npu": ROOT / "npu"}
+STAGE_PACKAGES = {"rollout", "rewards", "envs", "rl", "diff", "teachers", "server", "weight_sync", "memory",
+                  "spool", "pipeline", "commands"}
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+ONE_PIECE = "must be one piece"  # what a long function's docstring says, with the reason
+# Not yet split (issue 29 goes on): the list may only shrink.
+LONG_MODULES = {"glmpost.rollout.runner", "glmpost.rewards.mixture", "glmpost.rl.trainer", "glmpost.teachers.run",
+                "glmpost.kernel.logprobs", "glmpost.rl.updates", "glmpost.diff.run", "glmpost.formats.schema",
+                "glmpost.server.engine", "glmpost.kernel.sglang_client", "glmpost.diff.mismatch"}
+LONG_FUNCTIONS = {"glmpost.kernel.logprobs.sequence_log_probs", "glmpost.rl.follow.follow_spool",
+                  "glmpost.rollout.follow.follow_rollout", "glmpost.memory.roles.plan_memory",
+                  "glmpost.rollout.records.trajectory_record", "glmpost.rl.run.run", "glmpost.weight_sync.convert.convert",
+                  "glmpost.models.native_attention.native_attention_forward", "glmpost.kernel.engine._generate_batch",
+                  "glmpost.memory.plan.saved_activation_terms", "glmpost.kernel.logprobs.token_log_probs_from_hidden",
+                  "glmpost.kernel.scoring.score_tokens", "glmpost.kernel.logprobs._chunked_log_probs",
+                  "glmpost.commands.rollout.rollout", "glmpost.commands.plan.plan", "glmpost.pipeline.recipe._validate",
+                  "glmpost.formats.synthetic.synthetic_record"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for prefix, directory in PACKAGE_DIRS.items():
+        for path in directory.rglob("*.py"):
+            parts = list(path.relative_to(directory).with_suffix("").parts)
+            if prefix == "glmpost" and parts[0] in ("commands", "formats", "npu"):
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def package_of(module: str) -> str:
+    """``glmpost.rl.trainer`` -> ``rl``; a top-level module is its own package (``glmpost.stage`` -> ``stage``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "glmpost"
+
+
+class ModuleImports(ast.NodeVisitor):
+    """The glmpost imports of one module, with where they sit."""
+
+    def __init__(self, module: str, path: Path):
+        self.module, self.lines = module, path.read_text().splitlines()
+        self.is_package = path.name == "__init__.py"
+        self.function_depth = 0
+        self.imports: list[tuple[str, list[str], bool, int]] = []  # (target module, names, in a function, line)
+
+    def visit_FunctionDef(self, node):
+        self.function_depth += 1
+        self.generic_visit(node)
+        self.function_depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_If(self, node):
+        if "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            if alias.name.startswith("glmpost"):
+                self.imports.append((alias.name, [], self.function_depth > 0, node.lineno))
+
+    def visit_ImportFrom(self, node):
+        target = node.module or ""
+        if node.level:
+            base = self.module.split(".")[: len(self.module.split(".")) - node.level + (1 if self.is_package else 0)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        if target.startswith("glmpost"):
+            self.imports.append((target, [a.name for a in node.names], self.function_depth > 0, node.lineno))
+
+
+def _imports() -> dict[str, ModuleImports]:
+    found = {}
+    for module, path in MODULES.items():
+        visitor = ModuleImports(module, path)
+        visitor.visit(ast.parse(path.read_text()))
+        found[module] = visitor
+    return found
+
+
+IMPORTS = _imports()
+
+
+def _imported_modules(target: str, names: list[str]) -> list[str]:
+    """The modules an import statement names: ``from glmpost.rl import trainer`` names ``glmpost.rl.trainer``."""
+    submodules = [f"{target}.{name}" for name in names if f"{target}.{name}" in MODULES]
+    return submodules or [target]
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, visitor in IMPORTS.items():
+        for target, names, _, _ in visitor.imports:
+            for imported in _imported_modules(target, names):
+                if package_of(imported) != package_of(module):
+                    graph[package_of(module)].add(package_of(imported))
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(set(graph) | {t for targets in graph.values() for t in targets}):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_strongly_connected_finds_a_cycle_and_only_cycles():
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert strongly_connected({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_scan_sees_the_whole_package():
+    # The graph is only as good as the scan: every package and some known edges must be in it.
+    graph = package_graph()
+    assert {"kernel", "rollout", "rl", "diff", "teachers", "server", "weight_sync", "spool", "commands"} <= set(graph)
+    assert {"kernel", "spool"} <= graph["rollout"] and "kernel" in graph["rl"]
+    assert any(inside for v in IMPORTS.values() for _, _, inside, _ in v.imports)  # function-level ones are seen
+
+
+def test_no_cycle_between_packages():
+    assert strongly_connected(package_graph()) == []
+
+
+def test_the_kernel_imports_no_stage_package():
+    graph = package_graph()
+    assert graph["kernel"], "the kernel imports nothing: the scan is broken"
+    assert sorted(graph["kernel"] & STAGE_PACKAGES) == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    private = [f"{module}:{line} imports {target}.{name}"
+               for module, visitor in IMPORTS.items() for target, names, _, line in visitor.imports
+               for name in names if name.startswith("_") and not name.startswith("__") and target != module]
+    assert private == []
+
+
+def test_imports_inside_functions_say_why():
+    unexplained = []
+    for module, visitor in IMPORTS.items():
+        for _, _, inside, line in visitor.imports:
+            here, above = visitor.lines[line - 1], visitor.lines[line - 2] if line > 1 else ""
+            if inside and "#" not in here and not above.strip().startswith("#"):
+                unexplained.append(f"{module}:{line}: {here.strip()}")
+    assert unexplained == []
+
+
+def _long_functions() -> dict[str, int]:
+    found = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and ONE_PIECE not in (ast.get_docstring(node) or ""):
+                    found[f"{module}.{node.name}"] = length
+    return found
+
+
+@pytest.mark.parametrize("kind", ["modules", "functions"])
+def test_long_pieces_are_only_the_listed_ones(kind):
+    if kind == "modules":
+        long = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+        long, listed, limit = {m: n for m, n in long.items() if n > MAX_MODULE_LINES}, LONG_MODULES, MAX_MODULE_LINES
+    else:
+        long, listed, limit = _long_functions(), LONG_FUNCTIONS, MAX_FUNCTION_LINES
+    assert {name: n for name, n in long.items() if name not in listed} == {}, f"over {limit} lines: split it"
+    assert sorted(listed - set(long)) == [], "split now: take it off the list"
