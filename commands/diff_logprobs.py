@@ -16,7 +16,7 @@ top-k rule and --attention). Path B is, by what you pass:
                    --api-key KEY if it wants one, never recorded).
 
 delta = log p_A - log p_B per action token. Reports mean / p50 / p99 / max |delta|, k1 and k3
-estimates of KL(p_B || p_A), the fraction IcePop keeps at --beta and DIS at --eps-low/--eps-high,
+estimates of KL(p_B || p_A), the fraction IcePop keeps at --icepop-beta and DIS at --dis-low/--dis-high,
 sampled-token agreement (both paths resample every action position with the record's own seeded
 uniforms; the fraction where they pick the same token), a breakdown by response position and by
 status, and the worst tokens with their decoded context. --indexer also compares the GLM-5 DSA
@@ -50,12 +50,13 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, option, with_deprecated_aliases
 from glmpost.config import ConfigError
 from glmpost.diff.run import STAGE, DiffConfig, LogprobDiff, diff_table
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
 
 
+@with_deprecated_aliases({"beta": "icepop_beta", "eps_low": "dis_low", "eps_high": "dis_high"})
 def diff_logprobs(
     ctx: typer.Context,
     inputs: list[str] = typer.Argument(..., help="Trajectory shards (files, directories or globs); without --against* they need rollout_log_probs."),
@@ -76,9 +77,9 @@ def diff_logprobs(
     against_batch_size: int | None = option(DiffConfig, "against_batch_size"),
     indexer: bool = option(DiffConfig, "indexer"),
     by_version: Path | None = option(DiffConfig, "by_version"),
-    beta: float = option(DiffConfig, "beta"),
-    eps_low: float = option(DiffConfig, "eps_low"),
-    eps_high: float = option(DiffConfig, "eps_high"),
+    icepop_beta: float = option(DiffConfig, "icepop_beta"),
+    dis_low: float = option(DiffConfig, "dis_low"),
+    dis_high: float = option(DiffConfig, "dis_high"),
     fail_above: list[str] = option(DiffConfig, "fail_above"),
     worst: int = option(DiffConfig, "worst"),
     context_tokens: int = option(DiffConfig, "context_tokens"),

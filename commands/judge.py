@@ -31,13 +31,12 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, follow_from, json_option, option, with_options
+from glmpost.commands.options import config_from, drive_shard_stage, json_option, option, with_options
 from glmpost.config import domain_assignment
+from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
 from glmpost.errors import UsageError
-from glmpost.rewards.follow import follow_judge
-from glmpost.rewards.judging import JudgeConfig, JudgeRun
+from glmpost.rewards.judging import JudgeConfig, JudgeStage
 from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_string
-from glmpost.spool.relay import RELAY_OPTIONS, RelayConfig, relay_line
 
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "
@@ -91,7 +90,7 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
-@with_options(RelayConfig, RELAY_OPTIONS)
+@with_options(FollowSettings, FOLLOW_SETTINGS)
 def judge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(
@@ -133,13 +132,9 @@ def judge(
     config: Optional[Path] = config_option(),
     **follow_options: Any,
 ) -> None:
-    run = JudgeRun(config_from(ctx, JudgeConfig, options=effective_options(ctx)))
-    follow = follow_from(ctx, RelayConfig, inputs, name="SHARDS", what="rollout shards to judge")
-    if follow is not None:
-        summary = follow_judge(run, follow)
-        return print_summary(summary, as_json=as_json, human=relay_line(summary, "judged"))
-    summary = run.run()
-    print_summary(summary, as_json=as_json, human=_human(summary, run.specs))
+    stage = JudgeStage(config_from(ctx, JudgeConfig, options=effective_options(ctx)))
+    summary, followed = drive_shard_stage(ctx, stage, inputs, what="rollout shards to judge")
+    print_summary(summary, as_json=as_json, human=follow_line(summary, "judged") if followed else _human(summary, stage.specs))
 
 
 def _human(summary: dict[str, Any], specs: list[ComponentSpec]) -> str:

@@ -62,6 +62,8 @@ def opd_merge(
     eps_high: float = option(OPDConfig, 'eps_high'),
     icepop: bool = option(OPDConfig, 'icepop'),
     icepop_beta: float = option(OPDConfig, 'icepop_beta'),
+    dis_low: float = option(OPDConfig, 'dis_low'),
+    dis_high: float = option(OPDConfig, 'dis_high'),
     loss_denominator: str = option(OPDConfig, 'loss_denominator'),
     trust_mask: List[str] = option(OPDConfig, 'trust_mask'),
     max_version_lag: int = option(OPDConfig, 'max_version_lag'),

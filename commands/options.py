@@ -14,7 +14,9 @@ from typing import Any, Iterator
 import typer
 
 from glmpost.config import ConfigError, SettingError, from_values, setting_of
+from glmpost.drivers import FollowSettings, ShardStage, follow_shards, run_shards
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.stage import log
 
 
 def option(cls: type, name: str, **overrides: Any) -> Any:
@@ -41,6 +43,17 @@ def follow_from(ctx: typer.Context, cls: type, inputs, *, name: str, what: str):
     if not inputs:
         raise UsageError(f"give the {what} ({name}), or --follow SPOOL")
     return None
+
+
+def drive_shard_stage(ctx: typer.Context, stage: ShardStage, inputs, *, what: str) -> tuple[dict[str, Any], bool]:
+    """Run a shard stage as the options say: following the spool ``--follow`` (INPUTS then refused),
+    else once over INPUTS (``what``: what they hold). Returns the summary and whether it followed."""
+    follow = follow_from(ctx, FollowSettings, inputs, name="SHARDS", what=what)
+    p = ctx.params
+    if follow is not None:
+        return follow_shards(stage, follow, out=p["out"]), True
+    return run_shards(stage, inputs=inputs, out=p["out"], shard_index=p["shard_index"], num_shards=p["num_shards"],
+                      overwrite=p["overwrite"]), False
 
 
 def json_option(what: str = "the result summary") -> Any:
@@ -118,6 +131,45 @@ def with_options(cls: type, names: tuple[str, ...]):
             return fn(*args, **kwargs)
 
         command.__signature__ = signature.replace(parameters=params[:at] + added + params[at:])
+        return command
+
+    return wrap
+
+
+def with_deprecated_aliases(aliases: dict[str, str], *, until: str = "the next release"):
+    """Keep old option names working for a while: ``aliases`` maps an old parameter name (its flag
+    ``--old-name``, its recipe key ``old-name``) to the option that replaced it. The old spelling is
+    hidden from ``--help``; given, it warns once on stderr and sets the new option (both given: a
+    usage error). stage.json records the new name only."""
+    import functools
+    import inspect
+    import typing
+
+    def wrap(fn):
+        signature, hints = inspect.signature(fn), typing.get_type_hints(fn)
+        params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        rest = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, annotation=typing.Optional[hints[new]],
+                                   default=typer.Option(None, "--" + old.replace("_", "-"), hidden=True,
+                                                        help=f"Deprecated: use --{new.replace('_', '-')}."))
+                 for old, new in aliases.items()]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            ctx = kwargs.get("ctx") or next(a for a in args if isinstance(a, typer.Context))
+            for old, new in aliases.items():
+                value = kwargs.pop(old, None)
+                ctx.params.pop(old, None)
+                if value is None:
+                    continue
+                old_flag, new_flag = flag_of(ctx.command, old), flag_of(ctx.command, new)
+                if ctx.get_parameter_source(new).name in ("COMMANDLINE", "DEFAULT_MAP"):
+                    raise UsageError(f"{old_flag} is the deprecated spelling of {new_flag}: give one of them")
+                log(f"warning: {old_flag} is deprecated and goes in {until}: use {new_flag}")
+                kwargs[new] = ctx.params[new] = value
+            return fn(*args, **kwargs)
+
+        command.__signature__ = signature.replace(parameters=params + added + rest)
         return command
 
     return wrap

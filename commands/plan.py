@@ -19,7 +19,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
 
 from glmpost.commands.common import print_summary
@@ -41,6 +40,7 @@ PLAN_DEFAULTS: dict[str, Any] = {
 
 
 def plan(
+    ctx: typer.Context,
     recipe: Path = typer.Argument(..., help="The TOML recipe whose stages to plan for.", dir_okay=False),
     model: str | None = typer.Option(
         None, "--model", help="Model: a preset (tiny-glm5, glm5), a config.json or a checkpoint (root or version). Default: tiny-glm5."),
@@ -54,8 +54,8 @@ def plan(
     margin: float | None = typer.Option(None, "--margin", min=0.0, help="Runtime margin as a fraction of each role's sum (the brief's M_runtime_margin). Default: 0."),
     as_json: bool = json_option("the plan"),
 ) -> None:
-
-    report = check_recipe(recipe)
+    root = ctx.find_root().command  # the glmpost command, whose subcommands are the stages
+    report = check_recipe(recipe, root=root)
     if report.errors:
         raise UsageError(f"{report.errors[0]} (see `glmpost recipe check {recipe}`)")
     given = {"model": model, "prompt_tokens": prompt_tokens, "dtype": dtype, "ranks": ranks, "attention": attention, "margin": margin}
@@ -72,7 +72,7 @@ def plan(
         shape = ModelShape.from_config(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise UsageError(f"--model {settings['model']}: not a GLM-5 (GlmMoeDsa) config ({exc})") from None
-    commands = stage_commands(click.get_current_context().find_root().command)
+    commands = stage_commands(root)
     values = {name: stage_values(commands[name], given_values) for name, given_values in report.stages.items() if name != "plan"}
     workload = workload_from_recipe(values, settings, lambda name: stage_values(commands[name], {}) if name in commands else {})
     rows = plan_memory(shape, workload)

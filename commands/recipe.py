@@ -34,6 +34,7 @@ app = typer.Typer(
 
 @app.command("check", help=__doc__)
 def check(
+    ctx: typer.Context,
     recipe: Path = typer.Argument(..., help="The TOML recipe to check.", dir_okay=False),
     ranks: int | None = typer.Option(
         None, "--ranks", min=1,
@@ -42,7 +43,7 @@ def check(
 ) -> None:
     import sys
 
-    report = check_recipe(recipe, ranks=ranks)
+    report = check_recipe(recipe, ranks=ranks, root=ctx.find_root().command)
     for warning in report.warnings:
         sys.stderr.write(f"glmpost: warning: {warning}\n")
     if report.errors:

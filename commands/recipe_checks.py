@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
 
 from glmpost.commands.options import flag_of
@@ -199,14 +198,13 @@ def trainer_config_errors(stage: str, values: dict[str, Any], command: Any) -> l
     return errors
 
 
-def check_recipe(path: Path, *, ranks: int | None = None, root: Any = None) -> RecipeReport:
-    """Every check of ``glmpost recipe check``; problems are collected, not raised.
+def check_recipe(path: Path, *, root: Any, ranks: int | None = None) -> RecipeReport:
+    """Every check of ``glmpost recipe check`` against the stages of ``root`` (the glmpost command);
+    problems are collected, not raised.
 
     ``ranks`` (data-parallel training ranks) defaults to the ``[pipeline]``'s train-ranks x
     train-nodes, else 1.
     """
-    if root is None:  # the running glmpost command's root, whose subcommands are the stages
-        root = click.get_current_context().find_root().command
     report = RecipeReport(Path(path))
     recipe = load_recipe(report.path)
     commands = stage_commands(root)

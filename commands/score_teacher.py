@@ -33,14 +33,13 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, follow_from, json_option, option, with_options
+from glmpost.commands.options import config_from, drive_shard_stage, json_option, option, with_options
+from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
-from glmpost.spool.relay import RELAY_OPTIONS, RelayConfig, relay_line
-from glmpost.teachers.follow import follow_score_teacher
-from glmpost.teachers.run import ScoreTeacherConfig, ScoreTeacherRun, parse_route, parse_routes
+from glmpost.teachers.run import ScoreTeacherConfig, ScoreTeacherStage, parse_route, parse_routes
 
 
-@with_options(RelayConfig, RELAY_OPTIONS)
+@with_options(FollowSettings, FOLLOW_SETTINGS)
 def score_teacher(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, metavar="SHARDS", help="Student rollout shards: files, directories or globs; none with --follow."),
@@ -72,10 +71,6 @@ def score_teacher(
     **follow_options: Any,
 ) -> None:
     check_api_key(api_key)  # before any teacher loads
-    run = ScoreTeacherRun(config_from(ctx, ScoreTeacherConfig, options=without_api_key(effective_options(ctx))))
-    follow = follow_from(ctx, RelayConfig, inputs, name="SHARDS", what="student rollout shards to score")
-    if follow is not None:
-        summary = follow_score_teacher(run, follow)
-        return print_summary(summary, as_json=as_json, human=relay_line(summary, "scored"))
-    summary = run.run()
-    print_summary(summary, as_json=as_json, human=run.human(summary))
+    stage = ScoreTeacherStage(config_from(ctx, ScoreTeacherConfig, options=without_api_key(effective_options(ctx))))
+    summary, followed = drive_shard_stage(ctx, stage, inputs, what="student rollout shards to score")
+    print_summary(summary, as_json=as_json, human=follow_line(summary, "scored") if followed else stage.human(summary))

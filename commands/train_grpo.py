@@ -84,6 +84,8 @@ def train_grpo(
     eps_high: float = option(GRPOConfig, 'eps_high'),
     icepop: bool = option(GRPOConfig, 'icepop'),
     icepop_beta: float = option(GRPOConfig, 'icepop_beta'),
+    dis_low: float = option(GRPOConfig, 'dis_low'),
+    dis_high: float = option(GRPOConfig, 'dis_high'),
     loss_denominator: str = option(GRPOConfig, 'loss_denominator'),
     loss_normalization: str = option(GRPOConfig, 'loss_normalization'),
     segment_decay: float = option(GRPOConfig, 'segment_decay'),

@@ -75,6 +75,8 @@ def train_sao(
     eps_low: float = option(SAOConfig, 'eps_low'),
     eps_high: float = option(SAOConfig, 'eps_high'),
     icepop_beta: float = option(SAOConfig, 'icepop_beta'),
+    dis_low: float = option(SAOConfig, 'dis_low'),
+    dis_high: float = option(SAOConfig, 'dis_high'),
     loss_denominator: str = option(SAOConfig, 'loss_denominator'),
     loss_normalization: str = option(SAOConfig, 'loss_normalization'),
     trust_mask: List[str] = option(SAOConfig, 'trust_mask'),

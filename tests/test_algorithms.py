@@ -9,7 +9,8 @@ import torch
 
 from glmpost.rl.advantages import group_advantages
 from glmpost.rl.losses import clipped_policy_loss, k3_kl, masked_sum_over
-from glmpost.rl.masks import dis_mask, icepop_mask
+from glmpost.rl.masks import TRUST_MASKS, dis_mask, icepop_mask
+from glmpost.rl.trainer import GRPOConfig
 
 
 def test_group_advantages_hand_computed():
@@ -63,6 +64,17 @@ def test_dis_mask_is_double_sided_and_strict():
     rollout = torch.full((7,), math.log(0.2), dtype=torch.float64)
     current = rollout + torch.log(torch.tensor([1.1, 1.8, 0.3, 0.81, 0.79, 1.27, 1.29], dtype=torch.float64))
     assert dis_mask(current, rollout, eps_low=0.2, eps_high=0.28).tolist() == [True, False, False, True, False, True, False]
+
+
+def test_the_dis_band_is_its_own_setting_apart_from_the_ppo_clip():
+    # dis_low = 0.1, dis_high = 0.5 -> kept iff 0.9 < r < 1.5, whatever the PPO clip (0.3 / 0.05) says.
+    rollout = torch.zeros(4, dtype=torch.float64)
+    train = torch.log(torch.tensor([0.85, 0.95, 1.4, 1.6], dtype=torch.float64))
+    config = GRPOConfig(dis_low=0.1, dis_high=0.5, eps_low=0.3, eps_high=0.05)
+    mask, _ = TRUST_MASKS["dis"](train, rollout, config)
+    assert mask.tolist() == [False, True, True, False]
+    default, _ = TRUST_MASKS["dis"](train, rollout, GRPOConfig())  # today's values: (0.8, 1.28)
+    assert default.tolist() == [True, True, False, False]
 
 
 def test_clipped_policy_loss_four_quadrants():
@@ -127,9 +139,6 @@ def test_version_lag_is_checkpoint_minus_the_oldest_action_version():
 
 
 def test_a_version_lag_switches_the_trust_mask_to_dis():
-    from glmpost.rl.masks import TRUST_MASKS
-    from glmpost.rl.trainer import GRPOConfig
-
     assert GRPOConfig().trust_masks() == ("icepop",) and GRPOConfig(max_version_lag=2).trust_masks() == ("dis",)
     train = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     rollout = torch.log(torch.tensor([[0.5, 0.45, 0.62, 0.3]]))  # ratios 1, 1.11, 0.806, 1.67

@@ -252,3 +252,26 @@ def test_top_k_minus_one_means_off_as_zero_does(glmpost_cli, tiny_checkpoint, sh
     assert off["overall"] == zero["overall"]
     assert SamplingParams.from_record({"top_k": -1}).top_k == 0 and SamplingParams.from_record({"top_k": 20}).top_k == 20
     assert SamplingParams.from_record({}).top_p == 1.0 and SamplingParams.from_record({"top_p": None}).top_p == 1.0
+
+
+def test_old_spellings_of_icepop_beta_and_the_dis_band_still_work_with_a_warning(glmpost_cli, tiny_checkpoint, shards, tmp_path):
+    # --icepop-beta 1.0001 keeps only the tokens whose engines agree within 1e-4: the same report as
+    # the deprecated --beta 1.0001 (a warning), and the old recipe keys map to the new options too.
+    new = _report(glmpost_cli, shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "new", "--icepop-beta", "1.0001",
+                  "--dis-low", "0.5", "--no-plots")
+    old = glmpost_cli("diff-logprobs", shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "old", "--beta", "1.0001",
+                      "--eps-low", "0.5", "--no-plots", "--json")
+    assert old.exit_code == 0, old.stderr
+    assert "--beta is deprecated" in old.stderr and "use --icepop-beta" in old.stderr and "use --dis-low" in old.stderr
+    assert json.loads(old.stdout)["overall"] == new["overall"]
+    stage = json.loads((tmp_path / "old" / "stage.json").read_text())["options"]
+    assert stage["icepop_beta"] == 1.0001 and stage["dis_low"] == 0.5 and "beta" not in stage and "eps_low" not in stage
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("[diff-logprobs]\nbeta = 1.0001\n")
+    from_recipe = glmpost_cli("diff-logprobs", shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "recipe", "--no-plots",
+                              "--config", recipe, "--json")
+    assert from_recipe.exit_code == 0 and json.loads(from_recipe.stdout)["overall"] == new["overall"]
+    both = glmpost_cli("diff-logprobs", shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "both", "--beta", "2",
+                       "--icepop-beta", "2")
+    assert both.exit_code == 2 and "--beta is the deprecated spelling of --icepop-beta: give one of them" in both.stderr
+    assert not (tmp_path / "both").exists()

@@ -15,7 +15,7 @@ from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import opd_advantages
 from glmpost.rl.batches import collate, prepare_opd_batch
-from glmpost.rl.distributed import LocalBackend
+from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.losses import opd_pg_loss, sampled_reverse_kl, topk_reverse_kl
 from glmpost.rl.trainer import OPDConfig, PolicyTrainer
 from glmpost.rollout.records import RolloutPrompt, rollout_record
@@ -148,7 +148,7 @@ def test_score_tokens_matches_the_full_logits_path(scored):
     assert torch.allclose(with_grad.gathered[mask], top.values.flip(-1)[mask], atol=1e-5)
 
 
-class RecordingBackend(LocalBackend):
+class RecordingBackend(TorchBackend):
     """AdamW as usual, keeping a copy of the gradients of each step."""
 
     def step(self) -> float:

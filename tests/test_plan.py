@@ -67,12 +67,12 @@ def test_parameter_count_at_glm5_dimensions():
 def test_model_state_of_one_train_step_is_exact():
     """Weights, gradients and AdamW moments after one micro-step of the trainer's local backend."""
     from glmpost.kernel.logprobs import sequence_log_probs
-    from glmpost.rl.distributed import LocalBackend
+    from glmpost.rl.distributed import TorchBackend
     from glmpost.rl.trainer import GRPOConfig
 
     config = tiny_glm5_config()
     model = build_model(config, seed=0).train()
-    backend = LocalBackend(model, GRPOConfig(lr=1e-3))
+    backend = TorchBackend(model, GRPOConfig(lr=1e-3))
     ids = torch.randint(0, config.vocab_size, (8, 48), generator=torch.Generator().manual_seed(0))
     backend.backward(sequence_log_probs(model, ids, chunk_size=64).log_probs.sum())
     grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)

@@ -41,7 +41,7 @@ from glmpost.rewards import (
 from glmpost.rewards.models import (
     DEFAULT_SCORE_PATTERN,
     GenerativeJudge,
-    JudgeConfig,
+    GenerativeJudgeConfig,
     OrmConfig,
     OutcomeRewardModel,
     ScoreParseError,
@@ -377,7 +377,7 @@ def test_render_rubric_fills_placeholders_once():
 
 
 def test_generative_judge_on_the_random_tiny_model(tiny_checkpoint):
-    judge = GenerativeJudge(JudgeConfig(str(tiny_checkpoint), max_new_tokens=4, batch_size=2))
+    judge = GenerativeJudge(GenerativeJudgeConfig(str(tiny_checkpoint), max_new_tokens=4, batch_size=2))
     outputs = judge.generate(["count: 3", "What is 2+2?"], ["3333", "4"], ["a", "b"])
     assert all(isinstance(o, str) for o in outputs)
     assert judge.generate(["count: 3", "What is 2+2?"], ["3333", "4"], ["a", "b"]) == outputs  # greedy

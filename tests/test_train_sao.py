@@ -21,7 +21,7 @@ from test_train_grpo import GLMPOST, _free_port, _judged
 from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
 from glmpost.rl.batches import TrainExample
 from glmpost.rl.critic import init_critic, load_critic
-from glmpost.rl.distributed import LocalBackend
+from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.sao import CriticTrainer, SAOConfig, explained_variance
 from glmpost.spool.spool import Spool
 
@@ -120,7 +120,7 @@ def test_the_critics_targets_are_skip_observation_gae_of_its_values(tiny_checkpo
     init_critic(tiny_checkpoint, tmp_path / "critic")
     critic = load_critic(tmp_path / "critic", dtype="float32")
     config = SAOConfig(micro_batch_size=2)
-    trainer = CriticTrainer(critic, LocalBackend(critic, config.critic_optimizer()), config, pad_token_id=0)
+    trainer = CriticTrainer(critic, TorchBackend(critic, config.critic_optimizer()), config, pad_token_id=0)
     actions = np.array([1, 1, 0, 0, 1, 1], dtype=bool)  # two turns around a two-token observation
     examples = [TrainExample([5, 6, 7, 8, 9, 10, 11, 12], 2, actions, np.zeros(6, np.float32), 0.0, "g", reward=0.75),
                 TrainExample([5, 6, 7, 8, 9], 2, np.ones(3, bool), np.zeros(3, np.float32), 0.0, "h", reward=-1.0)]

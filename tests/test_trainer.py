@@ -13,7 +13,7 @@ from glmpost.formats.prompts import encode_prompt
 from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import prepare_batch
-from glmpost.rl.distributed import LocalBackend
+from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
 from glmpost.rollout.records import RolloutPrompt, rollout_record
 
@@ -98,7 +98,7 @@ def test_masked_tokens_carry_no_gradient_whatever_their_advantage(policy):
     assert any(not torch.equal(moved[0][n], moved[1][n]) for n in moved[0])
 
 
-class GradientRecorder(LocalBackend):
+class GradientRecorder(TorchBackend):
     """The local backend, keeping a copy of the accumulated gradient of each optimizer step."""
 
     def step(self) -> float:

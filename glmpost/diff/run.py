@@ -83,9 +83,12 @@ class DiffConfig:
         None, "Against the rollout log-probs: also re-score each action token with the checkpoint of the version that "
         "sampled it (this root's versions, or the first one's parent) and report per version lag the engine mismatch "
         "(log pi_v - log pi_rollout) apart from the lag effect (log pi_A - log pi_v), and DIS's kept fraction.")
-    beta: float = setting(2.0, "IcePop beta: a token is kept when 1/beta <= p_A / p_B <= beta.")
-    eps_low: float = setting(0.2, "DIS lower epsilon: kept when 1 - eps_low < ratio.")
-    eps_high: float = setting(0.28, "DIS upper epsilon: kept when ratio < 1 + eps_high.")
+    icepop_beta: float = setting(2.0, "IcePop beta: a token is kept when 1/beta <= p_A / p_B <= beta (--beta: its "
+                                 "deprecated spelling, kept for one release).")
+    dis_low: float = setting(0.2, "DIS trust band below 1: kept when 1 - dis-low < ratio (--eps-low: its deprecated "
+                             "spelling, kept for one release).")
+    dis_high: float = setting(0.28, "DIS trust band above 1: kept when ratio < 1 + dis-high (--eps-high: its "
+                              "deprecated spelling, kept for one release).")
     fail_above: list[str] = setting([], f"METRIC=VALUE ({', '.join(GATE_METRICS)}): exit 1 when exceeded; repeatable.")
     worst: int = setting(10, "How many of the worst tokens to list.", min=0)
     context_tokens: int = setting(12, "Tokens of context decoded before each worst token.", min=0)
@@ -302,7 +305,7 @@ class LogprobDiff:
         path_a, path_b, desc_a, desc_b = self._score(records, distribution=distribution, revision=revision,
                                                      engines=engines, against_dir=against_dir)
         self.deltas = deltas = compare_paths(path_a, path_b, records)
-        report = mismatch_report(deltas, worst=c.worst, beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high,
+        report = mismatch_report(deltas, worst=c.worst, beta=c.icepop_beta, eps_low=c.dis_low, eps_high=c.dis_high,
                                  context=lambda i, position: worst_context(tokenizer, records[i], position, c.context_tokens))
         report.update({"mode": c.mode, "path_a": desc_a, "path_b": desc_b,
                        "records": sum(not r.get("window") for r in records), "windows": len(records),
@@ -313,7 +316,7 @@ class LogprobDiff:
             labels = kv_cache_labels(records, deltas.record_index, deltas.position)
             report["by_kv_cache"] = {
                 label: summarize(deltas.delta[labels == label], agree=None if deltas.agree is None else deltas.agree[labels == label],
-                                 beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high)
+                                 beta=c.icepop_beta, eps_low=c.dis_low, eps_high=c.dis_high)
                 for label in ("fresh", "stale") if (labels == label).any()}
         if c.by_version is not None:
             report["by_version"] = self._by_version(records, path_a, distribution)
@@ -361,7 +364,7 @@ class LogprobDiff:
 
         try:
             return version_split(records, path_a, current_version=read_manifest(self.version_dir).policy_version,
-                                 root=c.by_version, score_with=score_with, beta=c.beta, eps_low=c.eps_low, eps_high=c.eps_high)
+                                 root=c.by_version, score_with=score_with, beta=c.icepop_beta, eps_low=c.dis_low, eps_high=c.dis_high)
         except CheckpointError as exc:
             raise ConfigError("{by_version}: {reason}", reason=exc, exit_code=1) from None
 

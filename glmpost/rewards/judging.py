@@ -7,7 +7,7 @@ components, the scalar reward and failure reasons.
 
 One output shard per input shard (same file name), written atomically; an output shard that is
 already complete is kept unless ``overwrite``. Nothing is written before every pending input has
-been read through. :meth:`JudgeRun.run` returns the run's summary.
+been read through. :class:`JudgeStage` is the stage; :mod:`glmpost.drivers` runs it once or following a spool.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from glmpost.formats import (
     ShardWriter,
     iter_checked_records,
     require_fields,
-    resolve_shard_paths,
-    select_shards,
 )
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.npu import resolve_device
@@ -39,7 +37,6 @@ from glmpost.rewards.mixture import (
     uses_domain_routing,
 )
 from glmpost.rewards.verifiers import VerifierTable
-from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
 
 STAGE = "judge"
 # What judging reads from each record (all produced by `glmpost rollout`).
@@ -74,9 +71,14 @@ class JudgeConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-class JudgeRun:
-    """One run: ``JudgeRun(config).run()`` judges this task's pending shards and returns the summary;
+class JudgeStage:
+    """The judge as a :class:`~glmpost.drivers.ShardStage`: one judged shard per rollout shard;
     ``specs`` are the reward mixture's components (rewards, then penalties)."""
+
+    name = STAGE
+    per_task_options = PER_TASK_OPTIONS
+    outputs = "judged shards"
+    redo = "judging again"
 
     def __init__(self, config: JudgeConfig):
         self.config = config
@@ -87,62 +89,42 @@ class JudgeRun:
             "penalties": [s.to_json() for s in self.specs if s.kind == "penalty"],
             "verifiers": [f"{d}={v}" for d, v in config.verifiers],
         }
+        self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
+        self.table = VerifierTable({**(config.domains or {}), **dict(config.verifiers)}, config.default_verifier)
+        self.totals = RewardStats(self.specs)
+        self.mixture: RewardMixture | None = None
 
-    def run(self) -> dict[str, Any]:
-        """Check every pending input, then judge it; the run's summary."""
-        c = self.config
-        paths = select_shards(resolve_shard_paths(c.inputs), c.shard_index, c.num_shards)
-        targets = shard_outputs(paths, c.out, what="judged shards")
-        check_same_options(c.out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=c.overwrite)
-        tokenizer, revision = load_tokenizer(c.checkpoint)
-        table = VerifierTable({**(c.domains or {}), **dict(c.verifiers)}, c.default_verifier)
+    def spool_revision(self, spool: Path) -> str:
+        return self.revision
 
-        pending, skipped = [], []
-        for path in paths:
-            if not c.overwrite and complete_shard(targets[path], STAGE, redo="judging again"):
-                skipped.append(path)
-            else:
-                pending.append(path)
-        routing = table if uses_domain_routing(self.specs) else None
-        counts = {path: check_input(path, revision, routing) for path in pending}
+    def check(self, shard: Path) -> int:
+        return check_input(shard, self.revision, self.table if uses_domain_routing(self.specs) else None)
 
-        totals = RewardStats(self.specs)
-        if pending:
+    def open(self) -> dict[str, Any]:
+        needs_model = any(spec.source in MODEL_SOURCES for spec in self.specs)
+        self.mixture = RewardMixture(self.specs, tokenizer=self.tokenizer, tokenizer_revision=self.revision, verifiers=self.table,
+                                     device=resolve_device(self.config.device) if needs_model else "cpu")
+        return {"tokenizer_revision": self.revision}
 
-            needs_model = any(spec.source in MODEL_SOURCES for spec in self.specs)
-            mixture = RewardMixture(self.specs, tokenizer=tokenizer, tokenizer_revision=revision, verifiers=table,
-                                    device=resolve_device(c.device) if needs_model else "cpu")
-            c.out.mkdir(parents=True, exist_ok=True)
-            write_stage_json(c.out, STAGE, self.options, tokenizer_revision=revision)
-            progress = tqdm(total=sum(counts.values()), desc="judge", unit="rec", leave=False, disable=None)
-            with MetricsWriter(c.out / "metrics.jsonl") as metrics, progress:
-                for path in pending:
-                    stats = self.judge_shard(path, targets[path], mixture, progress)
-                    metrics.write(shard=targets[path].name, input=str(path), **stats.metrics())
-                    totals.merge(stats)
-        if skipped:
-            log(f"kept {len(skipped)} complete output shard(s) in {c.out} (--overwrite judges them again)")
-        if not paths:
-            log(f"--shard-index {c.shard_index} of --num-shards {c.num_shards} selects no input shard; nothing to do")
-        return {
-            "out": str(c.out),
-            "shards": len(pending),
-            "skipped": len(skipped),
-            **{key.removeprefix("judge/"): value for key, value in totals.metrics().items()},
-        }
-
-    def judge_shard(self, path: Path, target: Path, mixture: RewardMixture, progress: tqdm) -> RewardStats:
+    def process(self, shard: Path, target: Path, progress: tqdm) -> dict[str, Any]:
         """Judge one input shard into ``target`` (written atomically: a crash leaves no partial shard)."""
-        stats = RewardStats(mixture.specs)
-        shard_options = {**self.options, "input_shard": str(path)}
-        with ShardWriter(target, stage=STAGE, options=shard_options, tokenizer_revision=mixture.tokenizer_revision,
+        stats = RewardStats(self.mixture.specs)
+        shard_options = {**self.options, "input_shard": str(shard)}
+        with ShardWriter(target, stage=STAGE, options=shard_options, tokenizer_revision=self.revision,
                          level=self.config.zstd_level) as writer:
-            for batch in batches(iter(ShardReader(path)), self.config.batch_size):
-                for record in mixture.judge(batch):
+            for batch in batches(iter(ShardReader(shard)), self.config.batch_size):
+                for record in self.mixture.judge(batch):
                     writer.write(record)
                     stats.add(record)
                 progress.update(len(batch))
-        return stats
+        self.totals.merge(stats)
+        return stats.metrics()
+
+    def close(self) -> None:
+        self.mixture = None
+
+    def summary(self) -> dict[str, Any]:
+        return {key.removeprefix("judge/"): value for key, value in self.totals.metrics().items()}
 
 
 def check_input(path: Path, revision: str, table: VerifierTable | None) -> int:

@@ -186,10 +186,10 @@ def _check_options(spec: ComponentSpec) -> None:
             raise ValueError(f"component {name!r}: activation must be sigmoid or none, got {o['activation']!r}")
         if spec.source == "judge":
             # lazily: the model rewards import torch and transformers, the verifier-only mixture does not
-            from glmpost.rewards.models import JudgeConfig, check_judge_config
+            from glmpost.rewards.models import GenerativeJudgeConfig, check_judge_config
 
             try:
-                check_judge_config(JudgeConfig(**o))
+                check_judge_config(GenerativeJudgeConfig(**o))
             except ValueError as exc:
                 raise ValueError(f"component {name!r}: {exc}") from None
 
@@ -395,9 +395,9 @@ class RewardMixture:
 
             return score_orm
         if spec.source == "judge":
-            from glmpost.rewards.models import GenerativeJudge, JudgeConfig  # torch: lazily (see above)
+            from glmpost.rewards.models import GenerativeJudge, GenerativeJudgeConfig  # torch: lazily (see above)
 
-            judge = GenerativeJudge(JudgeConfig(**o), device=device)
+            judge = GenerativeJudge(GenerativeJudgeConfig(**o), device=device)
 
             def score_judge(views: list[RecordView]) -> list[ComponentResult]:
                 scores = judge.score([v.prompt_text for v in views], [v.text for v in views], [v.id for v in views])

@@ -170,7 +170,7 @@ class ScoreParseError(ValueError):
 
 
 @dataclass(frozen=True)
-class JudgeConfig:
+class GenerativeJudgeConfig:
     """``checkpoint``: a causal LM; ``template``: the rubric (``{prompt}``, ``{response}``,
     ``{max_score}``); ``max_new_tokens``: greedy decoding budget; ``score_pattern``: a regex whose
     first group is the score (the last match counts); ``max_score``: the score that maps to 1.0;
@@ -185,7 +185,7 @@ class JudgeConfig:
     attention: str = "native"
 
 
-def check_judge_config(config: JudgeConfig) -> re.Pattern[str]:
+def check_judge_config(config: GenerativeJudgeConfig) -> re.Pattern[str]:
     """Validate the parts of a judge config that need no model; returns the compiled score pattern."""
     if "{response}" not in config.template:
         raise ValueError("template has no {response} placeholder")
@@ -233,7 +233,7 @@ def parse_score(output: str, pattern: re.Pattern[str] | str, max_score: float) -
 class GenerativeJudge:
     """A causal LM that reads a rubric prompt and writes an assessment ending in a score."""
 
-    def __init__(self, config: JudgeConfig, *, device: Any = "cpu"):
+    def __init__(self, config: GenerativeJudgeConfig, *, device: Any = "cpu"):
         self.config = config
         self.pattern = check_judge_config(config)
         self.tokenizer, self.revision = load_tokenizer(config.checkpoint)

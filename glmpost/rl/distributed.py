@@ -2,7 +2,7 @@
 
 A :class:`TrainingSession` reads the launcher's environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``), resolves this rank's device and the distributed backend for it (hccl / nccl /
-gloo), and builds the optimisation backend the trainer calls: :class:`LocalBackend` (torch AdamW) or
+gloo), and builds the optimisation backend the trainer calls: :class:`TorchBackend` (torch AdamW) or
 :class:`DeepSpeedBackend` (ZeRO 0-3). Both expose the same methods, so the trainer's loss code is
 the same in one process and in many.
 """
@@ -51,7 +51,7 @@ class OptimizerConfig:
                 raise SettingError(name, getattr(self, name), "is out of range")
 
 
-class LocalBackend:
+class TorchBackend:
     """Single-process optimisation with torch AdamW."""
 
     rank = 0
@@ -316,7 +316,7 @@ class TrainingSession:
         """The optimisation backend of ``model``; ``own_optimizer``: a second model's (SAO's critic),
         whose learning rate, weight decay and clipping are ``config``'s whatever a --deepspeed file says."""
         if not self.use_deepspeed:
-            return LocalBackend(model, config)
+            return TorchBackend(model, config)
         ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path, own_optimizer=own_optimizer)
         return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank)
 

@@ -57,9 +57,9 @@ def icepop(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, confi
 
 @register_trust_mask("dis")
 def dis(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DIS (:func:`dis_mask` with ``config.eps_low`` / ``eps_high``): a token is kept only where
+    """DIS (:func:`dis_mask` with ``config.dis_low`` / ``dis_high``): a token is kept only where
     pi_theta / pi_rollout stays inside the trust band. The trainer takes it on the weights of every
     optimizer step (``train_log_probs`` are pi_theta's then), and the policy term becomes
     :func:`glmpost.rl.losses.dis_policy_loss`: the tool for records of an older policy (brief,
     "IcePop 与 DIS 不要混用": it absorbs version lag and engine mismatch alike)."""
-    return dis_mask(train_log_probs, rollout_log_probs, eps_low=config.eps_low, eps_high=config.eps_high), {}
+    return dis_mask(train_log_probs, rollout_log_probs, eps_low=config.dis_low, eps_high=config.dis_high), {}

@@ -50,7 +50,7 @@ class SAOConfig(GRPOConfig):
 
     trust_mask: list[str] = setting(
         ["dis"], "Trust masks ANDed into the action mask, by name (repeat for several): dis (brief, SAO's first "
-        "stability mechanism: r = pi_theta / pi_rollout, a token is kept iff 1 - eps-low < r < 1 + eps-high on the "
+        "stability mechanism: r = pi_theta / pi_rollout, a token is kept iff 1 - dis-low < r < 1 + dis-high on the "
         "weights of each optimizer step, the policy term -m r A) and, as well, icepop (train vs rollout engine on "
         "the weights before the update).", flag="--trust-mask")
     gamma: float = setting(1.0, "Discount of skip-observation GAE (ours: 1.0, verl's PPO default; the brief gives none).",

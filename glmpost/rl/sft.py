@@ -24,7 +24,7 @@ import torch
 from glmpost.config import setting
 from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.rl.batches import TrainExample, collate, train_examples
-from glmpost.rl.distributed import LocalBackend, OptimizerConfig
+from glmpost.rl.distributed import TorchBackend, OptimizerConfig
 
 
 @dataclass
@@ -59,7 +59,7 @@ class SFTTrainer:
         self.model = model
         self.config = config
         self.pad_token_id = pad_token_id
-        self.backend = backend or LocalBackend(model, config)
+        self.backend = backend or TorchBackend(model, config)
         self.device = next(model.parameters()).device
 
     def total_steps(self, count: int) -> int:

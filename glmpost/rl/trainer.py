@@ -39,7 +39,7 @@ from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
 from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit
 from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
-from glmpost.rl.distributed import LocalBackend, OptimizerConfig
+from glmpost.rl.distributed import TorchBackend, OptimizerConfig
 from glmpost.rl.losses import LOSS_NORMALIZATIONS, LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
 from glmpost.rl.masks import TRUST_MASKS
 
@@ -59,6 +59,12 @@ class GRPOConfig(OptimizerConfig):
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",
                            flag="--icepop/--no-icepop")
     icepop_beta: float = setting(2.0, "IcePop beta (GLM-5: 2).")  # brief: beta = 2
+    # brief, "Direct Double-Sided Importance Sampling": "双边可信区间" 1 - eps_l < r_t < 1 + eps_h, a band of its
+    # own (the PPO clip above is another role of the same two symbols); glmpost's defaults are the clip's values.
+    dis_low: float = setting(0.2, "DIS trust band below 1: with --trust-mask dis a token is kept only where "
+                             "1 - dis-low < pi_theta / pi_rollout.", min=0.0, max=1.0)
+    dis_high: float = setting(0.28, "DIS trust band above 1: with --trust-mask dis a token is kept only where "
+                              "pi_theta / pi_rollout < 1 + dis-high.", min=0.0)
     # brief, "IcePop 为什么有两层 ratio": m_t multiplies the token loss; what it is averaged over is a choice.
     loss_denominator: str = setting(
         "trusted", "Tokens the loss is averaged over, across the whole mini-batch and every rank: trusted (the action "
@@ -67,7 +73,7 @@ class GRPOConfig(OptimizerConfig):
     trust_mask: list[str] = setting(
         ["icepop"], "Trust masks ANDed into the action mask, by name (repeat for several): icepop (train vs rollout "
         "engine on the weights before the update; --no-icepop drops it) or dis (brief's Direct Double-Sided IS: the "
-        "policy term becomes -m r A with r = pi_theta / pi_rollout and m = 1[1 - eps-low < r < 1 + eps-high], "
+        "policy term becomes -m r A with r = pi_theta / pi_rollout and m = 1[1 - dis-low < r < 1 + dis-high], "
         "evaluated on the weights of each optimizer step). The brief warns against reading DIS as an engine check.",
         flag="--trust-mask")
     max_version_lag: int = setting(
@@ -103,6 +109,7 @@ class GRPOConfig(OptimizerConfig):
         super().validate()
         self._require({
             "eps_low": 0 <= self.eps_low < 1,
+            "dis_low": 0 <= self.dis_low < 1,
             "icepop_beta": self.icepop_beta >= 1,
             "temperature": self.temperature > 0,
         })
@@ -223,7 +230,7 @@ class PolicyTrainer:
         self.model = model
         self.config = config
         self.pad_token_id = pad_token_id
-        self.backend = backend or LocalBackend(model, config)
+        self.backend = backend or TorchBackend(model, config)
         self.reference = reference
         self.device = next(model.parameters()).device
         self.estimator = ADVANTAGE_ESTIMATORS[config.advantage_estimator()]

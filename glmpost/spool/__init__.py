@@ -1,3 +1,3 @@
 """Spools: directories of shards that stages publish into and claim from, for asynchronous RL
-(:mod:`~glmpost.spool.spool`, ``formats/SPEC.md`` §12), and the relay that carries shards from one
-spool to the next through a shard-to-shard stage (:mod:`~glmpost.spool.relay`)."""
+(:mod:`~glmpost.spool.spool`, ``formats/SPEC.md`` §12). The driver that runs a shard stage between
+two spools is :func:`glmpost.drivers.follow_shards`."""

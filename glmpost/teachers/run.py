@@ -4,7 +4,8 @@ Every record is routed by its domain to exactly one teacher (:class:`Routing`); 
 the student's exact token ids at temperature 1 and each action token gets its log-prob (payload
 ``sampled``), plus the teacher's top-k ids and log-probs (payload ``topk``). Teachers must share the
 student's tokenizer revision and vocabulary size. Everything that can fail is checked before
-anything is written; each output shard is written atomically (:class:`ScoreTeacherRun`).
+anything is written; each output shard is written atomically (:class:`ScoreTeacherStage`, run once or
+following a spool by :mod:`glmpost.drivers`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from tqdm import tqdm
 from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 from glmpost.config import ConfigError, domain_assignment, setting, shared
 from glmpost.errors import GlmpostError
-from glmpost.formats import ShardReader, ShardWriter, require_fields, resolve_shard_paths, select_shards, window_views
+from glmpost.formats import ShardReader, ShardWriter, require_fields, window_views
 from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.kernel.scoring import TeacherPayload, joined_payload, payload_from_rows, score_records
 from glmpost.kernel.sglang_client import ServerError, SGLangPool
 from glmpost.npu import resolve_device
-from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
+from glmpost.spool.spool import spool_revision
 
 STAGE = "score-teacher"
 ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "observation_mask", "status", "tokenizer_revision")
@@ -143,8 +144,14 @@ def check_config(config: ScoreTeacherConfig) -> Routing:
     return routing
 
 
-class ScoreTeacherRun:
-    """One run: check every input, load the teachers, score each pending shard, summarize."""
+class ScoreTeacherStage:
+    """score-teacher as a :class:`~glmpost.drivers.ShardStage`: one scored shard per student rollout
+    shard; the teachers load (or the server is connected) when it opens."""
+
+    name = STAGE
+    per_task_options = PER_TASK_OPTIONS
+    outputs = "scored shards"
+    redo = "scoring again"
 
     def __init__(self, config: ScoreTeacherConfig):
         self.config = config
@@ -152,66 +159,50 @@ class ScoreTeacherRun:
         self.options = {**config.options, "route": [f"{d}={c}" for d, c in config.route]}
         self.topk = config.topk if config.payload == "topk" else 0
         self.teachers: dict[str, Teacher] = {}  # route key (domain or '*') -> teacher
+        self.opened: dict[str, Teacher] = {}  # checkpoint -> teacher, as checking opened them
         self.plan: dict[Path, list[str]] = {}  # input shard -> each record's route key
         self.totals = {"records": 0, "action_tokens": 0, "seconds": 0.0}
         self.kl_sums: dict[str, list[float]] = {}
+        self.pool: Any = None
 
-    def run(self) -> dict[str, Any]:
-        """Score the pending shards of this task; returns the result summary."""
-        c = self.config
-        paths = select_shards(resolve_shard_paths(c.inputs), c.shard_index, c.num_shards)
-        targets = shard_outputs(paths, c.out, what="scored shards")
-        check_same_options(c.out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=c.overwrite)
-        pending = [p for p in paths if c.overwrite or not complete_shard(targets[p], STAGE, redo="scoring again")]
-        skipped = len(paths) - len(pending)
-        self.check(pending)
-        if pending:
-            self.score(pending, targets)
-        if skipped:
-            log(f"kept {skipped} complete output shard(s) in {c.out} (--overwrite scores them again)")
-        return self.summary(len(pending), skipped)
+    def spool_revision(self, spool: Path) -> str:
+        if self.config.engine != "local":
+            raise ConfigError("{follow} scores with the local engine; drop {engine} sglang (or run score-teacher per shard set)")
+        return spool_revision(spool)
 
-    def check(self, pending: list[Path]) -> None:
+    def check(self, shard: Path) -> int:
         """Everything that can fail before anything is written: teachers load, every record carries
         the rollout fields and routes to a teacher sharing its action space."""
-        opened: dict[str, Teacher] = {}
-        for path in pending:
-            self.plan[path] = _check_input(path, self.routing, self.teachers, opened)
+        self.plan[shard] = _check_input(shard, self.routing, self.teachers, self.opened)
         if self.config.engine == "sglang" and len(unique_teachers(self.teachers)) > 1:
             raise ConfigError("{engine} sglang scores with one teacher per run (its {server}); run score-teacher once per teacher")
-        _check_vocabularies(unique_teachers(self.teachers), self.config.student, pending)
-        for path in pending:
-            _check_token_range(path, self.plan[path], self.teachers)
+        _check_vocabularies(unique_teachers(self.teachers), self.config.student, [shard])
+        _check_token_range(shard, self.plan[shard], self.teachers)
+        return len(self.plan[shard])
 
-    def score(self, pending: list[Path], targets: dict[Path, Path]) -> None:
-        """Load the teachers (or connect to the server), then score each shard into its target."""
+    def open(self) -> dict[str, Any]:
+        """Load the teachers (or connect to the server)."""
         c = self.config
-        pool = None
         if c.engine == "local":
             load_teachers(unique_teachers(self.teachers), c.device, c.attention)
         else:
-            pool = _sglang_pool(c.server, unique_teachers(self.teachers)[0], c.batch_size, api_key=c.api_key)
-        c.out.mkdir(parents=True, exist_ok=True)
-        write_stage_json(c.out, STAGE, self.options, teachers={d: t.id for d, t in self.teachers.items()})
-        progress = tqdm(total=sum(len(v) for v in self.plan.values()), desc=STAGE, unit="rec", leave=False, disable=None)
-        try:
-            with MetricsWriter(c.out / "metrics.jsonl") as metrics, progress:
-                for path in pending:
-                    stats = self.score_shard(path, targets[path], pool, progress)
-                    metrics.write(shard=targets[path].name, input=str(path), **stats["metrics"])
-                    self._add(stats)
-        finally:
-            if pool is not None:
-                pool.close()
+            self.pool = _sglang_pool(c.server, unique_teachers(self.teachers)[0], c.batch_size, api_key=c.api_key)
+        return {"teachers": {d: t.id for d, t in self.teachers.items()}}
 
-    def _add(self, stats: dict[str, Any]) -> None:
-        """Add one shard's counts and KL sums to the run's."""
+    def process(self, shard: Path, target: Path, progress: tqdm) -> dict[str, Any]:
+        stats = self.score_shard(shard, target, self.pool, progress)
         for key in self.totals:
             self.totals[key] += stats[key]
         for domain, (s, n) in stats["kl"].items():
             acc = self.kl_sums.setdefault(domain, [0.0, 0.0])
             acc[0] += s
             acc[1] += n
+        return stats["metrics"]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def score_shard(self, path: Path, target: Path, pool: Any, progress: tqdm) -> dict[str, Any]:
         """Score one shard into ``target`` (atomic: a failure leaves no output shard)."""
@@ -256,13 +247,10 @@ class ScoreTeacherRun:
             progress.update(len(indices))
         return payloads
 
-    def summary(self, shards: int, skipped: int) -> dict[str, Any]:
-        """The result summary the command prints."""
+    def summary(self) -> dict[str, Any]:
+        """The totals of the shards scored so far."""
         totals = self.totals
         return {
-            "out": str(self.config.out),
-            "shards": shards,
-            "skipped": skipped,
             "records": totals["records"],
             "action_tokens": totals["action_tokens"],
             "teacher_tokens_per_s": round(totals["action_tokens"] / totals["seconds"], 1) if totals["seconds"] else 0.0,

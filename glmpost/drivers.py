@@ -1,0 +1,166 @@
+"""The stage protocol of the stages that make one output shard of each input shard (``judge``,
+``score-teacher``), and the two drivers that run any of them.
+
+A :class:`ShardStage` knows its own work and nothing of where shards come from::
+
+    check(shard) -> records        read one input through before anything is written
+    open()                          load what processing needs (models, servers), once
+    process(shard, target, progress) -> metrics   write ``target`` atomically
+    close()                         release it; summary() -> the run's totals
+
+:func:`run_shards` runs it once over input shards (this task's share, ``--shard-index`` of
+``--num-shards``): every pending input is checked before the stage opens; an output that is
+already complete is kept (same options; other options: exit 2 naming the option; ``--overwrite``
+redoes it); ``stage.json`` and one ``metrics.jsonl`` line per shard go to ``--out``.
+
+:func:`follow_shards` runs it between two spools (``--follow IN --out OUT``, formats/SPEC.md §12):
+each shard of ``IN`` as it lands, published into ``OUT`` under the same name, then committed in
+``IN``. The output shard's name is the commit record: a restart that finds a claimed shard already
+in ``OUT`` commits it without processing it again. SIGTERM / SIGINT stop after the shard in
+progress; ``--idle-timeout`` after that long without one. Metrics and stage.json go to
+``OUT/producers/CONSUMER/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from tqdm import tqdm
+
+from glmpost.config import setting
+from glmpost.formats import ShardReader, resolve_shard_paths, select_shards
+from glmpost.spool.spool import DEFAULT_LEASE_S, Spool, lease_kept
+from glmpost.stage import (
+    MetricsWriter,
+    check_same_options,
+    complete_shard,
+    log,
+    shard_outputs,
+    stop_on_signals,
+    write_stage_json,
+)
+
+
+class ShardStage(Protocol):
+    """A stage whose unit of work is one input shard (module doc)."""
+
+    name: str  # the stage, as stage.json and the shard headers say it (``judge``)
+    options: dict[str, Any]  # its effective options (stage.json, shard headers)
+    per_task_options: tuple[str, ...]  # options that may differ between the tasks writing one output
+    outputs: str  # what its output shards are, for messages (``judged shards``)
+    redo: str  # what redoing a shard is called (``judging again``)
+
+    def check(self, shard: Path) -> int:
+        """Read ``shard`` through (fields, tokenizer revision, routes); returns its record count."""
+
+    def open(self) -> dict[str, Any]:
+        """Load what processing needs; returns the facts stage.json records beside the options."""
+
+    def process(self, shard: Path, target: Path, progress: tqdm) -> dict[str, Any]:
+        """Write the output of ``shard`` to ``target`` atomically; returns its metrics line."""
+
+    def close(self) -> None:
+        """Release what :meth:`open` took (servers, pools)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The totals of every shard processed so far."""
+
+    def spool_revision(self, spool: Path) -> str:
+        """The tokenizer revision of the records of the input spool ``spool``."""
+
+
+def run_shards(stage: ShardStage, *, inputs: list[str], out: Path, shard_index: int, num_shards: int,
+               overwrite: bool) -> dict[str, Any]:
+    """Run ``stage`` once over this task's input shards (module doc); returns the run's summary."""
+    out = Path(out)
+    paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
+    targets = shard_outputs(paths, out, what=stage.outputs)
+    check_same_options(out, stage.name, stage.options, ignore=stage.per_task_options, overwrite=overwrite)
+    pending = [p for p in paths if overwrite or not complete_shard(targets[p], stage.name, redo=stage.redo)]
+    counts = [stage.check(path) for path in pending]
+    if pending:
+        facts = stage.open()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            write_stage_json(out, stage.name, stage.options, **facts)
+            progress = tqdm(total=sum(counts), desc=stage.name, unit="rec", leave=False, disable=None)
+            with MetricsWriter(out / "metrics.jsonl") as metrics, progress:
+                for path in pending:
+                    metrics.write(shard=targets[path].name, input=str(path), **stage.process(path, targets[path], progress))
+        finally:
+            stage.close()
+    if len(paths) > len(pending):
+        log(f"kept {len(paths) - len(pending)} complete output shard(s) in {out} (--overwrite redoes them)")
+    if not paths:
+        log(f"--shard-index {shard_index} of --num-shards {num_shards} selects no input shard; nothing to do")
+    return {"out": str(out), "shards": len(pending), "skipped": len(paths) - len(pending), **stage.summary()}
+
+
+@dataclass
+class FollowSettings:
+    """What a stage between two spools adds (``--follow IN`` and its companions)."""
+
+    follow: Optional[Path] = setting(
+        None, "Take the shards of this spool as they land and publish the results into the spool --out (asynchronous "
+        "RL; formats/SPEC.md §12) instead of processing the input shards once.")
+    consumer: Optional[str] = setting(None, "This stage's name in the input spool (default: one derived from --out, "
+                                      "stable across restarts; give each concurrent instance its own).")
+    poll_s: float = setting(1.0, "Seconds between looks at the input spool while it is empty.", min=0.01)
+    lease_s: float = setting(DEFAULT_LEASE_S, "Seconds a claim stays this stage's without a renewal.", min=0.1)
+    idle_timeout: Optional[float] = setting(None, "Stop after this many seconds without a new shard (default: wait for ever).", min=0.0)
+
+
+FOLLOW_SETTINGS = ("follow", "consumer", "poll_s", "lease_s", "idle_timeout")
+
+
+def follow_line(summary: dict[str, Any], verb: str) -> str:
+    """The human line of a follow run (``verb``: what the stage did to each shard)."""
+    return f"{summary['out']}: {summary['shards']} shard(s) {verb} from {summary['spool']}, stopped by {summary['stopped_by']}"
+
+
+def follow_shards(stage: ShardStage, settings: FollowSettings, *, out: Path) -> dict[str, Any]:
+    """Run ``stage`` between the spools ``settings.follow`` and ``out`` (module doc); returns the run's
+    summary. The stage opens after the first shard is checked."""
+    revision = stage.spool_revision(Path(settings.follow))
+    source, target = Spool(settings.follow, tokenizer_revision=revision), Spool(out, tokenizer_revision=revision)
+    consumer = settings.consumer or f"{stage.name}-" + hashlib.blake2b(str(target.path.resolve()).encode(), digest_size=5).hexdigest()
+    home = target.path / "producers" / consumer
+    home.mkdir(parents=True, exist_ok=True)
+    write_stage_json(home, stage.name, stage.options, tokenizer_revision=revision, spool=str(source.path))
+    done, opened, last_new = 0, False, time.monotonic()
+    progress = tqdm(desc=f"{stage.name} --follow", unit="rec", leave=False, disable=None)
+    with stop_on_signals() as stop, lease_kept(source, consumer, settings.lease_s), \
+            MetricsWriter(home / "metrics.jsonl") as metrics, progress:
+        try:
+            while stop["signal"] is None:
+                shards = source.claimed(consumer) or source.claim(consumer, limit=1, lease_s=settings.lease_s)
+                if not shards:
+                    if settings.idle_timeout is not None and time.monotonic() - last_new > settings.idle_timeout:
+                        stop["signal"] = "idle"
+                        break
+                    time.sleep(settings.poll_s)
+                    continue
+                last_new = time.monotonic()
+                for shard in shards:
+                    if shard.name not in target.names():  # else made before a crash: only the commit is left
+                        progress.total = (progress.total or 0) + stage.check(shard)
+                        if not opened:
+                            stage.open()
+                            opened = True
+                        metrics.write(shard=shard.name, input=str(source.path),
+                                      **stage.process(shard, target.publish_path(shard.name), progress))
+                        done += 1
+                    source.commit(consumer, [shard], version=-1, ids={shard.name: [r["id"] for r in ShardReader(shard)]})
+                    if stop["signal"] is not None:
+                        break
+        finally:
+            source.release(consumer)
+            if opened:
+                stage.close()
+    log(f"{target.path}: {done} shard(s) from {source.path}")
+    return {"out": str(target.path), "spool": str(source.path), "consumer": consumer, "shards": done,
+            "stopped_by": stop["signal"], **stage.summary()}

@@ -1,0 +1,54 @@
+"""Every command's options table equals the stored one (``tests/data/cli_options.json``: the table
+of the CLI before issue 29 restructured it, written by ``tests/cli_options.py``), apart from the
+changes issue 29 names on purpose: IcePop beta spelled ``--icepop-beta`` everywhere and the DIS
+band its own settings (``--dis-low`` / ``--dis-high``), the old spellings kept as hidden,
+deprecated aliases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cli_options import options_table
+
+STORED = Path(__file__).parent / "data" / "cli_options.json"
+# (command, old name) -> new name: the old spelling stays, hidden, as a deprecated alias.
+RENAMED = {("diff-logprobs", "beta"): "icepop_beta", ("diff-logprobs", "eps_low"): "dis_low",
+           ("diff-logprobs", "eps_high"): "dis_high"}
+# The DIS band, new in the trainers, and the trust-mask help that names it.
+ADDED = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao") for name in ("dis_low", "dis_high")}
+HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
+
+
+def _expected(stored: dict) -> dict:
+    """The stored table with the changes above applied (what the CLI must now show)."""
+    table = json.loads(json.dumps(stored))
+    for (command, old), new in RENAMED.items():
+        row = table[command][old]
+        table[command][new] = {**row, "opts": ["--" + new.replace("_", "-")]}
+        table[command][old] = {**row, "default": None, "hidden": True, "min": None, "max": None,
+                               "help": f"Deprecated: use --{new.replace('_', '-')}."}
+    for command, name in HELP_RENAMES:
+        row = table[command][name]
+        row["help"] = row["help"].replace("eps-low", "dis-low").replace("eps-high", "dis-high")
+    return table
+
+
+def test_every_command_keeps_its_options_flags_defaults_and_help():
+    expected, now = _expected(json.loads(STORED.read_text())), json.loads(json.dumps(options_table()))
+    assert sorted(now) == sorted(expected), "commands added or removed"
+    changed = {}
+    for command in expected:
+        for name in set(expected[command]) | set(now[command]):
+            before, after = expected[command].get(name), now[command].get(name)
+            if (command, name) in ADDED:
+                continue
+            if (command, name) in {(c, new) for (c, _), new in RENAMED.items()}:
+                before = {k: v for k, v in before.items() if k != "help"}
+                after = {k: v for k, v in after.items() if k != "help"}  # the help says the old spelling
+            if before != after:
+                changed[f"{command} {name}"] = (before, after)
+    assert changed == {}
+    for command, name in ADDED:
+        assert now[command][name]["opts"] == ["--" + name.replace("_", "-")]
+        assert now[command][name]["default"] == {"dis_low": 0.2, "dis_high": 0.28}[name]  # today's values
