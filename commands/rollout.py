@@ -82,7 +82,8 @@ from glmpost.commands.options import config_from, json_option, option, with_opti
 from glmpost.errors import UsageError
 from glmpost.kernel.sglang_client import without_api_key
 from glmpost.rollout.follow import RolloutFollowConfig, follow_rollout
-from glmpost.rollout.runner import RolloutConfig, RolloutRunner
+from glmpost.rollout.runner import RolloutRunner
+from glmpost.rollout.settings import RolloutConfig
 
 
 @with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue", "kv_on_switch"))

@@ -21,7 +21,9 @@ pairs alone (the newest observation always survives).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
+
+from glmpost.config import ConfigError
 
 COMPACTION_MODES = ("off", "summary", "drop")
 SUMMARY_SLOT = "{summary}"
@@ -136,3 +138,20 @@ def fit_pairs(builder: ContextBuilder, head: Sequence[int], summary_ids: Sequenc
         if builder.settings.budget - len(ids) >= room or kept == 0:
             return ids, kept
     raise AssertionError("unreachable")
+
+
+def check_rebuild_room(prompts: Sequence[Any], builder: ContextBuilder, max_new_tokens: int) -> None:
+    """Refuse a context budget that no rebuilt context fits: the prompt's own turns, the resume turn
+    with a summary of ``max_summary_tokens`` (mode summary), and room for the next turn (the larger
+    of the threshold and ``max_new_tokens``), before any pair is copied. ``prompts``: rollout prompts
+    (their ``token_ids`` and ``source``)."""
+    settings = builder.settings
+    summary = settings.max_summary_tokens if settings.mode == "summary" else 0
+    room = max(settings.threshold, max_new_tokens)
+    for prompt in prompts:
+        fixed = builder.fixed_length(builder.head(prompt.token_ids)) + summary
+        if fixed + room > settings.budget:
+            parts = "the prompt's turns, the resume turn and a summary of {max_summary_tokens}" if summary else "the prompt's turns"
+            raise ConfigError("{source}: a rebuilt context needs {fixed} tokens (" + parts + ") and {room} for the next "
+                              "turn, more than {context_budget} {budget}", source=prompt.source, fixed=fixed, room=room,
+                              budget=settings.budget, exit_code=1)

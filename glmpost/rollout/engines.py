@@ -27,7 +27,7 @@ from glmpost.rollout.records import completion_from_sglang, sglang_sampling_para
 from glmpost.stage import log
 
 if TYPE_CHECKING:
-    from glmpost.rollout.runner import RolloutConfig
+    from glmpost.rollout.settings import RolloutConfig
 
 # What an engine returns per sequence: (completion | None, weight_version, abort_reason).
 Outcome = tuple[Optional[Completion], Any, Optional[str]]

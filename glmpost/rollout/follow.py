@@ -39,11 +39,10 @@ from tqdm import tqdm
 from glmpost.checkpoints import LATEST, CheckpointRoot
 from glmpost.config import ConfigError, setting
 from glmpost.npu import resolve_device
-from glmpost.rollout.agentic import ObservationRenderer
 from glmpost.rollout.engines import LocalBackend, PolicyCheckpoint, engine_version, open_backend
-from glmpost.rollout.records import load_rollout_prompts
 from glmpost.rollout.refill import refill_metrics
-from glmpost.rollout.runner import STAGE, RolloutConfig, RolloutRunner, shard_metrics, task_parts
+from glmpost.rollout.runner import STAGE, RolloutRunner, shard_metrics, task_parts
+from glmpost.rollout.settings import RolloutConfig
 from glmpost.spool.spool import Spool
 from glmpost.stage import MetricsWriter, log, stop_on_signals, write_stage_json
 
@@ -109,18 +108,12 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
     params = config.sampling_params()
     device = resolve_device(config.device)
     checkpoint = PolicyCheckpoint.open(config.checkpoint)
-    config.check_engine()
     follow.check()
     spool = Spool(follow.follow, tokenizer_revision=checkpoint.revision)
     producer = follow.producer or default_producer(config.checkpoint, config.shard_index)
     reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
     runner = RolloutRunner(config, options=options)
-    runner.environment = config.environment()
-    if runner.environment is not None:
-
-        runner.renderer = ObservationRenderer(checkpoint.tokenizer)
-        runner.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
-    prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
+    prompts = runner.open(checkpoint)
     home = spool.path / "producers" / producer
     home.mkdir(parents=True, exist_ok=True)
     cut, mine = task_parts(prompts, config)
@@ -153,7 +146,7 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                     if stop["signal"] is not None or (follow.max_rounds is not None and round_number >= follow.max_rounds):
                         break
                     round_params = replace(params, seed=config.seed + round_number)
-                    runner._prepare(backend, round_params, prompts)
+                    runner.prepare(backend, round_params)
                     for part_index, part in parts:
                         name = f"{producer}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
                         if name in held:
@@ -171,11 +164,11 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                             backend.close()
                             checkpoint = current["checkpoint"] = newer
                             backend = open_backend(checkpoint, config, device)
-                            runner._prepare(backend, round_params, prompts)
+                            runner.prepare(backend, round_params)
                         started = time.perf_counter()
                         progress.total = (progress.total or 0) + len(part) * config.group_size
-                        samples = runner._generate(part, backend, progress)
-                        runner._write_shard(spool.publish_path(name), samples, round_params, checkpoint, engine_info)
+                        samples = runner.generate(part, backend, progress)
+                        runner.write_part(spool.publish_path(name), samples, round_params, checkpoint, engine_info)
                         completions = [s.outcome[0] for s in samples if s.outcome[0] is not None]
                         aborted = sum(s.status() == "aborted" for s in samples)
                         metrics.write(**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,

@@ -19,23 +19,18 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from glmpost.config import ConfigError, setting, shared
-from glmpost.envs import resolve_environment
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
-from glmpost.kernel.distribution import LOG_PROB_KINDS
 from glmpost.kernel.engine import Completion, SamplingParams
-from glmpost.kernel.sglang_client import check_api_key
 from glmpost.npu import resolve_device
 from glmpost.rollout.agentic import (
     MultiTurnSettings,
@@ -45,7 +40,7 @@ from glmpost.rollout.agentic import (
     retokenize_drift,
     run_trajectories,
 )
-from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, ContextBuilder, resume_pieces
+from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, check_rebuild_room
 from glmpost.rollout.engines import (
     LocalBackend,
     Outcome,
@@ -65,176 +60,10 @@ from glmpost.rollout.records import (
     trajectory_record,
 )
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
+from glmpost.rollout.settings import PER_TASK_OPTIONS, RolloutConfig, parse_stop_ids
 from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
 
 STAGE = "rollout"
-ENGINES = ("local", "sglang")
-# Options that may differ between the tasks or reruns writing one output directory.
-PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
-                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
-
-@dataclass
-class RolloutConfig:
-    """The settings of one rollout run (the options of ``glmpost rollout``, under the same names)."""
-
-    inputs: list[str] = field(default_factory=list)  # prompt JSONL files, or shards to resample
-    checkpoint: Optional[Path] = None  # a checkpoint root (its LATEST) or a version directory
-    out: Optional[Path] = None  # the output directory for the rollout shards
-    group_size: int = setting(8, "Samples per prompt (GRPO's G); siblings share a group_id.", min=1)
-    temperature: float = setting(
-        1.0, "Sampling temperature; 0 is greedy (its log-probs are then the model's own: log_prob_kind raw).", min=0.0)
-    top_p: float = setting(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
-    top_k: int = setting(0, "Sample among the k most likely tokens; 0 disables.", min=0)
-    max_new_tokens: int = setting(64, "Most tokens sampled per response.", min=1)
-    stop_token_ids: str = setting("default", "Comma-separated ids that end a response (kept in it); 'default' = the "
-                                  "model's eos ids, 'none' = never stop early.")
-    seed: int = setting(0, "Sampling seed; each sequence's generator derives from it and the sequence id.")
-    batch_size: int = setting(32, "Sequences decoded together (does not change the samples' seeds).", min=1)
-    prompts_per_shard: int = setting(64, "Prompts per output shard (x group size records).", min=1)
-    limit: Optional[int] = setting(None, "Use only the first N prompts.", min=1)
-    shard_index: int = shared("shard_index")
-    num_shards: int = shared("num_shards")
-    device: str = shared("device")
-    deterministic_topk: bool = shared("deterministic_topk")
-    attention: str = shared("attention")
-    engine_name: str = setting("local", "local (in-process torch) or sglang (HTTP: --server).", flag="--engine")
-    server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
-    concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
-    timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
-    retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
-    api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
-                                     "KEY' (never recorded).")
-    server_log_prob_kind: str = setting(
-        "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
-        "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
-    env: Optional[str] = setting(
-        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, kv-recall, latency or package.module:Class. "
-        "Each turn's prompt is the exact ids before it; observations are recorded with observation_mask.")
-    env_options: str = setting("{}", "With --env: the environment's keyword arguments, a JSON object.")
-    max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
-    env_timeout: float = setting(
-        30.0, "With --env: seconds one reset() or step() may take (then the trajectory ends env_error).", min=0.001)
-    env_workers: int = setting(
-        8, "With --env: environment steps of one turn run at once, each trajectory on its own environment (1: one "
-        "after another); the records do not depend on it (for environments whose instances share no state).", min=1)
-    refill_rounds: int = setting(
-        0, "Rounds of resampling the failed samples (env_error, aborted) of groups with more than half valid, to "
-        "full size (GLM-5); refills get the next sample indices and extra.refill. 0 = off.", min=0)
-    compaction: str = setting(
-        "off", "With --env: CompactionRL's context compaction. summary: when the context budget runs low (C - |h| < T_comp, "
-        "or the next turn could overflow C) the policy writes a summary after --summary-prompt, trained as an action "
-        "with the final reward, and the trajectory goes on in a rebuilt context (the prompt's turns, --resume-template "
-        "holding the summary's exact ids, the newest --keep-last action-observation pairs), recorded as ids; drop: the "
-        "same rebuild without a summary (the baseline); off: a trajectory that would overflow C ends truncated.")
-    context_budget: Optional[int] = setting(
-        None, "With --env: C, the most tokens of context a turn may be sampled on (default: the model's context).", min=1)
-    compaction_threshold: Optional[int] = setting(
-        None, "With --compaction: T_comp, compact when C - |h| < T_comp (default: --max-new-tokens); at most "
-        "--context-budget.", min=0)
-    keep_last: int = setting(
-        2, "With --compaction: k, the newest action-observation pairs a rebuilt context copies (fewer when they do not "
-        "fit the budget; drop keeps at least 1, so the newest observation is never lost).", min=0)
-    summary_prompt: str = setting(
-        "Summarize what you must remember to finish the task.",
-        "With --compaction summary: q_sum, the user turn after the last observation that asks for the summary.")
-    resume_template: str = setting(
-        "Summary: {summary}", "With --compaction summary: the user turn that opens a rebuilt context; {summary} (exactly "
-        "once) stands for the summary's exact ids.")
-    max_summary_tokens: int = setting(
-        64, "With --compaction summary: most tokens of a summary (a longer one is cut there, recorded truncated in "
-        "extra.compaction.summaries, and the trajectory goes on).", min=1)
-    zstd_level: int = shared("zstd_level")
-    overwrite: bool = shared("overwrite")
-
-    def environment(self):
-        """``(name, factory)`` of the environment of a multi-turn run, or None for single-turn
-        rollouts; an unknown one or bad options is one error naming the option."""
-        if self.env is None:
-            return None
-
-        try:
-            options = json.loads(self.env_options)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("{env_options} {value!r}: not JSON ({reason})", value=self.env_options, reason=exc) from None
-        if not isinstance(options, dict):
-            raise ConfigError("{env_options} {value!r}: expected a JSON object", value=self.env_options)
-        return self.env, resolve_environment(self.env, options, where="--env")
-
-    def compaction_settings(self, model_context: int) -> CompactionSettings:
-        """The context budget and compaction settings, checked against each other and the model's
-        context (a refused combination is one error naming the options)."""
-        if self.compaction not in COMPACTION_MODES:
-            raise ConfigError("{compaction} must be one of {choices}, got {value!r}", choices=", ".join(COMPACTION_MODES),
-                              value=self.compaction)
-        if self.env is None and (self.compaction != "off" or self.context_budget is not None):
-            raise ConfigError("{compaction} and {context_budget} apply to multi-turn rollouts: add {env}")
-        budget = model_context if self.context_budget is None else self.context_budget
-        if budget > model_context:
-            raise ConfigError("{context_budget} {value} exceeds the model's context of {context} tokens", value=budget,
-                              context=model_context)
-        threshold = self.max_new_tokens if self.compaction_threshold is None else self.compaction_threshold
-        if self.compaction != "off" and threshold > budget:
-            raise ConfigError("{compaction_threshold} {value} is larger than {context_budget} {budget}: compaction "
-                              "would start before the first turn", value=threshold, budget=budget)
-        try:
-            resume_pieces(self.resume_template)
-        except ValueError as exc:
-            raise ConfigError("{resume_template} {reason}", reason=exc) from None
-        return CompactionSettings(self.compaction, budget, threshold, self.keep_last, self.summary_prompt,
-                                  self.resume_template, self.max_summary_tokens)
-
-    def sampling_params(self) -> SamplingParams:
-        """The sampling settings, checked (their stop ids are set once the model's eos ids are known)."""
-        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                max_new_tokens=self.max_new_tokens, seed=self.seed)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        return params
-
-    def check_engine(self) -> None:
-        """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that
-        cannot go in a header (without repeating it)."""
-
-        if self.engine_name not in ENGINES:
-            raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)
-        if self.engine_name == "sglang" and not self.server:
-            raise ConfigError("{engine_name} sglang needs {server} URL[,URL...]")
-        if self.server_log_prob_kind != "auto" and self.server_log_prob_kind not in LOG_PROB_KINDS:
-            raise ConfigError("{server_log_prob_kind} must be auto or one of {kinds}, got {value!r}",
-                              kinds=", ".join(LOG_PROB_KINDS), value=self.server_log_prob_kind)
-        check_api_key(self.api_key)
-
-    def as_options(self) -> dict[str, Any]:
-        """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,
-        ``api_key`` is never recorded)."""
-        options: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name in ("overwrite", "api_key"):
-                continue
-            value = getattr(self, f.name)
-            if isinstance(value, Path):
-                value = str(value)
-            elif isinstance(value, (list, tuple)):
-                value = [str(v) if isinstance(v, Path) else v for v in value]
-            options[f.name] = value
-        return options
-
-
-def parse_stop_ids(value: str, default: list[int]) -> list[int]:
-    """``stop_token_ids``: ``default`` (the model's eos ids), ``none`` / empty, or comma-separated ids."""
-    if value == "default":
-        return list(default)
-    if value in ("", "none"):
-        return []
-    try:
-        return [int(v) for v in value.split(",")]
-    except ValueError:
-        raise ConfigError("{stop_token_ids} {value!r}: expected comma-separated integers, 'default' or 'none'",
-                          value=value) from None
-
-
 @dataclass
 class ShardPlan:
     """The prompts cut into parts (one shard each) and this task's parts still to write."""
@@ -323,9 +152,22 @@ class RolloutRunner:
         self.config = config
         self.options = config.as_options() if options is None else options
         self.environment = None  # (name, factory) of a multi-turn run
-        self.compaction = CompactionSettings()  # and its context budget and compaction (set by _prepare)
+        self.compaction = CompactionSettings()  # and its context budget and compaction (set by prepare)
         self.builder: ContextBuilder | None = None
         self.between_turns = None  # () -> None before each turn after the first (rollout --follow's weight switch)
+        self.prompts: list[RolloutPrompt] = []
+
+    def open(self, checkpoint: PolicyCheckpoint) -> list[RolloutPrompt]:
+        """Check the engine settings, resolve the environment of a multi-turn run, load the prompts
+        (this run's ``limit``) with ``checkpoint``'s tokenizer; returns them."""
+        config = self.config
+        config.check_engine()
+        self.environment = config.environment()
+        if self.environment is not None:
+            self.renderer = ObservationRenderer(checkpoint.tokenizer)
+            self.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
+        self.prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
+        return self.prompts
 
     def run(self) -> dict[str, Any]:
         """Check, load, claim the output, write this task's missing shards; the run's summary."""
@@ -335,15 +177,10 @@ class RolloutRunner:
         params = config.sampling_params()
         device = resolve_device(config.device)
         checkpoint = PolicyCheckpoint.open(config.checkpoint)
-        config.check_engine()
-        self.environment = config.environment()
-        if self.environment is not None:
-            self.renderer = ObservationRenderer(checkpoint.tokenizer)
-            self.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
-        prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
+        prompts = self.open(checkpoint)
         backend = open_backend(checkpoint, config, device)
         try:
-            self._prepare(backend, params, prompts)
+            self.prepare(backend, params)
             self._claim_output(checkpoint)
             plan = plan_shards(prompts, config)
             totals = self._write_shards(plan, backend, params, checkpoint)
@@ -351,9 +188,10 @@ class RolloutRunner:
             backend.close()
         return self._summary(prompts, plan, totals, checkpoint)
 
-    def _prepare(self, backend: LocalBackend | SGLangBackend, params: SamplingParams,
-                 prompts: list[RolloutPrompt]) -> None:
-        """Set the stop ids, check the prompts against the model's context, hand the engine its params."""
+    def prepare(self, backend: LocalBackend | SGLangBackend, params: SamplingParams) -> None:
+        """Before sampling with ``backend`` (and again after a switch to another one): set the stop
+        ids, check the prompts against the model's context, hand the engine its params."""
+        prompts = self.prompts
         eos_ids = eos_id_list(backend.default_stops)
         params.stop_token_ids = parse_stop_ids(self.config.stop_token_ids, eos_ids)
         model_context = backend.model_config.max_position_embeddings
@@ -388,10 +226,10 @@ class RolloutRunner:
             for part_index, path in plan.todo:
                 part = plan.parts[part_index]
                 started = time.perf_counter()
-                samples = self._generate(part, backend, progress)
+                samples = self.generate(part, backend, progress)
                 outcomes = [s.outcome for s in samples]
                 seconds = time.perf_counter() - started
-                self._write_shard(path, samples, params, checkpoint, engine_info)
+                self.write_part(path, samples, params, checkpoint, engine_info)
                 completions = [c for c, _, _ in outcomes if c is not None]
                 aborted = sum(s.status() == "aborted" for s in samples)  # by the engine, or a trajectory's server
                 if aborted:
@@ -404,7 +242,7 @@ class RolloutRunner:
                 totals.add(len(outcomes), completions, seconds, aborted=aborted)
         return totals
 
-    def _generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Sample]:
+    def generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Sample]:
         """``group_size`` samples of every prompt of one part, keyed ``prompt_id/sample_index``
         (multi-turn: trajectories, see :mod:`glmpost.rollout.agentic`), then up to ``refill_rounds``
         rounds of refills (:mod:`glmpost.rollout.refill`)."""
@@ -448,9 +286,10 @@ class RolloutRunner:
                                         self.decode, served=backend.served, between_turns=self.between_turns)
         return [_as_outcome(t) for t in trajectories]
 
-    def _write_shard(self, path: Path, samples: Sequence[Sample], params: SamplingParams,
-                     checkpoint: PolicyCheckpoint, engine_info: dict[str, Any]) -> None:
-        """One shard: a rollout record per delivered sequence, an aborted record per failed one."""
+    def write_part(self, path: Path, samples: Sequence[Sample], params: SamplingParams,
+                   checkpoint: PolicyCheckpoint, engine_info: dict[str, Any]) -> None:
+        """One part's shard (written atomically): a rollout record per delivered sequence, an aborted
+        record per failed one."""
         with ShardWriter(path, stage=STAGE, options=self.options, tokenizer_revision=checkpoint.revision,
                          level=self.config.zstd_level) as writer:
             for sample in samples:
@@ -524,22 +363,6 @@ def _as_outcome(trajectory: Trajectory) -> Outcome:
     ids = trajectory.response_ids()
     reason = "length" if trajectory.status == "truncated" else "stop"
     return _Trajectory(ids, [], reason, trajectory=trajectory), trajectory.version, trajectory.reason
-
-
-def check_rebuild_room(prompts: list[RolloutPrompt], builder: ContextBuilder, max_new_tokens: int) -> None:
-    """Refuse a context budget that no rebuilt context fits: the prompt's own turns, the resume turn
-    with a summary of ``max_summary_tokens`` (mode summary), and room for the next turn (the larger
-    of the threshold and ``max_new_tokens``), before any pair is copied."""
-    settings = builder.settings
-    summary = settings.max_summary_tokens if settings.mode == "summary" else 0
-    room = max(settings.threshold, max_new_tokens)
-    for prompt in prompts:
-        fixed = builder.fixed_length(builder.head(prompt.token_ids)) + summary
-        if fixed + room > settings.budget:
-            parts = "the prompt's turns, the resume turn and a summary of {max_summary_tokens}" if summary else "the prompt's turns"
-            raise ConfigError("{source}: a rebuilt context needs {fixed} tokens (" + parts + ") and {room} for the next "
-                              "turn, more than {context_budget} {budget}", source=prompt.source, fixed=fixed, room=room,
-                              budget=settings.budget, exit_code=1)
 
 
 def run_rollout(config: RolloutConfig, *, options: dict[str, Any] | None = None) -> dict[str, Any]:
