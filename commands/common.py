@@ -17,13 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from glmpost.toml import tomllib
 import typer
 
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.fsutil import current_umask, make_readable
 from glmpost.stage import check_same_options, log
+from glmpost.toml import tomllib
 
 
 def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:

@@ -41,6 +41,7 @@ mismatch at the version that sampled them).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -50,44 +51,25 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
-from glmpost.commands.options import config_from, json_option, option, with_deprecated_aliases
+from glmpost.commands.options import config_from, json_option, with_config, with_deprecated_aliases
 from glmpost.config import ConfigError
 from glmpost.diff.run import STAGE, DiffConfig, LogprobDiff, diff_table
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
 
 
 @with_deprecated_aliases({"beta": "icepop_beta", "eps_low": "dis_low", "eps_high": "dis_high"})
+@with_config(DiffConfig)
 def diff_logprobs(
     ctx: typer.Context,
     inputs: list[str] = typer.Argument(..., help="Trajectory shards (files, directories or globs); without --against* they need rollout_log_probs."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Path A: the trainer's weights, a root (its LATEST) or a version."),
     out: Path = typer.Option(..., "--out", help="Directory for report.json, plots, metrics.jsonl and stage.json (created; never silently replaced)."),
-    against: Path | None = option(DiffConfig, "against"),
-    against_server: str | None = option(DiffConfig, "against_server"),
-    api_key: str | None = option(DiffConfig, "api_key", show_default=False),
-    dtype: str = option(DiffConfig, "dtype"),
-    against_dtype: str | None = option(DiffConfig, "against_dtype"),
-    device: str = option(DiffConfig, "device"),
-    against_device: str | None = option(DiffConfig, "against_device"),
-    deterministic_topk: bool = option(DiffConfig, "deterministic_topk"),
-    against_topk: str | None = option(DiffConfig, "against_topk"),
-    attention: str = option(DiffConfig, "attention"),
-    against_attention: str | None = option(DiffConfig, "against_attention"),
-    batch_size: int = option(DiffConfig, "batch_size"),
-    against_batch_size: int | None = option(DiffConfig, "against_batch_size"),
-    indexer: bool = option(DiffConfig, "indexer"),
-    by_version: Path | None = option(DiffConfig, "by_version"),
-    icepop_beta: float = option(DiffConfig, "icepop_beta"),
-    dis_low: float = option(DiffConfig, "dis_low"),
-    dis_high: float = option(DiffConfig, "dis_high"),
-    fail_above: list[str] = option(DiffConfig, "fail_above"),
-    worst: int = option(DiffConfig, "worst"),
-    context_tokens: int = option(DiffConfig, "context_tokens"),
-    plots: bool = option(DiffConfig, "plots"),
-    overwrite: bool = option(DiffConfig, "overwrite"),
     as_json: bool = json_option("the report"),
     config: Path | None = config_option(),
+    **settings: Any,
 ) -> None:
+    api_key = ctx.params["api_key"]
+    overwrite = ctx.params["overwrite"]
     check_api_key(api_key)  # before path A is scored
     diff = LogprobDiff(config_from(ctx, DiffConfig))
     report = diff.measure()

@@ -13,22 +13,23 @@ that already holds a version is left as it is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.rl.critic import InitCriticConfig, init_critic_root
 
 
+@with_config(InitCriticConfig)
 def init_critic(
     ctx: typer.Context,
     source: Path = typer.Option(..., "--from", help="Policy checkpoint to build the critic from: a root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the critic as v000000 and LATEST (created)."),
-    seed: int = option(InitCriticConfig, "seed"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **settings: Any,
 ) -> None:
     summary = init_critic_root(source, out, config_from(ctx, InitCriticConfig), options=effective_options(ctx))
     print_summary(summary, as_json=as_json, human=(

@@ -7,7 +7,7 @@ load it) plus glmpost.json (policy version 0). The same --seed gives byte-identi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Optional
 
 import typer
 
@@ -17,23 +17,20 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.models.tiny import STAGE, InitModelConfig, init_model_run
 from glmpost.stage import log
 
 
+@with_config(InitModelConfig)
 def init_model(
     ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Directory to write the checkpoint into (created; never silently replaced)."),
-    preset: str = option(InitModelConfig, "preset"),
-    seed: int = option(InitModelConfig, "seed"),
-    index_topk: Optional[int] = option(InitModelConfig, "index_topk"),
-    overrides: List[str] = option(InitModelConfig, "overrides"),
-    dtype: str = option(InitModelConfig, "dtype"),
-    overwrite: bool = option(InitModelConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **settings: Any,
 ) -> None:
+    overwrite = ctx.params["overwrite"]
     init = config_from(ctx, InitModelConfig)
     settings = init.model_settings()
     options = effective_options(ctx)

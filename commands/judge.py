@@ -31,12 +31,12 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, drive_shard_stage, json_option, option, with_options
+from glmpost.commands.options import config_from, drive_shard_stage, json_option, with_config, with_options
 from glmpost.config import domain_assignment
 from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
 from glmpost.errors import UsageError
 from glmpost.rewards.judging import JudgeConfig, JudgeStage
-from glmpost.rewards.mixture import ComponentSpec, parse_component, parse_spec_string
+from glmpost.rewards.mixture import ComponentSpec, parse_component
 
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "
@@ -74,23 +74,12 @@ def parse_verifier_route(value: Any) -> tuple[str, str]:
                              example="DOMAIN=VERIFIER, e.g. --verifier gsm8k=math or mydomain=pkg.mod:fn")
 
 
-def parse_domains(value: Any) -> dict[str, str]:
-    """The [judge.domains] table, or --domains as a TOML inline table / DOMAIN=VERIFIER,... string."""
-    if isinstance(value, str):
-        try:
-            value = parse_spec_string(value)
-        except ValueError as exc:
-            raise UsageError(f"--domains {value!r}: {exc}") from None
-    if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
-        raise UsageError(f"--domains / [judge.domains]: expected DOMAIN = \"VERIFIER\" entries, got {value!r}")
-    return dict(value)
-
-
 def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
 @with_options(FollowSettings, FOLLOW_SETTINGS)
+@with_config(JudgeConfig)
 def judge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(
@@ -120,14 +109,6 @@ def judge(
         help="Route records of DOMAIN to a verifier: a built-in (math, count, env: a multi-turn rollout's own reward) "
         "or package.module:function taking a VerifyContext and returning a score in [0, 1]. Repeatable; wins over --domains.",
     ),
-    domains: Optional[str] = option(JudgeConfig, "domains", metavar="TABLE", parser=parse_domains),
-    default_verifier: Optional[str] = option(JudgeConfig, "default_verifier", metavar="VERIFIER"),
-    device: str = option(JudgeConfig, "device"),
-    batch_size: int = option(JudgeConfig, "batch_size"),
-    shard_index: int = option(JudgeConfig, "shard_index"),
-    num_shards: int = option(JudgeConfig, "num_shards"),
-    zstd_level: int = option(JudgeConfig, "zstd_level"),
-    overwrite: bool = option(JudgeConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **follow_options: Any,

@@ -31,8 +31,15 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import (FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, follow_from, json_option, option,
-                                      with_options)
+from glmpost.commands.options import (
+    FOLLOW_OPTIONS,
+    TRAINING_RUN_OPTIONS,
+    config_from,
+    follow_from,
+    json_option,
+    with_config,
+    with_options,
+)
 from glmpost.errors import UsageError
 from glmpost.rl.follow import FollowConfig, follow_line, opd_follow
 from glmpost.rl.run import RunOptions, TrainingRun
@@ -44,38 +51,17 @@ STAGE = "opd-merge"
 
 @with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_config(OPDConfig, exclude=('loss_normalization', 'segment_decay', 'kl_coef',))
 def opd_merge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Teacher-scored rollout shards (`glmpost score-teacher` output); none with --follow."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Student to update: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version v(N+1) and its LATEST pointer."),
-    loss: str = option(OPDConfig, 'loss'),
-    task_advantage_weight: float = option(OPDConfig, 'task_advantage_weight'),
-    topk_correction: bool = option(OPDConfig, 'topk_correction'),
-    lr: float = option(OPDConfig, 'lr'),
-    weight_decay: float = option(OPDConfig, 'weight_decay'),
-    epochs: int = option(OPDConfig, 'epochs'),
-    mini_batches: int = option(OPDConfig, 'mini_batches'),
-    micro_batch_size: int = option(OPDConfig, 'micro_batch_size'),
-    grad_clip: float = option(OPDConfig, 'grad_clip'),
-    eps_low: float = option(OPDConfig, 'eps_low'),
-    eps_high: float = option(OPDConfig, 'eps_high'),
-    icepop: bool = option(OPDConfig, 'icepop'),
-    icepop_beta: float = option(OPDConfig, 'icepop_beta'),
-    dis_low: float = option(OPDConfig, 'dis_low'),
-    dis_high: float = option(OPDConfig, 'dis_high'),
-    loss_denominator: str = option(OPDConfig, 'loss_denominator'),
-    trust_mask: List[str] = option(OPDConfig, 'trust_mask'),
-    max_version_lag: int = option(OPDConfig, 'max_version_lag'),
-    max_staleness: Optional[int] = option(OPDConfig, 'max_staleness'),
-    advantage_eps: float = option(OPDConfig, 'advantage_eps'),
-    entropy_coef: float = option(OPDConfig, 'entropy_coef'),
-    chunk_size: int = option(OPDConfig, 'chunk_size'),
-    seed: int = option(OPDConfig, 'seed'),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **shared: Any,
 ) -> None:
+    loss = ctx.params["loss"]
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
     follow = follow_from(ctx, FollowConfig, inputs, name="INPUTS", what="teacher-scored shards to train on")

@@ -8,6 +8,7 @@ with the flag the user typed. Options every stage has (``--json``, ``--config``)
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -24,7 +25,19 @@ def option(cls: type, name: str, **overrides: Any) -> Any:
     default, meta = setting_of(cls, name)
     flag = meta.get("flag") or "--" + name.replace("_", "-")
     bounds = {k: meta[k] for k in ("min", "max") if meta.get(k) is not None}
-    return typer.Option(default, flag, help=meta["help"], **{**bounds, **overrides})
+    cli = {k: v for k, v in meta.get("cli", {}).items() if k != "annotation"}
+    return typer.Option(default, flag, help=meta["help"], **{**bounds, **cli, **overrides})
+
+
+def settings_of(cls: type, *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The fields of config ``cls`` that are settings (declared with :func:`~glmpost.config.setting`)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if "help" in f.metadata and f.name not in exclude)
+
+
+def with_config(cls: type, *, exclude: tuple[str, ...] = ()):
+    """Add an option for every setting of config ``cls`` but ``exclude`` (:func:`with_options`): a
+    command declares only its arguments and what no config holds."""
+    return with_options(cls, settings_of(cls, exclude=exclude))
 
 
 def config_from(ctx: typer.Context, cls: type, **overrides: Any):
@@ -121,8 +134,9 @@ def with_options(cls: type, names: tuple[str, ...]):
         signature = inspect.signature(fn)
         params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         at = next((i for i, p in enumerate(params) if p.name == "config"), len(params))
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(cls, name), annotation=hints[name])
-                 for name in names]
+        cli_types = {f.name: f.metadata.get("cli", {}).get("annotation") for f in dataclasses.fields(cls)}
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(cls, name),
+                                   annotation=cli_types.get(name) or hints[name]) for name in names]
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
                   and i > 0 else p for i, p in enumerate(params)]
 
@@ -146,7 +160,9 @@ def with_deprecated_aliases(aliases: dict[str, str], *, until: str = "the next r
     import typing
 
     def wrap(fn):
-        signature, hints = inspect.signature(fn), typing.get_type_hints(fn)
+        signature = inspect.signature(fn)
+        hints = {**typing.get_type_hints(fn), **{name: p.annotation for name, p in signature.parameters.items()
+                                                 if not isinstance(p.annotation, str)}}
         params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         rest = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
         added = [inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, annotation=typing.Optional[hints[new]],

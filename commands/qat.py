@@ -26,7 +26,7 @@ from typing import Any
 import typer
 
 from glmpost.commands.common import config_option, effective_options, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, option, with_options
+from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, with_config, with_options
 from glmpost.quant.qat import QATQuantization
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
@@ -36,29 +36,19 @@ STAGE = "qat"
 
 
 @with_options(RunOptions, TRAINING_RUN_OPTIONS)
+@with_config(QATQuantization)
+@with_config(SFTConfig)
 def qat(
     ctx: typer.Context,
     inputs: list[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL files, or trajectory shards."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model to fine-tune: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version and its LATEST pointer."),
-    scheme: str = option(QATQuantization, "scheme"),
-    group_size: int | None = option(QATQuantization, "group_size"),
-    targets: str = option(QATQuantization, "targets"),
-    include: list[str] = option(QATQuantization, "include"),
-    exclude: list[str] = option(QATQuantization, "exclude"),
     eval_data: list[str] = typer.Option([], "--eval", help="Held-out data (same forms as the inputs): loss before and after, with fake quant on."),
-    lr: float = option(SFTConfig, 'lr'),
-    weight_decay: float = option(SFTConfig, 'weight_decay'),
-    epochs: int = option(SFTConfig, 'epochs'),
-    batch_size: int = option(SFTConfig, 'batch_size'),
-    micro_batch_size: int = option(SFTConfig, 'micro_batch_size'),
-    grad_clip: float = option(SFTConfig, 'grad_clip'),
-    chunk_size: int = option(SFTConfig, 'chunk_size'),
-    seed: int = option(SFTConfig, 'seed'),
     as_json: bool = json_option(),
     config: Path | None = config_option(),
     **shared: Any,
 ) -> None:
+    scheme = ctx.params["scheme"]
     run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
     summary = qat_update(run, inputs, config_from(ctx, SFTConfig), quantization=config_from(ctx, QATQuantization),
                          eval_data=eval_data, stage_options=effective_options(ctx))

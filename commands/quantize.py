@@ -20,31 +20,29 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from glmpost.checkpoints import MANIFEST
 from glmpost.commands.common import config_option, effective_options, print_summary, staged_output_dir
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.quant.offline import STAGE, OfflineQuantization, QuantizeConfig, layer_table
 from glmpost.stage import log
 
 
+@with_config(QuantizeConfig)
 def quantize(
     ctx: typer.Context,
     checkpoint: Path = typer.Argument(..., help="Checkpoint version directory or root (LATEST)."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint into."),
     scheme: str = typer.Option(..., "--scheme", help="w4a16, w8a16, w8a8-dynamic, fp8-block or none."),
-    group_size: int | None = option(QuantizeConfig, "group_size"),
-    fmt: str | None = option(QuantizeConfig, "fmt"),
-    targets: str = option(QuantizeConfig, "targets"),
-    include: list[str] = option(QuantizeConfig, "include"),
-    exclude: list[str] = option(QuantizeConfig, "exclude"),
-    report: bool = option(QuantizeConfig, "report"),
-    overwrite: bool = option(QuantizeConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Path | None = config_option(),
+    **settings: Any,
 ) -> None:
+    overwrite = ctx.params["overwrite"]
+    report = ctx.params["report"]
     run = OfflineQuantization(config_from(ctx, QuantizeConfig))
     if run.dequantizing:
         summary, human = run.dequantize()

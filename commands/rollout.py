@@ -78,7 +78,7 @@ from typing import List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option, with_options
+from glmpost.commands.options import config_from, json_option, with_config, with_options
 from glmpost.errors import UsageError
 from glmpost.kernel.sglang_client import without_api_key
 from glmpost.rollout.follow import RolloutFollowConfig, follow_rollout
@@ -87,52 +87,17 @@ from glmpost.rollout.settings import RolloutConfig
 
 
 @with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue", "kv_on_switch"))
+@with_config(RolloutConfig)
 def rollout(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="Prompt JSONL files, or shards / shard directories / globs to resample."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy checkpoint: a root (its LATEST) or a version directory."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory for rollout shards (created; existing parts are kept); not with --follow."),
-    group_size: int = option(RolloutConfig, "group_size"),
-    temperature: float = option(RolloutConfig, "temperature"),
-    top_p: float = option(RolloutConfig, "top_p"),
-    top_k: int = option(RolloutConfig, "top_k"),
-    max_new_tokens: int = option(RolloutConfig, "max_new_tokens"),
-    stop_token_ids: str = option(RolloutConfig, "stop_token_ids"),
-    seed: int = option(RolloutConfig, "seed"),
-    batch_size: int = option(RolloutConfig, "batch_size"),
-    prompts_per_shard: int = option(RolloutConfig, "prompts_per_shard"),
-    limit: Optional[int] = option(RolloutConfig, "limit"),
-    shard_index: int = option(RolloutConfig, "shard_index"),
-    num_shards: int = option(RolloutConfig, "num_shards"),
-    device: str = option(RolloutConfig, "device"),
-    deterministic_topk: bool = option(RolloutConfig, "deterministic_topk"),
-    attention: str = option(RolloutConfig, "attention"),
-    engine_name: str = option(RolloutConfig, "engine_name"),
-    server: Optional[str] = option(RolloutConfig, "server"),
-    concurrency: int = option(RolloutConfig, "concurrency"),
-    timeout: float = option(RolloutConfig, "timeout"),
-    retries: int = option(RolloutConfig, "retries"),
-    api_key: Optional[str] = option(RolloutConfig, "api_key", show_default=False),
-    server_log_prob_kind: str = option(RolloutConfig, "server_log_prob_kind"),
-    env: Optional[str] = option(RolloutConfig, "env"),
-    env_options: str = option(RolloutConfig, "env_options"),
-    max_turns: int = option(RolloutConfig, "max_turns"),
-    env_timeout: float = option(RolloutConfig, "env_timeout"),
-    env_workers: int = option(RolloutConfig, "env_workers"),
-    refill_rounds: int = option(RolloutConfig, "refill_rounds"),
-    compaction: str = option(RolloutConfig, "compaction"),
-    context_budget: Optional[int] = option(RolloutConfig, "context_budget"),
-    compaction_threshold: Optional[int] = option(RolloutConfig, "compaction_threshold"),
-    keep_last: int = option(RolloutConfig, "keep_last"),
-    summary_prompt: str = option(RolloutConfig, "summary_prompt"),
-    resume_template: str = option(RolloutConfig, "resume_template"),
-    max_summary_tokens: int = option(RolloutConfig, "max_summary_tokens"),
-    zstd_level: int = option(RolloutConfig, "zstd_level"),
-    overwrite: bool = option(RolloutConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **follow_options,
 ) -> None:
+    group_size = ctx.params["group_size"]
     follow = config_from(ctx, RolloutFollowConfig)
     if follow.follow is not None:
         if out is not None:

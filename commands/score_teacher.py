@@ -33,43 +33,28 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, drive_shard_stage, json_option, option, with_options
+from glmpost.commands.options import config_from, drive_shard_stage, json_option, with_config, with_options
 from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
-from glmpost.teachers.run import ScoreTeacherConfig, ScoreTeacherStage, parse_route, parse_routes
+from glmpost.teachers.run import ScoreTeacherConfig, ScoreTeacherStage, parse_route
 
 
 @with_options(FollowSettings, FOLLOW_SETTINGS)
+@with_config(ScoreTeacherConfig)
 def score_teacher(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, metavar="SHARDS", help="Student rollout shards: files, directories or globs; none with --follow."),
     out: Path = typer.Option(..., "--out", help="Output directory; one scored shard per input shard, same file name (with "
                              "--follow: the spool the scored shards are published into)."),
-    teacher: Optional[Path] = option(ScoreTeacherConfig, "teacher"),
-    routes: Optional[str] = option(ScoreTeacherConfig, "routes", metavar="TABLE", parser=parse_routes),
     route: List[str] = typer.Option(
         [], "--route", metavar="DOMAIN=CKPT", parser=parse_route,
         help="Route records of DOMAIN to the teacher checkpoint CKPT. Repeatable; wins over --routes.",
     ),
-    default_teacher: Optional[Path] = option(ScoreTeacherConfig, "default_teacher"),
-    student: Optional[Path] = option(ScoreTeacherConfig, "student"),
-    payload: str = option(ScoreTeacherConfig, "payload"),
-    topk: int = option(ScoreTeacherConfig, "topk"),
-    engine: str = option(ScoreTeacherConfig, "engine"),
-    server: Optional[str] = option(ScoreTeacherConfig, "server"),
-    api_key: Optional[str] = option(ScoreTeacherConfig, "api_key", show_default=False),
-    batch_size: int = option(ScoreTeacherConfig, "batch_size"),
-    chunk_size: int = option(ScoreTeacherConfig, "chunk_size"),
-    device: str = option(ScoreTeacherConfig, "device"),
-    attention: str = option(ScoreTeacherConfig, "attention"),
-    shard_index: int = option(ScoreTeacherConfig, "shard_index"),
-    num_shards: int = option(ScoreTeacherConfig, "num_shards"),
-    zstd_level: int = option(ScoreTeacherConfig, "zstd_level"),
-    overwrite: bool = option(ScoreTeacherConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **follow_options: Any,
 ) -> None:
+    api_key = ctx.params["api_key"]
     check_api_key(api_key)  # before any teacher loads
     stage = ScoreTeacherStage(config_from(ctx, ScoreTeacherConfig, options=without_api_key(effective_options(ctx))))
     summary, followed = drive_shard_stage(ctx, stage, inputs, what="student rollout shards to score")

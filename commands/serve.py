@@ -42,35 +42,23 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from glmpost.commands.common import config_option
-from glmpost.commands.options import config_from, option
+from glmpost.commands.options import config_from, with_config
 from glmpost.server.http import ServeConfig, serve_checkpoint
 
 STAGE = "serve"
 
 
+@with_config(ServeConfig)
 def serve(
     ctx: typer.Context,
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint to serve: a root (its LATEST) or a version directory."),
-    host: str = option(ServeConfig, "host"),
-    port: int = option(ServeConfig, "port"),
-    device: str = option(ServeConfig, "device"),
-    batch_size: int = option(ServeConfig, "batch_size"),
-    prefix_cache_batches: int = option(ServeConfig, "prefix_cache_batches"),
-    batch_wait_ms: float = option(ServeConfig, "batch_wait_ms"),
-    weight_version: Optional[str] = option(ServeConfig, "weight_version"),
-    log_prob_kind: str = option(ServeConfig, "log_prob_kind"),
-    api_key: Optional[str] = option(ServeConfig, "api_key", show_default=False),
-    deterministic_topk: bool = option(ServeConfig, "deterministic_topk"),
-    attention: str = option(ServeConfig, "attention"),
-    log_requests: bool = option(ServeConfig, "log_requests"),
-    metrics: Optional[Path] = option(ServeConfig, "metrics", dir_okay=False),
-    metrics_interval: float = option(ServeConfig, "metrics_interval"),
     config: Optional[Path] = config_option(),
+    **settings: Any,
 ) -> None:
     def listening(url: str) -> None:
         sys.stdout.write(f"glmpost serve: listening on {url}\n")

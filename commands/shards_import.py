@@ -11,7 +11,7 @@ for `glmpost qat`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -21,22 +21,21 @@ from glmpost.commands.common import (
     print_summary,
     staged_output_dir,
 )
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.rollout.jsonl_import import STAGE, ImportConfig, JsonlImport, import_summary
 from glmpost.stage import log
 
 
+@with_config(ImportConfig)
 def shards_import(
     ctx: typer.Context,
     source: Path = typer.Argument(..., help="JSONL file: JSON-form records, or prompt/messages + response text.", dir_okay=False),
     out: Path = typer.Option(..., "--out", help="Output directory of shards (created; never silently replaced)."),
-    checkpoint: Optional[Path] = option(ImportConfig, "checkpoint"),
-    records_per_shard: int = option(ImportConfig, "records_per_shard"),
-    zstd_level: int = option(ImportConfig, "zstd_level"),
-    overwrite: bool = option(ImportConfig, "overwrite"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **settings: Any,
 ) -> None:
+    overwrite = ctx.params["overwrite"]
     """Turn a JSONL file of records or text conversations into trajectory shards."""
     run = JsonlImport(config_from(ctx, ImportConfig))
     options = effective_options(ctx)

@@ -18,34 +18,26 @@ ROOT/metrics.jsonl.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Optional
 
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, json_option, option
+from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
 from glmpost.weight_sync.run import SyncConfig, failed_servers_error, sync_report, sync_weights_run
 
 
+@with_config(SyncConfig)
 def sync_weights(
     ctx: typer.Context,
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Training checkpoint: a glmpost root (LATEST) or version directory, a Hugging Face directory, or a DeepSpeed checkpoint directory (save dir with 'latest', or a tag dir)."),
     out: Path = typer.Option(..., "--out", help="Rollout checkpoint root: version directories vNNNNNN and LATEST (created)."),
-    base: Optional[Path] = option(SyncConfig, "base"),
-    quantize: str = option(SyncConfig, "quantize"),
-    group_size: Optional[int] = option(SyncConfig, "group_size"),
-    dtype: str = option(SyncConfig, "dtype"),
-    max_shard_size: float = option(SyncConfig, "max_shard_size"),
-    server: List[str] = option(SyncConfig, "server"),
-    retries: int = option(SyncConfig, "retries"),
-    backoff: float = option(SyncConfig, "backoff"),
-    timeout: float = option(SyncConfig, "timeout"),
-    api_key: Optional[str] = option(SyncConfig, "api_key", show_default=False),
-    keep: int = option(SyncConfig, "keep"),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
+    **settings: Any,
 ) -> None:
+    api_key = ctx.params["api_key"]
     check_api_key(api_key)  # before anything is published
     summary = sync_weights_run(config_from(ctx, SyncConfig), without_api_key(effective_options(ctx)))
     print_summary(summary, as_json=as_json, human=sync_report(summary))

@@ -57,8 +57,15 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import (FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, follow_from, json_option, option,
-                                      with_options)
+from glmpost.commands.options import (
+    FOLLOW_OPTIONS,
+    TRAINING_RUN_OPTIONS,
+    config_from,
+    follow_from,
+    json_option,
+    with_config,
+    with_options,
+)
 from glmpost.rl.follow import FollowConfig, follow_line, grpo_follow
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.trainer import GRPOConfig
@@ -69,36 +76,14 @@ STAGE = "train-grpo"
 
 @with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_config(GRPOConfig)
 def train_grpo(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Judged rollout shards (files, directories or globs); none with --follow."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy to update: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version v(N+1) and its LATEST pointer."),
-    lr: float = option(GRPOConfig, 'lr'),
-    weight_decay: float = option(GRPOConfig, 'weight_decay'),
-    epochs: int = option(GRPOConfig, 'epochs'),
-    mini_batches: int = option(GRPOConfig, 'mini_batches'),
-    micro_batch_size: int = option(GRPOConfig, 'micro_batch_size'),
-    grad_clip: float = option(GRPOConfig, 'grad_clip'),
-    eps_low: float = option(GRPOConfig, 'eps_low'),
-    eps_high: float = option(GRPOConfig, 'eps_high'),
-    icepop: bool = option(GRPOConfig, 'icepop'),
-    icepop_beta: float = option(GRPOConfig, 'icepop_beta'),
-    dis_low: float = option(GRPOConfig, 'dis_low'),
-    dis_high: float = option(GRPOConfig, 'dis_high'),
-    loss_denominator: str = option(GRPOConfig, 'loss_denominator'),
-    loss_normalization: str = option(GRPOConfig, 'loss_normalization'),
-    segment_decay: float = option(GRPOConfig, 'segment_decay'),
-    trust_mask: List[str] = option(GRPOConfig, 'trust_mask'),
-    max_version_lag: int = option(GRPOConfig, 'max_version_lag'),
-    max_staleness: Optional[int] = option(GRPOConfig, 'max_staleness'),
-    advantage_eps: float = option(GRPOConfig, 'advantage_eps'),
-    kl_coef: float = option(GRPOConfig, 'kl_coef'),
     ref_checkpoint: Optional[Path] = typer.Option(None, "--ref-checkpoint", help="Reference policy for the KL term (default: --checkpoint)."),
-    entropy_coef: float = option(GRPOConfig, 'entropy_coef'),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature of the log-probs; default: the one the records were sampled at (their log-prob kind, top-k and top-p always apply)."),
-    chunk_size: int = option(GRPOConfig, 'chunk_size'),
-    seed: int = option(GRPOConfig, 'seed'),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **shared: Any,

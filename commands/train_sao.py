@@ -45,8 +45,15 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import (FOLLOW_OPTIONS, TRAINING_RUN_OPTIONS, config_from, follow_from, json_option, option,
-                                      with_options)
+from glmpost.commands.options import (
+    FOLLOW_OPTIONS,
+    TRAINING_RUN_OPTIONS,
+    config_from,
+    follow_from,
+    json_option,
+    with_config,
+    with_options,
+)
 from glmpost.rl.follow import FollowConfig, follow_line, sao_follow
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sao import SAOConfig
@@ -57,8 +64,7 @@ STAGE = "train-sao"
 
 @with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
-@with_options(SAOConfig, ("gamma", "gae_lambda", "critic_steps", "critic_lr", "critic_weight_decay", "critic_grad_clip",
-                          "value_clip", "critic_train"))
+@with_config(SAOConfig, exclude=('icepop', 'advantage_eps', 'segment_decay', 'kl_coef',))
 def train_sao(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Judged rollout shards (files, directories or globs); none with --follow."),
@@ -66,25 +72,6 @@ def train_sao(
     critic: Path = typer.Option(..., "--critic", help="The critic's checkpoint root: its LATEST is updated, the result published there as v(N+1)."),
     init_critic: bool = typer.Option(False, "--init-critic", help="Make the critic from --checkpoint (as `glmpost init-critic`, --seed seeds its head) when --critic holds no version."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the policy's new version v(N+1) and its LATEST pointer."),
-    lr: float = option(SAOConfig, 'lr'),
-    weight_decay: float = option(SAOConfig, 'weight_decay'),
-    epochs: int = option(SAOConfig, 'epochs'),
-    mini_batches: int = option(SAOConfig, 'mini_batches'),
-    micro_batch_size: int = option(SAOConfig, 'micro_batch_size'),
-    grad_clip: float = option(SAOConfig, 'grad_clip'),
-    eps_low: float = option(SAOConfig, 'eps_low'),
-    eps_high: float = option(SAOConfig, 'eps_high'),
-    icepop_beta: float = option(SAOConfig, 'icepop_beta'),
-    dis_low: float = option(SAOConfig, 'dis_low'),
-    dis_high: float = option(SAOConfig, 'dis_high'),
-    loss_denominator: str = option(SAOConfig, 'loss_denominator'),
-    loss_normalization: str = option(SAOConfig, 'loss_normalization'),
-    trust_mask: List[str] = option(SAOConfig, 'trust_mask'),
-    max_version_lag: int = option(SAOConfig, 'max_version_lag'),
-    max_staleness: Optional[int] = option(SAOConfig, 'max_staleness'),
-    entropy_coef: float = option(SAOConfig, 'entropy_coef'),
-    chunk_size: int = option(SAOConfig, 'chunk_size'),
-    seed: int = option(SAOConfig, 'seed'),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **shared: Any,

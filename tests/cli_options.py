@@ -14,6 +14,21 @@ import sys
 from typing import Any
 
 
+def _type_name(annotation: Any) -> str:
+    """An annotation as a name that does not depend on how it was spelled (``Optional[List[str]]``,
+    ``list[str] | None`` -> ``list[str]?``)."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return "|".join(_type_name(a) for a in rest) + ("?" if len(rest) < len(args) else "")
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
 def _value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_value(v) for v in value]
@@ -44,7 +59,7 @@ def options_table(root: Any = None) -> dict[str, dict[str, dict[str, Any]]]:
             rows[param.name] = {
                 "opts": sorted(param.opts), "secondary_opts": sorted(getattr(param, "secondary_opts", None) or []),
                 "help": getattr(param, "help", None), "default": _value(param.default), "required": param.required,
-                "type": str(param.type_descriptor.annotation).replace("typing.", ""), "multiple": param.multiple,
+                "type": _type_name(param.type_descriptor.annotation), "multiple": param.multiple,
                 "hidden": bool(getattr(param, "hidden", False)),
                 "min": _value(getattr(param, "min", None)), "max": _value(getattr(param, "max", None))}
         table[path] = rows

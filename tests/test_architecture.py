@@ -40,7 +40,7 @@ LONG_FUNCTIONS = {"glmpost.kernel.logprobs.sequence_log_probs", "glmpost.rl.foll
                   "glmpost.models.native_attention.native_attention_forward", "glmpost.kernel.engine._generate_batch",
                   "glmpost.memory.plan.saved_activation_terms", "glmpost.kernel.logprobs.token_log_probs_from_hidden",
                   "glmpost.kernel.scoring.score_tokens", "glmpost.kernel.logprobs._chunked_log_probs",
-                  "glmpost.commands.rollout.rollout", "glmpost.commands.plan.plan", "glmpost.pipeline.recipe._validate",
+                  "glmpost.commands.plan.plan", "glmpost.pipeline.recipe._validate",
                   "glmpost.formats.synthetic.synthetic_record"}
 
 

@@ -66,7 +66,7 @@ class DiffConfig:
     out: Optional[Path] = None  # the report directory, as messages name it (the caller stages it)
     against: Optional[Path] = setting(None, "Path B: another checkpoint (root or version; quantized ones are dequantized).")
     against_server: Optional[str] = setting(None, "Path B: a glmpost serve / SGLang server URL.")
-    api_key: Optional[str] = setting(None, "--against-server's API key, sent as 'Authorization: Bearer KEY' (never recorded).")
+    api_key: Optional[str] = setting(None, "--against-server's API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
     dtype: str = setting("auto", "Path A dtype: auto (the checkpoint's), fp32, bf16 or fp16.")
     against_dtype: Optional[str] = setting(None, "Path B dtype (default: path A's).")
     device: str = setting("auto", "Path A device: auto, cpu, cuda[:N] or npu[:N].")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from tqdm import tqdm
 
 from glmpost.config import ConfigError, setting, shared
+from glmpost.errors import UsageError
 from glmpost.formats import (
     ShardReader,
     ShardWriter,
@@ -30,6 +31,7 @@ from glmpost.npu import resolve_device
 from glmpost.rewards.mixture import (
     MODEL_SOURCES,
     ComponentSpec,
+    parse_spec_string,
     RewardMixture,
     RewardStats,
     check_components,
@@ -43,6 +45,18 @@ STAGE = "judge"
 ROLLOUT_FIELDS = ("prompt_token_ids", "response_token_ids", "action_mask", "status", "tokenizer_revision")
 # Options that may differ between the tasks (and reruns) writing one output directory; all others must agree.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "device", "config", "zstd_level")
+
+
+def parse_domains(value: Any) -> dict[str, str]:
+    """The [judge.domains] table, or --domains as a TOML inline table / DOMAIN=VERIFIER,... string."""
+    if isinstance(value, str):
+        try:
+            value = parse_spec_string(value)
+        except ValueError as exc:
+            raise UsageError(f"--domains {value!r}: {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
+        raise UsageError(f"--domains / [judge.domains]: expected DOMAIN = \"VERIFIER\" entries, got {value!r}")
+    return dict(value)
 
 
 @dataclass
@@ -59,9 +73,11 @@ class JudgeConfig:
     verifiers: list[tuple[str, str]] = field(default_factory=list)  # (domain, verifier); they win over domains
     domains: dict[str, str] | None = setting(
         None, 'Domain-to-verifier table, as the recipe\'s [judge.domains] (e.g. \'{gsm8k = "math"}\'). '
-        "Domains named like a built-in verifier need no entry.")
+        "Domains named like a built-in verifier need no entry.",
+        cli={"annotation": Optional[str], "metavar": "TABLE", "parser": parse_domains})
     default_verifier: str | None = setting(
-        None, "Verifier for records whose domain has none (or no domain); without it such a record is an error.")
+        None, "Verifier for records whose domain has none (or no domain); without it such a record is an error.",
+        cli={"metavar": "VERIFIER"})
     device: str = shared("device")
     batch_size: int = setting(64, "Records handed to the reward mixture at a time (models batch within it).", min=1)
     shard_index: int = shared("shard_index")

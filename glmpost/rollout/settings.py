@@ -52,7 +52,7 @@ class RolloutConfig:
     timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
     retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
     api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
-                                     "KEY' (never recorded).")
+                                     "KEY' (never recorded).", cli={"show_default": False})
     server_log_prob_kind: str = setting(
         "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")

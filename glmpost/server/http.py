@@ -177,7 +177,8 @@ class ServeConfig:
         50.0, "Most time the engine waits for as many single requests as its last batch had before it starts a batch.", min=0.0)
     weight_version: Optional[str] = setting(None, "Initial weight_version reported; default: the checkpoint's policy version.")
     api_key: Optional[str] = setting(
-        None, "Require 'Authorization: Bearer KEY' on every route but /health (HTTP 401 without it), as SGLang's --api-key.")
+        None, "Require 'Authorization: Bearer KEY' on every route but /health (HTTP 401 without it), as SGLang's --api-key.",
+        cli={"show_default": False})
     log_prob_kind: str = setting(
         DEFAULT_LOG_PROB_KIND, "What output log-probs are log-probs of (reported in /server_info; greedy requests "
         "are always raw): " + "; ".join(f"{kind}: {what}" for kind, what in LOG_PROB_KINDS.items()) + ".")
@@ -185,7 +186,8 @@ class ServeConfig:
     attention: str = shared("attention")
     log_requests: bool = setting(False, "Log every HTTP request to stderr.")
     metrics: Optional[Path] = setting(
-        None, "Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.")
+        None, "Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.",
+        cli={"dir_okay": False})
     metrics_interval: float = setting(10.0, "Seconds between --metrics lines.", min=0.1)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -64,7 +64,8 @@ class ScoreTeacherConfig:
     out: Path  # one scored shard per input shard, same file name
     teacher: Path | None = setting(None, "One teacher checkpoint (root or version) for every record.")
     routes: dict[str, str] | None = setting(None, "Domain-to-teacher table, as the recipe's [score-teacher.routes] "
-                                            "(DOMAIN=CKPT,... on the command line).")
+                                            "(DOMAIN=CKPT,... on the command line).",
+                                            cli={"annotation": Optional[str], "metavar": "TABLE", "parser": parse_routes})
     route: list[tuple[str, str]] = field(default_factory=list)  # --route DOMAIN=CKPT items; they win over routes
     default_teacher: Path | None = setting(
         None, "Teacher for records whose domain has no route; without it such a record is an error.")
@@ -74,7 +75,7 @@ class ScoreTeacherConfig:
     topk: int = setting(8, "k of the top-k payload.", min=1)
     engine: str = setting("local", "local (in-process prefill) or sglang (--server).")
     server: str | None = setting(None, "URL[,URL...] of SGLang-compatible servers serving the one teacher (--engine sglang).")
-    api_key: str | None = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).")
+    api_key: str | None = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
     batch_size: int = setting(8, "Records per teacher forward (local engine) or requests in flight (sglang).", min=1)
     chunk_size: int = setting(512, "Positions per chunk of the teacher's LM head (bounds [chunk, V] memory).", min=1)
     device: str = shared("device")

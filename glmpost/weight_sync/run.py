@@ -64,7 +64,7 @@ class SyncConfig(GroupSizeSetting):
     retries: int = setting(3, "Extra attempts per server after a failed update or confirmation.")
     backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.")
     timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).")
-    api_key: Optional[str] = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).")
+    api_key: Optional[str] = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
     keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
 
     def check(self) -> None:
