@@ -92,7 +92,8 @@ from glmpost.kernel.engine import LocalEngine, SamplingParams  # noqa: E402
 from glmpost.models.tiny import build_model, tiny_glm5_config  # noqa: E402
 from glmpost.models.tokenizer import train_tokenizer  # noqa: E402
 from glmpost.rl.batches import prepare_batch  # noqa: E402
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer  # noqa: E402
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer  # noqa: E402
 from glmpost.rollout.records import RolloutPrompt, rollout_record  # noqa: E402
 
 GOAL_SPEED_RATIO = 1.0

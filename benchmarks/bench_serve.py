@@ -69,7 +69,8 @@ def main(argv=None):
     from glmpost.kernel.engine import SamplingParams
     from glmpost.kernel.loading import load_tokenizer
     from glmpost.kernel.sglang_client import SGLangClient
-    from glmpost.server.engine import EngineServer, load_checkpoint
+    from glmpost.server.engine import EngineServer
+    from glmpost.server.loading import load_checkpoint
     from glmpost.server.http import bound_address, make_http_server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve."))

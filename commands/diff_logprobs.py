@@ -53,7 +53,8 @@ from glmpost.commands.common import (
 )
 from glmpost.commands.options import config_from, json_option, with_config, with_deprecated_aliases
 from glmpost.config import ConfigError
-from glmpost.diff.run import STAGE, DiffConfig, LogprobDiff, diff_table
+from glmpost.diff.report import diff_table
+from glmpost.diff.run import STAGE, DiffConfig, LogprobDiff
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
 
 

@@ -36,7 +36,7 @@ from glmpost.config import domain_assignment
 from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
 from glmpost.errors import UsageError
 from glmpost.rewards.judging import JudgeConfig, JudgeStage
-from glmpost.rewards.mixture import ComponentSpec, parse_component
+from glmpost.rewards.components import ComponentSpec, parse_component
 
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "

@@ -43,7 +43,7 @@ from glmpost.commands.options import (
 from glmpost.errors import UsageError
 from glmpost.rl.follow import FollowConfig, follow_line, opd_follow
 from glmpost.rl.run import RunOptions, TrainingRun
-from glmpost.rl.trainer import OPD_LOSSES, OPDConfig
+from glmpost.rl.configs import OPD_LOSSES, OPDConfig
 from glmpost.rl.updates import opd_update
 
 STAGE = "opd-merge"

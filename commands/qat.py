@@ -30,7 +30,7 @@ from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_opt
 from glmpost.quant.qat import QATQuantization
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
-from glmpost.rl.updates import qat_update
+from glmpost.rl.qat_update import qat_update
 
 STAGE = "qat"
 

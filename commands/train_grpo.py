@@ -68,7 +68,7 @@ from glmpost.commands.options import (
 )
 from glmpost.rl.follow import FollowConfig, follow_line, grpo_follow
 from glmpost.rl.run import RunOptions, TrainingRun
-from glmpost.rl.trainer import GRPOConfig
+from glmpost.rl.configs import GRPOConfig
 from glmpost.rl.updates import grpo_update
 
 STAGE = "train-grpo"

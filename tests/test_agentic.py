@@ -21,7 +21,8 @@ from glmpost.envs import Step
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import prepare_batch
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer
 
 # A third of the ids end a turn (short turns), the model's eos ids among them (SGLang always stops there).
 STOPS = ",".join(str(i) for i in sorted(set(range(0, 512, 3)) | {0, 4, 6}))

@@ -104,7 +104,7 @@ def test_bin_async_rl_runs_the_three_stages_from_one_recipe(tiny_checkpoint, tmp
     assert usage.returncode == 2 and "usage: bin/async-rl RECIPE PROMPTS" in usage.stderr
     run_dir = tmp_path / "async"
     done = subprocess.run([script, "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
-                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "5"], cwd=root, capture_output=True,
+                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "20"], cwd=root, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo"))
@@ -123,7 +123,7 @@ def test_bin_async_rl_trains_with_sao_when_the_recipe_has_a_train_sao_section(ti
     recipe.write_text((root / "recipes" / "tiny-async-rl.toml").read_text().replace("[train-grpo]", "[train-sao]"))
     run_dir = tmp_path / "async"
     done = subprocess.run([root / "bin" / "async-rl", recipe, "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
-                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "5"], cwd=root, capture_output=True,
+                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "20"], cwd=root, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-sao"))
@@ -136,7 +136,7 @@ def test_bin_async_rl_serve_puts_a_server_and_the_weight_sync_between_trainer_an
     root = Path(__file__).resolve().parents[1]
     run_dir = tmp_path / "async"
     done = subprocess.run([root / "bin" / "async-rl", "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", "--checkpoint",
-                           tiny_checkpoint, "--run-dir", run_dir, "--serve", "--max-rounds", "2", "--idle-timeout", "8"], cwd=root,
+                           tiny_checkpoint, "--run-dir", run_dir, "--serve", "--max-rounds", "2", "--idle-timeout", "20"], cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo", "sync-weights"))

@@ -25,7 +25,8 @@ from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.advantages import ADVANTAGE_SCALINGS, cross_segment_factor, later_trainable_tokens
 from glmpost.rl.batches import MicroBatch, prepare_batch, segment_accounting, train_examples
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder
 
 BUDGET = 80

@@ -12,12 +12,8 @@ import torch
 from conftest import run_glmpost
 
 from glmpost.checkpoints import MANIFEST, tokenizer_revision
-from glmpost.diff.mismatch import (
-    inverse_cdf_samples,
-    parse_gates,
-    sampled_token_agreement,
-    summarize,
-)
+from glmpost.diff.mismatch import inverse_cdf_samples, sampled_token_agreement, summarize
+from glmpost.diff.report import parse_gates
 from glmpost.kernel.engine import SamplingParams
 
 

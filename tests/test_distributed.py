@@ -8,7 +8,7 @@ import pytest
 
 from glmpost.rl.distributed import deepspeed_config
 from glmpost.errors import UsageError
-from glmpost.rl.trainer import GRPOConfig
+from glmpost.rl.configs import GRPOConfig
 
 
 def test_defaults_follow_the_trainer_options():

@@ -17,7 +17,8 @@ from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rewards.verifiers import VerifyContext, count_verifier
 from glmpost.rl.batches import prepare_batch
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 TASK = Path(__file__).resolve().parents[1] / "recipes" / "data" / "count-train.jsonl"

@@ -17,7 +17,8 @@ from glmpost.rl.advantages import opd_advantages
 from glmpost.rl.batches import collate, prepare_opd_batch
 from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.losses import opd_pg_loss, sampled_reverse_kl, topk_reverse_kl
-from glmpost.rl.trainer import OPDConfig, PolicyTrainer
+from glmpost.rl.configs import OPDConfig
+from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 NAN = float("nan")

@@ -68,7 +68,7 @@ def test_model_state_of_one_train_step_is_exact():
     """Weights, gradients and AdamW moments after one micro-step of the trainer's local backend."""
     from glmpost.kernel.logprobs import sequence_log_probs
     from glmpost.rl.distributed import TorchBackend
-    from glmpost.rl.trainer import GRPOConfig
+    from glmpost.rl.configs import GRPOConfig
 
     config = tiny_glm5_config()
     model = build_model(config, seed=0).train()

@@ -28,7 +28,7 @@ import torch
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.quant.formats import dequantize_checkpoint
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.updates import read_sft_records
+from glmpost.rl.qat_update import read_sft_records
 
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 TRAIN = ["--lr", "3e-3", "--epochs", "6", "--batch-size", "16", "--micro-batch-size", "16"]  # 30 optimizer steps

@@ -20,12 +20,8 @@ from serve_process import start_server, stop_server
 
 from glmpost.formats import ShardReader, resolve_shard_paths
 from glmpost.kernel.engine import SamplingParams
-from glmpost.kernel.sglang_client import (
-    ServerError,
-    SGLangClient,
-    SGLangPool,
-    parse_server_urls,
-)
+from glmpost.kernel.sglang_client import SGLangClient, ServerError, parse_server_urls
+from glmpost.kernel.sglang_pool import SGLangPool
 
 
 def free_port() -> int:

@@ -15,7 +15,8 @@ from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import drop_stale, failure_counts, prepare_batch, whole_groups
 from glmpost.rl.losses import dis_policy_loss
 from glmpost.rl.masks import dis_mask
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.refill import refill_slots
 
 

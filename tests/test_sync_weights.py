@@ -350,7 +350,7 @@ import torch
 from pathlib import Path
 from glmpost.kernel.loading import load_model
 from glmpost.rl.distributed import TrainingSession
-from glmpost.rl.trainer import GRPOConfig
+from glmpost.rl.configs import GRPOConfig
 session = TrainingSession.start(device="cpu", deterministic=False, zero_stage=2, deepspeed_config=None)
 model = load_model({str(tiny_checkpoint)!r}).train()
 backend = session.backend(model, GRPOConfig(lr=1e-2))

@@ -14,7 +14,8 @@ from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.batches import prepare_batch
 from glmpost.rl.distributed import TorchBackend
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 

@@ -30,7 +30,7 @@ count), compared between the paths as sets (Jaccard, identical) and as orders (i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +46,6 @@ from glmpost.npu.topk import set_indexer_topk
 from glmpost.rl.masks import dis_mask, icepop_mask
 
 POSITION_BUCKETS = (0, 64, 256, 1024, 4096)
-GATE_METRICS = ("mean_abs", "p50_abs", "p99_abs", "max_abs", "k1", "k3", "sample_disagreement",
-                "indexer_differing_sets")
 # Full next-token distributions are asked of a server only up to this vocabulary size.
 SERVER_FULL_DISTRIBUTION_MAX_VOCAB = 8192
 
@@ -85,21 +83,6 @@ def summarize(delta: np.ndarray, *, agree: np.ndarray | None = None, beta: float
 def sampled_token_agreement(agree: np.ndarray) -> float:
     """``mean_t [x_A(t) == x_B(t)]`` over the given action tokens (module docstring); 1.0 for none."""
     return float(np.mean(agree)) if np.size(agree) else 1.0
-
-
-def parse_gates(items: Iterable[str]) -> dict[str, float]:
-    """``METRIC=VALUE`` pairs of ``--fail-above`` (metrics of the overall summary, see GATE_METRICS); a
-    ValueError names the item, not the setting (the caller does: ``{fail_above} <problem>``)."""
-    gates = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or name not in GATE_METRICS:
-            raise ValueError(f"{item!r}: expected METRIC=VALUE with METRIC one of {', '.join(GATE_METRICS)}")
-        try:
-            gates[name] = float(value)
-        except ValueError:
-            raise ValueError(f"{item!r}: {value!r} is not a number") from None
-    return gates
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,20 +10,16 @@
 Importing this package does not import torch or transformers; the model classes do, when built.
 """
 
-from glmpost.rewards.mixture import (
+from glmpost.rewards.components import (
     SOURCES,
-    ComponentResult,
     ComponentSpec,
-    RewardMixture,
-    RewardStats,
     check_components,
-    combine,
     default_components,
     parse_component,
     parse_spec_string,
-    scalarize,
     uses_domain_routing,
 )
+from glmpost.rewards.mixture import ComponentResult, RewardMixture, RewardStats, combine, scalarize
 from glmpost.rewards.verifiers import (
     VERIFIERS,
     Verdict,

@@ -28,16 +28,15 @@ from glmpost.formats import (
 )
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.npu import resolve_device
-from glmpost.rewards.mixture import (
+from glmpost.rewards.components import (
     MODEL_SOURCES,
     ComponentSpec,
     parse_spec_string,
-    RewardMixture,
-    RewardStats,
     check_components,
     default_components,
     uses_domain_routing,
 )
+from glmpost.rewards.mixture import RewardMixture, RewardStats
 from glmpost.rewards.verifiers import VerifierTable
 
 STAGE = "judge"

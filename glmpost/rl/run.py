@@ -139,6 +139,10 @@ class TrainingRun:
         """The target version exists: this update was trained and published."""
         return self.plan.target.exists()
 
+    def skipped(self) -> dict[str, Any]:
+        """The summary of an update whose version was already published."""
+        return {"out": str(self.plan.target), "skipped": True, "policy_version": self.plan.version}
+
     def check_staging(self) -> None:
         staging = self.plan.staging
         if staging.exists() and not (self.options.resume or self.options.overwrite):

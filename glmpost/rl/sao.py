@@ -39,7 +39,8 @@ from glmpost.rl.batches import TrainExample, collate, fit
 from glmpost.rl.critic import DEFAULT_TRAINED, ValueModel, critic_values
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import masked_sum_over, value_loss
-from glmpost.rl.trainer import GRPOConfig, PolicyTrainer, PreparedUpdate
+from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.trainer import PolicyTrainer, PreparedUpdate
 
 OPTIONAL_CRITIC_GROUPS = ("attention",)
 

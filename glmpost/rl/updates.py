@@ -1,5 +1,6 @@
-"""The training stages' runs: GRPO (train-grpo), OPD / MOPD (opd-merge) and SFT with fake quantization
-(qat), each one :class:`~glmpost.rl.run.TrainingRun` from a parent checkpoint to its next version.
+"""The training stages' runs: GRPO (train-grpo), OPD / MOPD (opd-merge) and SAO (train-sao), each
+one :class:`~glmpost.rl.run.TrainingRun` from a parent checkpoint to its next version (QAT's is
+:mod:`glmpost.rl.qat_update`).
 
 A function here reads and checks the stage's records, builds its examples and trainer, runs the
 update and returns the facts its command reports (a dict, the same keys as ``--json`` prints).
@@ -13,17 +14,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
 
 from glmpost.errors import GlmpostError
-from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
-from glmpost.formats.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.formats import read_checked_records
 from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.loading import load_tokenizer
-from glmpost.quant.core import fake_quant
-from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
-from glmpost.quant.spec import make_spec
 from glmpost.rl.batches import (
     check_version_lags,
     drop_stale,
@@ -35,11 +31,11 @@ from glmpost.rl.batches import (
     trained_records,
     usable_records,
 )
+from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.rl.critic import CriticVersions
 from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
-from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rl.trainer import GRPOConfig, OPDConfig, PolicyTrainer
+from glmpost.rl.trainer import PolicyTrainer
 from glmpost.stage import log
 
 
@@ -106,11 +102,6 @@ def _use_distribution(config, distribution: ScoredDistribution) -> dict[str, Any
     """Set the trainer's log-prob distribution; returns it as stage.json records it."""
     config.temperature, config.top_k, config.top_p = distribution.temperature, distribution.top_k, distribution.top_p
     return {"temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p}
-
-
-def _skipped(run: TrainingRun) -> dict[str, Any]:
-    """The summary of an update whose version was already published."""
-    return {"out": str(run.plan.target), "skipped": True, "policy_version": run.plan.version}
 
 
 def _published(result: RunResult, records: int, trained: int, excluded: dict) -> dict[str, Any]:
@@ -207,7 +198,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
     """One GRPO + IcePop update on judged shards (:func:`grpo_batch`), published as the next version;
     ``manifest_extra`` goes into its manifest."""
     if run.done:
-        return _skipped(run)
+        return run.skipped()
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     batch = grpo_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision, temperature=temperature,
@@ -279,7 +270,7 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
                skip_ids: frozenset[str] = frozenset(), manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One OPD / MOPD update on teacher-scored shards (:func:`opd_batch`), published as the next version."""
     if run.done:
-        return _skipped(run)
+        return run.skipped()
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     batch = opd_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision, skip_ids=skip_ids)
@@ -352,7 +343,7 @@ def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, cr
     if finished:
         log(f"{critic_root}: published critic v{finished[-1]}, which an interrupted run had left staged")
     if run.done:
-        return {**_skipped(run), "critic": str(critic_root)}
+        return {**run.skipped(), "critic": str(critic_root)}
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     batch = sao_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision)
@@ -372,83 +363,3 @@ def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, cr
             "explained_variance": last.get("sao/explained_variance"),
             "critic_steps": config.critic_steps, "critic_optimizer_steps": last.get("sao/critic_optimizer_steps"),
             "actor_optimizer_steps": last.get("sao/actor_optimizer_steps")}
-
-
-def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
-    """Records from JSONL conversations (tokenized with the checkpoint's chat template) or shards."""
-    records = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_file() and not path.name.endswith(SHARD_SUFFIX):
-            for where, obj in read_jsonl(path):
-                prompt = parse_prompt_line(obj, where=where, default_id=f"{path.stem}-{where.rsplit(':', 1)[1]}")
-                if prompt.response is None:
-                    raise GlmpostError(f"{where}: no response to learn (give 'response' or end 'messages' with the assistant's turn)")
-                records.append(normalize_record(conversation_record(prompt, tokenizer, revision)))
-        else:
-            records.extend(read_checked_records([item], revision=revision, stage=stage))
-    if not records:
-        raise GlmpostError(f"{stage}: no records in {' '.join(inputs)}")
-    return records
-
-
-def quantization_error(model: torch.nn.Module, spec) -> list[dict]:
-    """Per fake-quantized weight: SQNR in dB and the largest |fake_quant(w) - w| of its master weight."""
-    rows = []
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if not name.endswith(".original"):  # only fake-quant parametrizations hold ".original"
-                continue
-            error = (fake_quant(weight, spec) - weight).float()
-            noise = error.pow(2).sum()
-            sqnr = float(10 * torch.log10(weight.float().pow(2).sum() / noise)) if noise > 0 else math.inf
-            layer = name.replace(".parametrizations.", ".").removesuffix(".original")
-            rows.append({"layer": layer, "qat/sqnr_db": round(sqnr, 3), "qat/max_abs_error": float(error.abs().max())})
-    return rows
-
-
-def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, quantization: QATQuantization,
-               eval_data: Sequence[str], stage_options: dict[str, Any]) -> dict[str, Any] | None:
-    """SFT with every targeted weight fake-quantized by ``quantization.scheme`` (``none``: plain SFT)."""
-    stage, scheme, q = "qat", quantization.scheme, quantization
-    spec = make_spec(scheme, group_size=q.group_size)
-    if run.done:
-        return _skipped(run)
-    run.check_staging()
-    _validated(config)
-    tokenizer, revision = load_tokenizer(run.parent)
-    examples = sft_examples(read_sft_records(inputs, tokenizer, revision))
-    held_out = sft_examples(read_sft_records(eval_data, tokenizer, revision)) if eval_data else []
-    if not examples:
-        raise GlmpostError(f"{stage}: no record has a response token to learn")
-    seen: dict[str, Any] = {}
-
-    def adapt(model) -> None:
-        seen["names"] = apply_fake_quant(model, spec, targets=q.targets, include=list(q.include), exclude=list(q.exclude))
-        job.manifest_extra["qat_targets"] = seen["names"]
-
-    def build(model, backend, session):
-        seen["mine"] = held_out[session.rank :: session.world_size]
-        trainer = SFTTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=backend)
-        seen["eval_before"] = trainer.evaluate(seen["mine"]) if held_out else None
-        return trainer
-
-    def finish(trainer: SFTTrainer) -> list[dict]:
-        seen["eval_after"] = trainer.evaluate(seen["mine"]) if held_out else None
-        seen["errors"] = quantization_error(trainer.model, spec)
-        remove_fake_quant(trainer.model)  # checkpoints hold the float master weights
-        return [*seen["errors"], {"qat/eval_loss_before": seen["eval_before"], "qat/eval_loss_after": seen["eval_after"]}]
-
-    job = TrainingJob(stage, config, examples, build, keep_optimizer_state=False, step_metrics={"qat/scheme": scheme},
-                      adapt_model=adapt, finish=finish, manifest_extra={"quantization": spec.to_json()})
-    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
-    if result is None:
-        return None
-    history = result.history
-    return {
-        "out": str(result.target), "policy_version": result.version, "parent": str(result.parent), "scheme": scheme,
-        "quantized_layers": len(seen["names"]), "records": len(examples), "steps": len(history),
-        "loss_first": history[0]["sft/loss"], "loss_last": history[-1]["sft/loss"],
-        "eval_loss_before": seen["eval_before"], "eval_loss_after": seen["eval_after"],
-        "min_sqnr_db": min((e["qat/sqnr_db"] for e in seen["errors"]), default=None),
-    }

@@ -22,7 +22,8 @@ from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.kernel.server_settings import ServerSettings, probe_log_prob_kind, probe_prompts, rejected_field
-from glmpost.kernel.sglang_client import ServerError, SGLangPool
+from glmpost.kernel.sglang_client import ServerError
+from glmpost.kernel.sglang_pool import SGLangPool
 from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
 from glmpost.stage import log
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND
 from glmpost.kernel.engine import SamplingParams
-
-if TYPE_CHECKING:
-    from glmpost.server.engine import LoadedCheckpoint
+from glmpost.server.loading import LoadedCheckpoint
 
 # Sampling parameters that would change the output if honoured; refused unless at SGLang's default.
 _UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
