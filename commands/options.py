@@ -8,13 +8,12 @@ with the flag the user typed. Options every stage has (``--json``, ``--config``)
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import typer
 
-from glmpost.config import ConfigError, SettingError, from_values, setting_of
+from glmpost.config import ConfigError, SettingError, from_values, leaves, setting_of
 from glmpost.drivers import FollowSettings, ShardStage, follow_shards, run_shards
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.stage import log
@@ -30,8 +29,9 @@ def option(cls: type, name: str, **overrides: Any) -> Any:
 
 
 def settings_of(cls: type, *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The fields of config ``cls`` that are settings (declared with :func:`~glmpost.config.setting`)."""
-    return tuple(f.name for f in dataclasses.fields(cls) if "help" in f.metadata and f.name not in exclude)
+    """The settings of the config tree ``cls`` (fields declared with :func:`~glmpost.config.setting`,
+    its sections' too)."""
+    return tuple(f.name for f, _ in leaves(cls) if "help" in f.metadata and f.name not in exclude)
 
 
 def with_config(cls: type, *, exclude: tuple[str, ...] = ()):
@@ -128,15 +128,18 @@ def with_options(cls: type, names: tuple[str, ...]):
     import inspect
     import typing
 
-    hints = typing.get_type_hints(cls)
+    owners = {f.name: (f, owner) for f, owner in leaves(cls)}
 
     def wrap(fn):
         signature = inspect.signature(fn)
         params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         at = next((i for i, p in enumerate(params) if p.name == "config"), len(params))
-        cli_types = {f.name: f.metadata.get("cli", {}).get("annotation") for f in dataclasses.fields(cls)}
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(cls, name),
-                                   annotation=cli_types.get(name) or hints[name]) for name in names]
+        def annotation(name: str) -> Any:
+            f, owner = owners[name]
+            return f.metadata.get("cli", {}).get("annotation") or typing.get_type_hints(owner)[name]
+
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(cls, name), annotation=annotation(name))
+                 for name in names]
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
                   and i > 0 else p for i, p in enumerate(params)]
 

@@ -57,22 +57,52 @@ def shared(name: str) -> Any:
     return setting(**SHARED_SETTINGS[name])
 
 
-def setting_of(cls: type, name: str) -> tuple[Any, dict[str, Any]]:
-    """``(default, metadata)`` of field ``name`` of dataclass ``cls``."""
+def section(cls: type) -> Any:
+    """A sub-config of a config tree (rollout's ``engine``, ``multi_turn``, ``context``): its settings
+    are settings of the whole tree, flattened by name (each name once in a tree), so a stage's
+    options and its recipe keys stay flat while the code reads ``config.engine.server``."""
+    return dataclasses.field(default_factory=cls, metadata={"section": cls})
+
+
+def leaves(cls: type) -> list[tuple[dataclasses.Field, type]]:
+    """Every field of the config tree ``cls`` that is not a section, with the dataclass declaring it."""
+    found = []
     for f in dataclasses.fields(cls):
+        found += leaves(f.metadata["section"]) if "section" in f.metadata else [(f, cls)]
+    return found
+
+
+def setting_of(cls: type, name: str) -> tuple[Any, dict[str, Any]]:
+    """``(default, metadata)`` of setting ``name`` of the config tree ``cls``."""
+    for f, owner in leaves(cls):
         if f.name == name:
             if "help" not in f.metadata:
-                raise KeyError(f"{cls.__name__}.{name} has no help text (declare it with setting())")
+                raise KeyError(f"{owner.__name__}.{name} has no help text (declare it with setting())")
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             return default, dict(f.metadata)
     raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
 def from_values(cls: type, values: dict[str, Any], **overrides: Any):
-    """``cls`` built from the entries of ``values`` named after its fields (the parsed options);
-    ``overrides`` win."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{**{k: v for k, v in values.items() if k in names}, **overrides})
+    """The config tree ``cls`` built from the entries of ``values`` named after its settings (the
+    parsed options; sections built the same way); ``overrides`` win."""
+    given = {**values, **overrides}
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if "section" in f.metadata:
+            kwargs[f.name] = from_values(f.metadata["section"], given)
+        elif f.name in given:
+            kwargs[f.name] = given[f.name]
+    return cls(**kwargs)
+
+
+def flat_values(config: Any) -> dict[str, Any]:
+    """``{setting name: value}`` of a config tree, sections flattened (what ``from_values`` reads)."""
+    values = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values.update(flat_values(value) if "section" in f.metadata else {f.name: value})
+    return values
 
 
 class SettingError(ValueError):

@@ -10,8 +10,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from glmpost.commands.options import config_from, option, spelled_with_flags
-from glmpost.config import SHARED_SETTINGS, ConfigError, SettingError, setting, setting_of, shared
+from glmpost.commands.options import config_from, option, settings_of, spelled_with_flags, with_config
+from glmpost.config import (SHARED_SETTINGS, ConfigError, SettingError, flat_values, from_values, leaves, section, setting,
+                            setting_of, shared)
 from glmpost.errors import GlmpostError, UsageError
 
 
@@ -95,3 +96,44 @@ def test_real_stages_spell_their_own_flags(glmpost_cli, tiny_checkpoint, tmp_pat
     assert not (tmp_path / "r").exists()
     device = glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r", "--device", "tpu")
     assert device.exit_code == 2 and device.stderr.startswith("glmpost: error: --device must be one of ")
+
+
+@dataclasses.dataclass
+class Remote:
+    server: str | None = setting(None, "Server URL.")
+    retries: int = setting(3, "Retries.", min=0)
+
+
+@dataclasses.dataclass
+class Tree:
+    group_size: int = setting(8, "Samples per prompt.", min=1)
+    remote: Remote = section(Remote)
+    overwrite: bool = shared("overwrite")
+
+
+def tree_command(ctx: typer.Context, **settings) -> None:
+    config = config_from(ctx, Tree)
+    typer.echo(json.dumps({"group_size": config.group_size, "server": config.remote.server, "retries": config.remote.retries}))
+
+
+def test_a_config_tree_is_flat_on_the_command_line_and_nested_in_the_code():
+    app = typer.Typer()
+    app.command()(spelled_with_flags(with_config(Tree)(tree_command)))
+    result = CliRunner().invoke(app, ["--server", "http://h", "--retries", "5"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == {"group_size": 8, "server": "http://h", "retries": 5}
+    refused = CliRunner().invoke(app, ["--retries", "-1"])  # the section's bound is the option's
+    assert refused.exit_code == 2 and "--retries" in refused.output
+    assert setting_of(Tree, "retries")[0] == 3 and settings_of(Tree) == ("group_size", "server", "retries", "overwrite")
+    built = from_values(Tree, {"server": "s", "group_size": 2, "unrelated": 1})
+    assert built == Tree(group_size=2, remote=Remote(server="s"))
+    assert from_values(Tree, flat_values(built)) == built  # the flat form round-trips
+
+
+def test_every_stage_config_tree_names_each_setting_once():
+    # A tree's settings are one flat namespace (options, recipe keys, stage.json): a name twice would be ambiguous.
+    from glmpost.rollout.settings import RolloutConfig
+
+    names = [f.name for f, _ in leaves(RolloutConfig)]
+    assert len(names) == len(set(names)) and {"server", "env", "context_budget", "group_size"} <= set(names)
+    assert settings_of(RolloutConfig)[:3] == ("group_size", "temperature", "top_p")

@@ -183,7 +183,7 @@ class SGLangBackend:
             default_stops = model_config.eos_token_id
         pool, settings = connect_servers(config, revision=checkpoint.revision, version_dir=checkpoint.version_dir)
         return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size,
-                   settings=settings, kind_setting=config.server_log_prob_kind,
+                   settings=settings, kind_setting=config.engine.server_log_prob_kind,
                    probe_prompts=probe_prompts(checkpoint.tokenizer))
 
     def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
@@ -338,10 +338,10 @@ def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) 
     our API key), and each server's settings, in pool order."""
 
     try:
-        pool = SGLangPool(config.server, concurrency=config.concurrency, timeout=config.timeout, retries=config.retries,
-                          api_key=config.api_key)
+        e = config.engine
+        pool = SGLangPool(e.server, concurrency=e.concurrency, timeout=e.timeout, retries=e.retries, api_key=e.api_key)
     except ValueError as exc:
-        raise ConfigError("{server} {value!r}: {reason}", value=config.server, reason=exc) from None
+        raise ConfigError("{server} {value!r}: {reason}", value=config.engine.server, reason=exc) from None
     return pool, [check_server(client, config, revision=revision, version_dir=version_dir) for client in pool.clients]
 
 
@@ -351,7 +351,7 @@ def check_server(client: Any, config: RolloutConfig, *, revision: str, version_d
     server, a refused API key or another tokenizer revision is an error; a server that batches fewer
     sequences than ``batch_size``, or does not say its seeds reproduce, is warned about."""
 
-    quick = type(client)(client.url, timeout=min(config.timeout, 30.0), retries=min(config.retries, 1), backoff=0.2,
+    quick = type(client)(client.url, timeout=min(config.engine.timeout, 30.0), retries=min(config.engine.retries, 1), backoff=0.2,
                          api_key=client.api_key)
     try:
         info = quick.model_info()
@@ -377,6 +377,6 @@ def check_server(client: Any, config: RolloutConfig, *, revision: str, version_d
 
 
 def open_backend(checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> LocalBackend | SGLangBackend:
-    """The engine ``config.engine_name`` names, opened on the checkpoint (a local one on ``device``)."""
-    backend = SGLangBackend if config.engine_name == "sglang" else LocalBackend
+    """The engine ``config.engine.engine_name`` names, opened on the checkpoint (a local one on ``device``)."""
+    backend = SGLangBackend if config.engine.engine_name == "sglang" else LocalBackend
     return backend.open(checkpoint, config, device)

@@ -197,7 +197,7 @@ class RolloutRunner:
         model_context = backend.model_config.max_position_embeddings
         self.compaction = self.config.compaction_settings(model_context)
         check_context(prompts, max_new_tokens=self.config.max_new_tokens, context=self.compaction.budget,
-                      budget=self.config.context_budget is not None)
+                      budget=self.config.context.context_budget is not None)
         if self.compaction.on:
             self.builder = ContextBuilder(self.renderer.tokenizer, self.compaction, params.stop_token_ids or eos_ids)
             check_rebuild_room(prompts, self.builder, self.config.max_new_tokens)
@@ -271,8 +271,9 @@ class RolloutRunner:
 
     def _trajectories(self, sequences: list[list[int]], keys: list[str], tasks: list[dict],
                       backend: LocalBackend | SGLangBackend) -> list[Outcome]:
-        settings = MultiTurnSettings(self.config.max_turns, self.config.max_new_tokens, self.compaction.budget,
-                                     self.config.env_timeout, self.config.env_workers, compaction=self.compaction,
+        turns = self.config.multi_turn
+        settings = MultiTurnSettings(turns.max_turns, self.config.max_new_tokens, self.compaction.budget,
+                                     turns.env_timeout, turns.env_workers, compaction=self.compaction,
                                      builder=self.builder, model_context=backend.model_config.max_position_embeddings)
         quiet = tqdm(disable=True)  # the bar counts trajectories, not turns
         servers = len(backend.pool.clients) if isinstance(backend, SGLangBackend) else 1
@@ -325,7 +326,7 @@ class RolloutRunner:
             "response_tokens": counts["response_tokens"],
             "truncation_rate": round(counts["truncated"] / counts["records"], 4) if counts["records"] else 0.0,
             "aborted": counts["aborted"],
-            "engine": self.config.engine_name,
+            "engine": self.config.engine.engine_name,
             "tokens_per_s": round(counts["response_tokens"] / totals.seconds, 1) if totals.seconds else 0.0,
         }
 

@@ -5,11 +5,11 @@ compaction."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from glmpost.config import ConfigError, setting, shared
+from glmpost.config import ConfigError, flat_values, section, setting, shared
 from glmpost.envs import resolve_environment
 from glmpost.errors import UsageError
 from glmpost.kernel.distribution import LOG_PROB_KINDS
@@ -21,6 +21,92 @@ ENGINES = ("local", "sglang")
 # Options that may differ between the tasks or reruns writing one output directory.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
                     "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
+
+@dataclass
+class EngineConfig:
+    """What samples: the in-process engine, or SGLang-API servers and how to talk to them."""
+
+    engine_name: str = setting("local", "local (in-process torch) or sglang (HTTP: --server).", flag="--engine")
+    server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
+    concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
+    timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
+    retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
+    api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
+                                     "KEY' (never recorded).", cli={"show_default": False})
+    server_log_prob_kind: str = setting(
+        "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
+        "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
+
+    def check(self) -> None:
+        """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that
+        cannot go in a header (without repeating it)."""
+        if self.engine_name not in ENGINES:
+            raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)
+        if self.engine_name == "sglang" and not self.server:
+            raise ConfigError("{engine_name} sglang needs {server} URL[,URL...]")
+        if self.server_log_prob_kind != "auto" and self.server_log_prob_kind not in LOG_PROB_KINDS:
+            raise ConfigError("{server_log_prob_kind} must be auto or one of {kinds}, got {value!r}",
+                              kinds=", ".join(LOG_PROB_KINDS), value=self.server_log_prob_kind)
+        check_api_key(self.api_key)
+
+
+@dataclass
+class MultiTurnConfig:
+    """A multi-turn rollout's environment and how long its trajectories and steps may run."""
+
+    env: Optional[str] = setting(
+        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, kv-recall, latency or package.module:Class. "
+        "Each turn's prompt is the exact ids before it; observations are recorded with observation_mask.")
+    env_options: str = setting("{}", "With --env: the environment's keyword arguments, a JSON object.")
+    max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
+    env_timeout: float = setting(
+        30.0, "With --env: seconds one reset() or step() may take (then the trajectory ends env_error).", min=0.001)
+    env_workers: int = setting(
+        8, "With --env: environment steps of one turn run at once, each trajectory on its own environment (1: one "
+        "after another); the records do not depend on it (for environments whose instances share no state).", min=1)
+
+    def environment(self):
+        """``(name, factory)`` of the environment, or None for single-turn rollouts; an unknown one or
+        bad options is one error naming the option."""
+        if self.env is None:
+            return None
+        try:
+            options = json.loads(self.env_options)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("{env_options} {value!r}: not JSON ({reason})", value=self.env_options, reason=exc) from None
+        if not isinstance(options, dict):
+            raise ConfigError("{env_options} {value!r}: expected a JSON object", value=self.env_options)
+        return self.env, resolve_environment(self.env, options, where="--env")
+
+
+@dataclass
+class ContextConfig:
+    """A multi-turn trajectory's context budget and CompactionRL's compaction of it."""
+
+    compaction: str = setting(
+        "off", "With --env: CompactionRL's context compaction. summary: when the context budget runs low (C - |h| < T_comp, "
+        "or the next turn could overflow C) the policy writes a summary after --summary-prompt, trained as an action "
+        "with the final reward, and the trajectory goes on in a rebuilt context (the prompt's turns, --resume-template "
+        "holding the summary's exact ids, the newest --keep-last action-observation pairs), recorded as ids; drop: the "
+        "same rebuild without a summary (the baseline); off: a trajectory that would overflow C ends truncated.")
+    context_budget: Optional[int] = setting(
+        None, "With --env: C, the most tokens of context a turn may be sampled on (default: the model's context).", min=1)
+    compaction_threshold: Optional[int] = setting(
+        None, "With --compaction: T_comp, compact when C - |h| < T_comp (default: --max-new-tokens); at most "
+        "--context-budget.", min=0)
+    keep_last: int = setting(
+        2, "With --compaction: k, the newest action-observation pairs a rebuilt context copies (fewer when they do not "
+        "fit the budget; drop keeps at least 1, so the newest observation is never lost).", min=0)
+    summary_prompt: str = setting(
+        "Summarize what you must remember to finish the task.",
+        "With --compaction summary: q_sum, the user turn after the last observation that asks for the summary.")
+    resume_template: str = setting(
+        "Summary: {summary}", "With --compaction summary: the user turn that opens a rebuilt context; {summary} (exactly "
+        "once) stands for the summary's exact ids.")
+    max_summary_tokens: int = setting(
+        64, "With --compaction summary: most tokens of a summary (a longer one is cut there, recorded truncated in "
+        "extra.compaction.summaries, and the trajectory goes on).", min=1)
+
 
 @dataclass
 class RolloutConfig:
@@ -46,91 +132,42 @@ class RolloutConfig:
     device: str = shared("device")
     deterministic_topk: bool = shared("deterministic_topk")
     attention: str = shared("attention")
-    engine_name: str = setting("local", "local (in-process torch) or sglang (HTTP: --server).", flag="--engine")
-    server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
-    concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
-    timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
-    retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
-    api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
-                                     "KEY' (never recorded).", cli={"show_default": False})
-    server_log_prob_kind: str = setting(
-        "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
-        "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
-    env: Optional[str] = setting(
-        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, kv-recall, latency or package.module:Class. "
-        "Each turn's prompt is the exact ids before it; observations are recorded with observation_mask.")
-    env_options: str = setting("{}", "With --env: the environment's keyword arguments, a JSON object.")
-    max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
-    env_timeout: float = setting(
-        30.0, "With --env: seconds one reset() or step() may take (then the trajectory ends env_error).", min=0.001)
-    env_workers: int = setting(
-        8, "With --env: environment steps of one turn run at once, each trajectory on its own environment (1: one "
-        "after another); the records do not depend on it (for environments whose instances share no state).", min=1)
+    engine: EngineConfig = section(EngineConfig)
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig)
     refill_rounds: int = setting(
         0, "Rounds of resampling the failed samples (env_error, aborted) of groups with more than half valid, to "
         "full size (GLM-5); refills get the next sample indices and extra.refill. 0 = off.", min=0)
-    compaction: str = setting(
-        "off", "With --env: CompactionRL's context compaction. summary: when the context budget runs low (C - |h| < T_comp, "
-        "or the next turn could overflow C) the policy writes a summary after --summary-prompt, trained as an action "
-        "with the final reward, and the trajectory goes on in a rebuilt context (the prompt's turns, --resume-template "
-        "holding the summary's exact ids, the newest --keep-last action-observation pairs), recorded as ids; drop: the "
-        "same rebuild without a summary (the baseline); off: a trajectory that would overflow C ends truncated.")
-    context_budget: Optional[int] = setting(
-        None, "With --env: C, the most tokens of context a turn may be sampled on (default: the model's context).", min=1)
-    compaction_threshold: Optional[int] = setting(
-        None, "With --compaction: T_comp, compact when C - |h| < T_comp (default: --max-new-tokens); at most "
-        "--context-budget.", min=0)
-    keep_last: int = setting(
-        2, "With --compaction: k, the newest action-observation pairs a rebuilt context copies (fewer when they do not "
-        "fit the budget; drop keeps at least 1, so the newest observation is never lost).", min=0)
-    summary_prompt: str = setting(
-        "Summarize what you must remember to finish the task.",
-        "With --compaction summary: q_sum, the user turn after the last observation that asks for the summary.")
-    resume_template: str = setting(
-        "Summary: {summary}", "With --compaction summary: the user turn that opens a rebuilt context; {summary} (exactly "
-        "once) stands for the summary's exact ids.")
-    max_summary_tokens: int = setting(
-        64, "With --compaction summary: most tokens of a summary (a longer one is cut there, recorded truncated in "
-        "extra.compaction.summaries, and the trajectory goes on).", min=1)
+    context: ContextConfig = section(ContextConfig)
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
 
     def environment(self):
-        """``(name, factory)`` of the environment of a multi-turn run, or None for single-turn
-        rollouts; an unknown one or bad options is one error naming the option."""
-        if self.env is None:
-            return None
-
-        try:
-            options = json.loads(self.env_options)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("{env_options} {value!r}: not JSON ({reason})", value=self.env_options, reason=exc) from None
-        if not isinstance(options, dict):
-            raise ConfigError("{env_options} {value!r}: expected a JSON object", value=self.env_options)
-        return self.env, resolve_environment(self.env, options, where="--env")
+        """``(name, factory)`` of the environment of a multi-turn run, or None (:meth:`MultiTurnConfig.environment`)."""
+        return self.multi_turn.environment()
 
     def compaction_settings(self, model_context: int) -> CompactionSettings:
         """The context budget and compaction settings, checked against each other and the model's
         context (a refused combination is one error naming the options)."""
-        if self.compaction not in COMPACTION_MODES:
+        c = self.context
+        if c.compaction not in COMPACTION_MODES:
             raise ConfigError("{compaction} must be one of {choices}, got {value!r}", choices=", ".join(COMPACTION_MODES),
-                              value=self.compaction)
-        if self.env is None and (self.compaction != "off" or self.context_budget is not None):
+                              value=c.compaction)
+        if self.multi_turn.env is None and (c.compaction != "off" or c.context_budget is not None):
             raise ConfigError("{compaction} and {context_budget} apply to multi-turn rollouts: add {env}")
-        budget = model_context if self.context_budget is None else self.context_budget
+        budget = model_context if c.context_budget is None else c.context_budget
         if budget > model_context:
             raise ConfigError("{context_budget} {value} exceeds the model's context of {context} tokens", value=budget,
                               context=model_context)
-        threshold = self.max_new_tokens if self.compaction_threshold is None else self.compaction_threshold
-        if self.compaction != "off" and threshold > budget:
+        threshold = self.max_new_tokens if c.compaction_threshold is None else c.compaction_threshold
+        if c.compaction != "off" and threshold > budget:
             raise ConfigError("{compaction_threshold} {value} is larger than {context_budget} {budget}: compaction "
                               "would start before the first turn", value=threshold, budget=budget)
         try:
-            resume_pieces(self.resume_template)
+            resume_pieces(c.resume_template)
         except ValueError as exc:
             raise ConfigError("{resume_template} {reason}", reason=exc) from None
-        return CompactionSettings(self.compaction, budget, threshold, self.keep_last, self.summary_prompt,
-                                  self.resume_template, self.max_summary_tokens)
+        return CompactionSettings(c.compaction, budget, threshold, c.keep_last, c.summary_prompt, c.resume_template,
+                                  c.max_summary_tokens)
 
     def sampling_params(self) -> SamplingParams:
         """The sampling settings, checked (their stop ids are set once the model's eos ids are known)."""
@@ -143,31 +180,21 @@ class RolloutConfig:
         return params
 
     def check_engine(self) -> None:
-        """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that
-        cannot go in a header (without repeating it)."""
-
-        if self.engine_name not in ENGINES:
-            raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)
-        if self.engine_name == "sglang" and not self.server:
-            raise ConfigError("{engine_name} sglang needs {server} URL[,URL...]")
-        if self.server_log_prob_kind != "auto" and self.server_log_prob_kind not in LOG_PROB_KINDS:
-            raise ConfigError("{server_log_prob_kind} must be auto or one of {kinds}, got {value!r}",
-                              kinds=", ".join(LOG_PROB_KINDS), value=self.server_log_prob_kind)
-        check_api_key(self.api_key)
+        """:meth:`EngineConfig.check`."""
+        self.engine.check()
 
     def as_options(self) -> dict[str, Any]:
         """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,
         ``api_key`` is never recorded)."""
         options: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name in ("overwrite", "api_key"):
+        for name, value in flat_values(self).items():
+            if name in ("overwrite", "api_key"):
                 continue
-            value = getattr(self, f.name)
             if isinstance(value, Path):
                 value = str(value)
             elif isinstance(value, (list, tuple)):
                 value = [str(v) if isinstance(v, Path) else v for v in value]
-            options[f.name] = value
+            options[name] = value
         return options
 
 
