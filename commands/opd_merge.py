@@ -51,7 +51,7 @@ STAGE = "opd-merge"
 
 @with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
-@with_config(OPDConfig, exclude=('loss_normalization', 'segment_decay', 'kl_coef',))
+@with_config(OPDConfig, exclude=('loss_normalization',))
 def opd_merge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Teacher-scored rollout shards (`glmpost score-teacher` output); none with --follow."),

@@ -64,7 +64,7 @@ STAGE = "train-sao"
 
 @with_options(FollowConfig, FOLLOW_OPTIONS)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
-@with_config(SAOConfig, exclude=('icepop', 'advantage_eps', 'segment_decay', 'kl_coef',))
+@with_config(SAOConfig, exclude=('icepop', 'advantage_eps'))
 def train_sao(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Judged rollout shards (files, directories or globs); none with --follow."),

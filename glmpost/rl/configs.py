@@ -18,8 +18,10 @@ PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not on
 
 
 @dataclass
-class GRPOConfig(OptimizerConfig):
-    """Defaults are GLM-5's Reasoning RL values where the brief gives them."""
+class PolicyGradientConfig(OptimizerConfig):
+    """What every policy-gradient update shares (GRPO, OPD / MOPD, SAO): the optimiser, the batches,
+    the PPO clip, the trust masks (IcePop, DIS) and the loss's normalisation. Defaults are GLM-5's
+    Reasoning RL values where the brief gives them."""
 
     epochs: int = setting(1, "Passes over the batch (PPO epochs).", min=1)
     mini_batches: int = setting(1, "Optimizer steps per epoch (the batch is split into this many mini-batches).", min=1)
@@ -61,11 +63,6 @@ class GRPOConfig(OptimizerConfig):
         "CompactionRL's normalisation over all trainable tokens, so a trajectory compacted into more segments is not "
         "up-weighted) or segment (each context window's mean, then the mean over windows: the per-segment mean it "
         "replaces).")
-    segment_decay: float = setting(
-        1.0, "CompactionRL's cross-segment factor for compacted trajectories: each context window's advantages times "
-        "segment-decay^N, N = trainable tokens in its later windows (the brief's (gamma*lambda)^N_later); 1 = every "
-        "window takes the trajectory's advantage.", min=0.0, max=1.0)
-    kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
     # The distribution of the records' rollout log-probs (glmpost.rl.updates.sampled_distribution);
     # the trainer's log-probs are of it too.
@@ -95,16 +92,9 @@ class GRPOConfig(OptimizerConfig):
 
     # What the trainer composes (glmpost.rl.advantages / masks / losses / diagnostics), by name.
 
-    def advantage_estimator(self) -> str:
-        return "grpo"
-
     def advantage_scalings(self) -> tuple[str, ...]:
         """Applied to the estimator's advantages, in order (:data:`~glmpost.rl.advantages.ADVANTAGE_SCALINGS`)."""
-        return ("cross_segment",)
-
-    def segment_decay_base(self) -> float:
-        """The base of CompactionRL's cross-segment factor (``gamma * lambda``): ``segment_decay``."""
-        return self.segment_decay
+        return ()
 
     def trust_masks(self) -> tuple[str, ...]:
         names = [n for n in dict.fromkeys(self.trust_mask) if n != "icepop" or self.icepop]
@@ -118,17 +108,43 @@ class GRPOConfig(OptimizerConfig):
 
     def loss_terms(self) -> tuple[str, ...]:
         policy = "dis_policy" if "dis" in self.trust_masks() else "policy"
-        return (policy,) + (("kl",) if self.kl_coef > 0 else ()) + (("entropy",) if self.entropy_coef > 0 else ())
+        return (policy,) + (("entropy",) if self.entropy_coef > 0 else ())
 
     def diagnostics(self) -> tuple[str, ...]:
         return ("mismatch",)
+
+
+@dataclass
+class GRPOConfig(PolicyGradientConfig):
+    """GRPO + IcePop (train-grpo): group advantages, an optional KL to a reference, CompactionRL's
+    cross-segment factor."""
+
+    segment_decay: float = setting(
+        1.0, "CompactionRL's cross-segment factor for compacted trajectories: each context window's advantages times "
+        "segment-decay^N, N = trainable tokens in its later windows (the brief's (gamma*lambda)^N_later); 1 = every "
+        "window takes the trajectory's advantage.", min=0.0, max=1.0)
+    kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
+
+    def advantage_estimator(self) -> str:
+        return "grpo"
+
+    def advantage_scalings(self) -> tuple[str, ...]:
+        return ("cross_segment",)
+
+    def segment_decay_base(self) -> float:
+        """The base of CompactionRL's cross-segment factor (``gamma * lambda``): ``segment_decay``."""
+        return self.segment_decay
+
+    def loss_terms(self) -> tuple[str, ...]:
+        policy, *rest = super().loss_terms()
+        return (policy, *(("kl",) if self.kl_coef > 0 else ()), *rest)
 
 
 OPD_LOSSES = ("sampled", "topk")
 
 
 @dataclass
-class OPDConfig(GRPOConfig):
+class OPDConfig(PolicyGradientConfig):
     """OPD / MOPD update (brief, "OPD：把教师变成逐 token 优势"): group size 1, advantages from the teacher.
 
     ``loss = "sampled"``: ``A_t = sg(log pi_T - log pi_theta) + w * A_task`` in the clipped

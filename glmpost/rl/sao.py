@@ -39,14 +39,14 @@ from glmpost.rl.batches import TrainExample, collate, fit
 from glmpost.rl.critic import DEFAULT_TRAINED, ValueModel, critic_values
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import masked_sum_over, value_loss
-from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.configs import PolicyGradientConfig
 from glmpost.rl.trainer import PolicyTrainer, PreparedUpdate
 
 OPTIONAL_CRITIC_GROUPS = ("attention",)
 
 
 @dataclass
-class SAOConfig(GRPOConfig):
+class SAOConfig(PolicyGradientConfig):
     """An SAO update: the policy's settings (DIS by default) and the critic's."""
 
     trust_mask: list[str] = setting(
@@ -80,6 +80,9 @@ class SAOConfig(GRPOConfig):
 
     def advantage_estimator(self) -> str:
         return "gae"
+
+    def advantage_scalings(self) -> tuple[str, ...]:
+        return ("cross_segment",)
 
     def segment_decay_base(self) -> float:
         """CompactionRL (brief): a compacted trajectory's segments run GAE locally (each window's last
