@@ -178,7 +178,7 @@ def test_the_slurm_template_runs_producer_and_trainer_roles(tiny_checkpoint, tmp
     """bin/slurm/async-rl.sbatch as two jobs sharing a run folder (run here with bash, one after the other)."""
     root = Path(__file__).resolve().parents[1]
     template = root / "bin" / "slurm" / "async-rl.sbatch"
-    env = {**os.environ, "GLMPOST_PYTHON": sys.executable, "ASYNC_MAX_ROUNDS": "1", "ASYNC_IDLE_TIMEOUT": "3"}
+    env = {**os.environ, "GLMPOST_PYTHON": sys.executable, "ASYNC_MAX_ROUNDS": "1", "ASYNC_IDLE_TIMEOUT": "20"}
     args = ["recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", str(tiny_checkpoint), str(tmp_path / "run")]
     for role in ("producer", "trainer"):
         done = subprocess.run(["bash", template, role, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
