@@ -22,7 +22,7 @@ import typer
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.fsutil import current_umask, make_readable
-from glmpost.stage import check_same_options, log
+from glmpost.stage import check_same_options, log, recorded_options
 from glmpost.toml import tomllib
 
 
@@ -98,16 +98,7 @@ def effective_options(ctx: typer.Context) -> dict[str, Any]:
     ``--json`` and ``--overwrite`` say how to report and whether to replace, not how the output
     was made, so they are left out (a rerun with ``--overwrite`` writes identical shards).
     """
-    options = {}
-    for name, value in ctx.params.items():
-        if name in ("as_json", "overwrite"):
-            continue
-        if isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, (list, tuple)):
-            value = [str(v) if isinstance(v, Path) else v for v in value]
-        options[name] = value
-    return options
+    return recorded_options(ctx.params, leave_out=("as_json", "overwrite"))
 
 
 def report_update(summary: dict[str, Any] | None, *, as_json: bool, human: Any) -> None:

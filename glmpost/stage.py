@@ -18,6 +18,21 @@ from glmpost.formats import ShardError, ShardReader
 from glmpost.fsutil import write_text_atomic
 
 
+def recorded_options(values: dict[str, Any], *, leave_out: tuple[str, ...]) -> dict[str, Any]:
+    """``values`` as options stage.json and shard headers record (JSON-safe: paths as strings), but
+    those named in ``leave_out``."""
+    options = {}
+    for name, value in values.items():
+        if name in leave_out:
+            continue
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, (list, tuple)):
+            value = [str(v) if isinstance(v, Path) else v for v in value]
+        options[name] = value
+    return options
+
+
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON to a temporary name, fsync, rename: readers never see half a file."""
     write_text_atomic(Path(path), json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -16,6 +16,7 @@ from glmpost.kernel.distribution import LOG_PROB_KINDS
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.sglang_client import check_api_key
 from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, resume_pieces
+from glmpost.stage import recorded_options
 
 ENGINES = ("local", "sglang")
 # Options that may differ between the tasks or reruns writing one output directory.
@@ -186,16 +187,7 @@ class RolloutConfig:
     def as_options(self) -> dict[str, Any]:
         """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,
         ``api_key`` is never recorded)."""
-        options: dict[str, Any] = {}
-        for name, value in flat_values(self).items():
-            if name in ("overwrite", "api_key"):
-                continue
-            if isinstance(value, Path):
-                value = str(value)
-            elif isinstance(value, (list, tuple)):
-                value = [str(v) if isinstance(v, Path) else v for v in value]
-            options[name] = value
-        return options
+        return recorded_options(flat_values(self), leave_out=("overwrite", "api_key"))
 
 
 def parse_stop_ids(value: str, default: list[int]) -> list[int]:
