@@ -77,9 +77,9 @@ def checkpointed(hidden, weight, targets, *, temperature, entropy, chunk_size, t
 
     import torch.nn.functional as F
 
-    from glmpost.kernel.logprobs import _chunked_log_probs
+    from glmpost.kernel.chunked import chunked_log_probs
 
-    out = _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight), weight.shape[0], targets, mask=None,
+    out = chunked_log_probs(hidden, functools.partial(F.linear, weight=weight), weight.shape[0], targets, mask=None,
                              distribution=ScoredDistribution(temperature, top_k, top_p), chunk_size=chunk_size,
                              return_entropy=entropy)
     return out.log_probs, out.entropy

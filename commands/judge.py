@@ -31,12 +31,13 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, drive_shard_stage, json_option, with_config, with_options
+from glmpost.commands.options import config_from, drive_shard_stage, json_option, with_config
 from glmpost.config import domain_assignment
-from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
+from glmpost.drivers import follow_line
 from glmpost.errors import UsageError
-from glmpost.rewards.judging import JudgeConfig, JudgeStage
 from glmpost.rewards.components import ComponentSpec, parse_component
+from glmpost.rewards.judging import JudgeConfig, JudgeStage
+from glmpost.spool.settings import FollowSettings
 
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "
@@ -78,7 +79,7 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
-@with_options(FollowSettings, FOLLOW_SETTINGS)
+@with_config(FollowSettings)
 @with_config(JudgeConfig)
 def judge(
     ctx: typer.Context,

@@ -32,7 +32,6 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
-    FOLLOW_OPTIONS,
     TRAINING_RUN_OPTIONS,
     config_from,
     follow_from,
@@ -41,15 +40,15 @@ from glmpost.commands.options import (
     with_options,
 )
 from glmpost.errors import UsageError
+from glmpost.rl.configs import OPD_LOSSES, OPDConfig
 from glmpost.rl.follow import FollowConfig, follow_line, opd_follow
 from glmpost.rl.run import RunOptions, TrainingRun
-from glmpost.rl.configs import OPD_LOSSES, OPDConfig
 from glmpost.rl.updates import opd_update
 
 STAGE = "opd-merge"
 
 
-@with_options(FollowConfig, FOLLOW_OPTIONS)
+@with_config(FollowConfig)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 @with_config(OPDConfig, exclude=('loss_normalization',))
 def opd_merge(

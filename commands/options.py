@@ -14,8 +14,9 @@ from typing import Any, Iterator
 import typer
 
 from glmpost.config import ConfigError, SettingError, from_values, leaves, setting_of
-from glmpost.drivers import FollowSettings, ShardStage, follow_shards, run_shards
+from glmpost.drivers import ShardStage, follow_shards, run_shards
 from glmpost.errors import GlmpostError, UsageError
+from glmpost.spool.settings import FollowSettings
 from glmpost.stage import log
 
 
@@ -48,11 +49,10 @@ def config_from(ctx: typer.Context, cls: type, **overrides: Any):
 def follow_from(ctx: typer.Context, cls: type, inputs, *, name: str, what: str):
     """The follow settings (``cls``) when ``--follow`` is given, INPUTS then refused; else None,
     INPUTS then required (``name`` the argument as --help shows it, ``what`` what it holds)."""
-    follow = config_from(ctx, cls)
-    if follow.follow is not None:
+    if ctx.params.get("follow") is not None:
         if inputs:
             raise UsageError(f"--follow reads its input from the spool: drop the {name}")
-        return follow
+        return config_from(ctx, cls)
     if not inputs:
         raise UsageError(f"give the {what} ({name}), or --follow SPOOL")
     return None
@@ -194,7 +194,5 @@ def with_deprecated_aliases(aliases: dict[str, str], *, until: str = "the next r
     return wrap
 
 
-FOLLOW_OPTIONS = ("follow", "consumer", "follow_records", "publish_every", "poll_s", "lease_s", "max_steps", "max_versions",
-                  "idle_timeout")
 TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "deterministic", "attention", "save_every", "resume",
                         "overwrite")

@@ -28,9 +28,9 @@ import typer
 from glmpost.commands.common import config_option, effective_options, report_update
 from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, with_config, with_options
 from glmpost.quant.qat import QATQuantization
+from glmpost.rl.qat_update import qat_update
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sft import SFTConfig
-from glmpost.rl.qat_update import qat_update
 
 STAGE = "qat"
 

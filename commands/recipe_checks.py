@@ -17,10 +17,10 @@ from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.pipeline import load_pipeline
 from glmpost.rl.batch_rules import batch_arithmetic
+from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
 from glmpost.rl.sao import SAOConfig
 from glmpost.rl.sft import SFTConfig
-from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.toml import load_recipe
 
 # Values of path parameters with these suffixes are input files no stage writes: they must exist.

@@ -33,13 +33,14 @@ from typing import Any, List, Optional
 import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
-from glmpost.commands.options import config_from, drive_shard_stage, json_option, with_config, with_options
-from glmpost.drivers import FOLLOW_SETTINGS, FollowSettings, follow_line
+from glmpost.commands.options import config_from, drive_shard_stage, json_option, with_config
+from glmpost.drivers import follow_line
 from glmpost.kernel.sglang_client import check_api_key, without_api_key
+from glmpost.spool.settings import FollowSettings
 from glmpost.teachers.run import ScoreTeacherConfig, ScoreTeacherStage, parse_route
 
 
-@with_options(FollowSettings, FOLLOW_SETTINGS)
+@with_config(FollowSettings)
 @with_config(ScoreTeacherConfig)
 def score_teacher(
     ctx: typer.Context,

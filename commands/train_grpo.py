@@ -58,7 +58,6 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
-    FOLLOW_OPTIONS,
     TRAINING_RUN_OPTIONS,
     config_from,
     follow_from,
@@ -66,15 +65,15 @@ from glmpost.commands.options import (
     with_config,
     with_options,
 )
+from glmpost.rl.configs import GRPOConfig
 from glmpost.rl.follow import FollowConfig, follow_line, grpo_follow
 from glmpost.rl.run import RunOptions, TrainingRun
-from glmpost.rl.configs import GRPOConfig
 from glmpost.rl.updates import grpo_update
 
 STAGE = "train-grpo"
 
 
-@with_options(FollowConfig, FOLLOW_OPTIONS)
+@with_config(FollowConfig)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 @with_config(GRPOConfig)
 def train_grpo(

@@ -46,7 +46,6 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
-    FOLLOW_OPTIONS,
     TRAINING_RUN_OPTIONS,
     config_from,
     follow_from,
@@ -62,7 +61,7 @@ from glmpost.rl.updates import sao_update
 STAGE = "train-sao"
 
 
-@with_options(FollowConfig, FOLLOW_OPTIONS)
+@with_config(FollowConfig)
 @with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
 @with_config(SAOConfig, exclude=('icepop', 'advantage_eps'))
 def train_sao(

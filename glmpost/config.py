@@ -57,11 +57,13 @@ def shared(name: str) -> Any:
     return setting(**SHARED_SETTINGS[name])
 
 
-def section(cls: type) -> Any:
+def section(cls: type, *, help: dict[str, str] | None = None) -> Any:
     """A sub-config of a config tree (rollout's ``engine``, ``multi_turn``, ``context``): its settings
     are settings of the whole tree, flattened by name (each name once in a tree), so a stage's
-    options and its recipe keys stay flat while the code reads ``config.engine.server``."""
-    return dataclasses.field(default_factory=cls, metadata={"section": cls})
+    options and its recipe keys stay flat while the code reads ``config.engine.server``. ``help``
+    words a setting for this tree where the section's own words would not fit it (a trainer's
+    ``--follow`` publishes versions, not shards)."""
+    return dataclasses.field(default_factory=cls, metadata={"section": cls, "help": dict(help or {})})
 
 
 def leaves(cls: type) -> list[tuple[dataclasses.Field, type]]:
@@ -73,11 +75,16 @@ def leaves(cls: type) -> list[tuple[dataclasses.Field, type]]:
 
 
 def setting_of(cls: type, name: str) -> tuple[Any, dict[str, Any]]:
-    """``(default, metadata)`` of setting ``name`` of the config tree ``cls``."""
-    for f, owner in leaves(cls):
-        if f.name == name:
+    """``(default, metadata)`` of setting ``name`` of the config tree ``cls`` (its help as the
+    section holding it words it)."""
+    for f in dataclasses.fields(cls):
+        if "section" in f.metadata:
+            if any(leaf.name == name for leaf, _ in leaves(f.metadata["section"])):
+                default, metadata = setting_of(f.metadata["section"], name)
+                return default, {**metadata, "help": f.metadata["help"].get(name, metadata["help"])}
+        elif f.name == name:
             if "help" not in f.metadata:
-                raise KeyError(f"{owner.__name__}.{name} has no help text (declare it with setting())")
+                raise KeyError(f"{cls.__name__}.{name} has no help text (declare it with setting())")
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             return default, dict(f.metadata)
     raise KeyError(f"{cls.__name__} has no field {name!r}")

@@ -23,17 +23,15 @@ progress; ``--idle-timeout`` after that long without one. Metrics and stage.json
 
 from __future__ import annotations
 
-import hashlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from glmpost.config import setting
 from glmpost.formats import ShardReader, resolve_shard_paths, select_shards
-from glmpost.spool.spool import DEFAULT_LEASE_S, Spool, lease_kept
+from glmpost.spool.settings import FollowSettings, default_consumer
+from glmpost.spool.spool import Spool, lease_kept
 from glmpost.stage import (
     MetricsWriter,
     check_same_options,
@@ -100,23 +98,6 @@ def run_shards(stage: ShardStage, *, inputs: list[str], out: Path, shard_index: 
     return {"out": str(out), "shards": len(pending), "skipped": len(paths) - len(pending), **stage.summary()}
 
 
-@dataclass
-class FollowSettings:
-    """What a stage between two spools adds (``--follow IN`` and its companions)."""
-
-    follow: Optional[Path] = setting(
-        None, "Take the shards of this spool as they land and publish the results into the spool --out (asynchronous "
-        "RL; formats/SPEC.md §12) instead of processing the input shards once.")
-    consumer: Optional[str] = setting(None, "This stage's name in the input spool (default: one derived from --out, "
-                                      "stable across restarts; give each concurrent instance its own).")
-    poll_s: float = setting(1.0, "Seconds between looks at the input spool while it is empty.", min=0.01)
-    lease_s: float = setting(DEFAULT_LEASE_S, "Seconds a claim stays this stage's without a renewal.", min=0.1)
-    idle_timeout: Optional[float] = setting(None, "Stop after this many seconds without a new shard (default: wait for ever).", min=0.0)
-
-
-FOLLOW_SETTINGS = ("follow", "consumer", "poll_s", "lease_s", "idle_timeout")
-
-
 def follow_line(summary: dict[str, Any], verb: str) -> str:
     """The human line of a follow run (``verb``: what the stage did to each shard)."""
     return f"{summary['out']}: {summary['shards']} shard(s) {verb} from {summary['spool']}, stopped by {summary['stopped_by']}"
@@ -127,7 +108,7 @@ def follow_shards(stage: ShardStage, settings: FollowSettings, *, out: Path) -> 
     summary. The stage opens after the first shard is checked."""
     revision = stage.spool_revision(Path(settings.follow))
     source, target = Spool(settings.follow, tokenizer_revision=revision), Spool(out, tokenizer_revision=revision)
-    consumer = settings.consumer or f"{stage.name}-" + hashlib.blake2b(str(target.path.resolve()).encode(), digest_size=5).hexdigest()
+    consumer = settings.consumer or default_consumer(stage.name, target.path)
     home = target.path / "producers" / consumer
     home.mkdir(parents=True, exist_ok=True)
     write_stage_json(home, stage.name, stage.options, tokenizer_revision=revision, spool=str(source.path))

@@ -31,15 +31,11 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 ONE_PIECE = "must be one piece"  # what a long function's docstring says, with the reason
 # Not yet split (issue 29 goes on): the list may only shrink.
-LONG_MODULES = {"glmpost.kernel.logprobs", "glmpost.formats.schema"}
-LONG_FUNCTIONS = {"glmpost.kernel.logprobs.sequence_log_probs", "glmpost.rl.follow.follow_spool",
-                  "glmpost.rollout.follow.follow_rollout", "glmpost.memory.roles.plan_memory",
-                  "glmpost.rollout.records.trajectory_record", "glmpost.rl.run.run", "glmpost.weight_sync.convert.convert",
-                  "glmpost.models.native_attention.native_attention_forward", "glmpost.kernel.engine._generate_batch",
-                  "glmpost.memory.plan.saved_activation_terms", "glmpost.kernel.logprobs.token_log_probs_from_hidden",
-                  "glmpost.kernel.scoring.score_tokens", "glmpost.kernel.logprobs._chunked_log_probs",
-                  "glmpost.commands.plan.plan", "glmpost.pipeline.recipe._validate",
-                  "glmpost.formats.synthetic.synthetic_record"}
+LONG_MODULES = {"glmpost.formats.schema"}
+LONG_FUNCTIONS = {"glmpost.memory.roles.plan_memory", "glmpost.models.native_attention.native_attention_forward",
+                  "glmpost.weight_sync.convert.convert", "glmpost.kernel.engine._generate_batch",
+                  "glmpost.rollout.records.trajectory_record", "glmpost.commands.plan.plan",
+                  "glmpost.pipeline.recipe._validate"}
 
 
 def _modules() -> dict[str, Path]:
@@ -204,12 +200,21 @@ def test_imports_inside_functions_say_why():
     assert unexplained == []
 
 
+def _docstring_lines(node: ast.AST) -> int:
+    """Lines of a function's docstring: a long function is long in code (its formula, arguments and
+    reasons are welcome in the docstring)."""
+    first = node.body[0] if node.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
 def _long_functions() -> dict[str, int]:
     found = {}
     for module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
+                length = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
                 if length > MAX_FUNCTION_LINES and ONE_PIECE not in (ast.get_docstring(node) or ""):
                     found[f"{module}.{node.name}"] = length
     return found

@@ -1,8 +1,8 @@
 """Every command's options table equals the stored one (``tests/data/cli_options.json``: the table
 of the CLI before issue 29 restructured it, written by ``tests/cli_options.py``), apart from the
-changes issue 29 names on purpose: IcePop beta spelled ``--icepop-beta`` everywhere and the DIS
+changes issue 29 names on purpose: IcePop beta spelled ``--icepop-beta`` everywhere, the DIS
 band its own settings (``--dis-low`` / ``--dis-high``), the old spellings kept as hidden,
-deprecated aliases."""
+deprecated aliases; one wording of the spool consumer's settings."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from pathlib import Path
 
 from cli_options import options_table
 
+from glmpost.config import setting_of
+from glmpost.spool.settings import FollowSettings
+
 STORED = Path(__file__).parent / "data" / "cli_options.json"
 # (command, old name) -> new name: the old spelling stays, hidden, as a deprecated alias.
 RENAMED = {("diff-logprobs", "beta"): "icepop_beta", ("diff-logprobs", "eps_low"): "dis_low",
@@ -18,6 +21,10 @@ RENAMED = {("diff-logprobs", "beta"): "icepop_beta", ("diff-logprobs", "eps_low"
 # The DIS band, new in the trainers, and the trust-mask help that names it.
 ADDED = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao") for name in ("dis_low", "dis_high")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
+# The settings of a spool's consumer are declared once (glmpost/spool/settings.py) for the shard
+# stages and the trainers: the trainers' --consumer, --poll-s and --lease-s say the shared words.
+CONSUMER_HELP = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao") for name in ("consumer", "poll_s")}
+CONSUMER_HELP |= {(command, "lease_s") for command in ("train-grpo", "opd-merge", "train-sao", "judge", "score-teacher")}
 
 
 def _expected(stored: dict) -> dict:
@@ -31,6 +38,8 @@ def _expected(stored: dict) -> dict:
     for command, name in HELP_RENAMES:
         row = table[command][name]
         row["help"] = row["help"].replace("eps-low", "dis-low").replace("eps-high", "dis-high")
+    for command, name in CONSUMER_HELP:
+        table[command][name]["help"] = setting_of(FollowSettings, name)[1]["help"]
     return table
 
 

@@ -130,6 +130,30 @@ def test_a_config_tree_is_flat_on_the_command_line_and_nested_in_the_code():
     assert from_values(Tree, flat_values(built)) == built  # the flat form round-trips
 
 
+@dataclasses.dataclass
+class Worded:
+    remote: Remote = section(Remote, help={"server": "The judge's server URL."})
+
+
+def test_a_section_keeps_its_defaults_and_bounds_where_a_tree_words_a_setting_its_own_way():
+    default, meta = setting_of(Worded, "server")
+    assert (default, meta["help"]) == (None, "The judge's server URL.")
+    default, meta = setting_of(Worded, "retries")  # not reworded: the section's own words
+    assert (default, meta["help"], meta["min"]) == (3, "Retries.", 0)
+    assert setting_of(Tree, "server")[1]["help"] == "Server URL."  # the section itself is unchanged
+
+
+def test_every_consumer_of_a_spool_declares_the_same_follow_settings():
+    from glmpost.rl.follow import FollowConfig
+    from glmpost.spool.settings import FollowSettings
+
+    shared_names = [f.name for f, _ in leaves(FollowSettings)]
+    assert [f.name for f, _ in leaves(FollowConfig)][:len(shared_names)] == shared_names
+    for name in shared_names:
+        assert setting_of(FollowConfig, name)[0] == setting_of(FollowSettings, name)[0]
+    assert setting_of(FollowConfig, "follow")[1]["help"].startswith("Consume shards from this spool")
+
+
 def test_every_stage_config_tree_names_each_setting_once():
     # A tree's settings are one flat namespace (options, recipe keys, stage.json): a name twice would be ambiguous.
     from glmpost.rollout.settings import RolloutConfig

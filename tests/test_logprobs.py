@@ -9,14 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from glmpost.kernel.chunked import chunked_log_probs
 from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.heads import plain_linear
-from glmpost.kernel.logprobs import (
-    TokenLogProbs,
-    _chunked_log_probs,
-    sequence_log_probs,
-    token_log_probs_from_hidden,
-)
+from glmpost.kernel.logprobs import TokenLogProbs, sequence_log_probs, token_log_probs_from_hidden
 from glmpost.models.tiny import build_model, tiny_glm5_config
 
 LENGTHS = (23, 17, 9)  # right-padded rows of one batch; L = 23 is divisible by no chunk size used
@@ -101,7 +97,7 @@ def test_gradients_match_naive_path(model, batch):
 def _checkpointed(hidden, weight, targets, **kwargs):
     """The path of a head module that is not a bare linear layer (per-chunk checkpoints)."""
     distribution = ScoredDistribution(kwargs.pop("temperature", 1.0), kwargs.pop("top_k", 0), kwargs.pop("top_p", 1.0))
-    return _chunked_log_probs(hidden, functools.partial(F.linear, weight=weight, bias=kwargs.pop("lm_head_bias", None)),
+    return chunked_log_probs(hidden, functools.partial(F.linear, weight=weight, bias=kwargs.pop("lm_head_bias", None)),
                               weight.shape[0], targets, mask=kwargs.pop("mask", None), distribution=distribution,
                               return_entropy=kwargs.pop("return_entropy", False), **kwargs)
 

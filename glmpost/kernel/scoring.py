@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from glmpost.kernel.chunked import DEFAULT_CHUNK_SIZE, scatter_rows
 from glmpost.kernel.distribution import LOG_PROB_FLOOR, ScoredDistribution, scaled_logits
 from glmpost.kernel.heads import split_causal_lm, vocab_size_of
-from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, scatter_rows
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from glmpost.kernel.loading import load_tokenizer
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
-from glmpost.rl.run import TrainingJob, TrainingRun
+from glmpost.rl.run import TrainingJob, TrainingRun, Update
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 
@@ -72,7 +72,7 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, qu
 
     def adapt(model) -> None:
         seen["names"] = apply_fake_quant(model, spec, targets=q.targets, include=list(q.include), exclude=list(q.exclude))
-        job.manifest_extra["qat_targets"] = seen["names"]
+        update.manifest_extra["qat_targets"] = seen["names"]
 
     def build(model, backend, session):
         seen["mine"] = held_out[session.rank :: session.world_size]
@@ -86,9 +86,9 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, qu
         remove_fake_quant(trainer.model)  # checkpoints hold the float master weights
         return [*seen["errors"], {"qat/eval_loss_before": seen["eval_before"], "qat/eval_loss_after": seen["eval_after"]}]
 
-    job = TrainingJob(stage, config, examples, build, keep_optimizer_state=False, step_metrics={"qat/scheme": scheme},
-                      adapt_model=adapt, finish=finish, manifest_extra={"quantization": spec.to_json()})
-    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    job = TrainingJob(stage, config, build, adapt_model=adapt, keep_optimizer_state=False)
+    update = Update(examples, {"qat/scheme": scheme}, finish=finish, manifest_extra={"quantization": spec.to_json()})
+    result = run.run(job, update, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
         return None
     history = result.history

@@ -1,20 +1,26 @@
-"""The versioned training run every training stage goes through (train-grpo, opd-merge, qat).
+"""The training run every training stage goes through (train-grpo, opd-merge, train-sao, qat), run
+once on a batch of inputs or kept open by a follow trainer (``--follow``)::
 
-    plan -> set up -> train (save-every / resume) -> publish the next version
+    open -> update (one or more) -> publish the next version -> (update ... publish ...) -> close
 
-* **plan**: the parent checkpoint's policy version ``N`` and the target ``root/v(N+1)``
-  (:class:`~glmpost.checkpoints.NextVersion`). A target that exists was trained: the run is skipped.
-  Staging left by an interrupted run needs ``resume`` (continue it) or ``overwrite`` (start over).
-* **set up**: the training session (device, DeepSpeed ZeRO under a launcher), the parent's weights
-  on this rank's device, the stage's trainer (:attr:`TrainingJob.build`), the parent's optimizer
-  state when the stage carries it from version to version.
-* **train**: the trainer's preparation on the parent's weights, before any resumed weights are
-  loaded (old log-probs belong to the policy that sampled), then the optimizer steps from the
-  last saved state; every step's metrics go to ``staging/metrics.jsonl`` and, every
-  ``save_every`` steps, the resumable state to ``staging/trainer_state/resume.pt``.
-* **publish** (rank 0): weights (and optimizer state) into staging, ``stage.json``, the manifest,
-  the parent's tokenizer files, the atomic move into place and ``LATEST``; the steps' metrics are
-  appended to the root's ``metrics.jsonl`` (the history across versions).
+* **plan**: the parent's policy version ``N`` and the target ``root/v(N+1)``
+  (:class:`~glmpost.checkpoints.NextVersion`). Once: the parent is ``--checkpoint``; a target that
+  exists was trained and the run is skipped; staging left by an interrupted run needs ``resume``
+  (continue it) or ``overwrite`` (start over). Following: the parent is the output root's newest
+  version (:func:`newest_parent`), and staging a crash left is discarded (its updates are trained
+  again from their returned claims).
+* **open**: the training session (device, DeepSpeed ZeRO under a launcher), the parent's weights on
+  this rank's device, the parent's optimizer state when the stage carries it from version to version.
+* **update**: on the first, the stage's trainer (:attr:`TrainingJob.build`, and the companion's
+  optimizer state: SAO's critic); the trainer's preparation on the weights as they are (old log-probs belong to the
+  policy that sampled: once, before any resumed weights are loaded; following, the proximal policy),
+  then the optimizer steps; every step's metrics go to ``staging/metrics.jsonl`` and, once, every
+  ``save_every`` steps the resumable state to ``staging/trainer_state/resume.pt``.
+* **publish** (rank 0): weights (and optimizer state) into staging, the update's closing metric
+  lines, ``stage.json``, the manifest, the atomic move into place and ``LATEST``; the steps' metrics
+  are appended to the root's ``metrics.jsonl`` (the history across versions). A follow trainer then
+  plans the version after it; the updates since the last publish exist only in memory (a crash
+  loses them, never a published version).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any, Callable, Protocol
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import CheckpointManifest, NextVersion
+from glmpost.checkpoints import LATEST, CheckpointManifest, CheckpointRoot, NextVersion
 from glmpost.config import ConfigError, setting, shared
 from glmpost.kernel.loading import load_model
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
@@ -90,11 +96,10 @@ class Companion(Protocol):
 
 @dataclass
 class TrainingJob:
-    """What a stage brings to a run: its trainer, its examples and what it records."""
+    """What a stage brings to a run: its trainer and how its versions carry optimizer state."""
 
     stage: str
     config: OptimizerConfig
-    examples: list
     # (model, optimisation backend, session) -> the trainer.
     build: Callable[[Any, Any, TrainingSession], Trainer]
     # (model) -> None: changes the model before the optimisation backend takes it (fake quant; ZeRO-3
@@ -102,18 +107,25 @@ class TrainingJob:
     adapt_model: Callable[[Any], None] | None = None
     # RL carries AdamW's state from version to version (trainer_state/optimizer.pt); SFT/QAT do not.
     keep_optimizer_state: bool = True
-    step_metrics: dict[str, Any] = field(default_factory=dict)  # added to every step's metrics
-    # (trainer) -> metric lines written after the steps' (held-out loss, quantization error); runs
-    # after training on every rank and may change the model back before it is saved.
-    finish: Callable[[Any], list[dict]] | None = None
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
-    stage_extra: dict[str, Any] = field(default_factory=dict)  # stage.json fields
     companion: Companion | None = None  # set up by ``build``
 
 
 @dataclass
+class Update:
+    """What one update trains and what the version it goes into records."""
+
+    examples: list
+    step_metrics: dict[str, Any] = field(default_factory=dict)  # added to every step's metrics
+    # (trainer) -> metric lines written after the steps' (held-out loss, quantization error, compacted
+    # segments); runs after training on every rank and may change the model back before it is saved.
+    finish: Callable[[Any], list[dict]] | None = None
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+    stage_extra: dict[str, Any] = field(default_factory=dict)  # stage.json fields
+
+
+@dataclass
 class RunResult:
-    """A finished run, on rank 0."""
+    """A published version, on rank 0."""
 
     target: Path
     version: int
@@ -124,15 +136,34 @@ class RunResult:
 
 
 class TrainingRun:
-    """One update from a parent checkpoint to its next version under ``out`` (see the module doc)."""
+    """A training session from a parent version to the versions after it (see the module doc):
+    ``follow`` keeps it open across updates and versions, continuing ``out``'s newest version."""
 
-    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions):
-        self.plan = NextVersion.plan(checkpoint, out)
-        self.options = options
+    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, follow: bool = False):
+        self.out, self.options, self.follow = Path(out), options, follow
+        self.plan = NextVersion.plan(newest_parent(self.out, Path(checkpoint)) if follow else checkpoint, out)
+        self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
+        self.resuming = not follow and options.resume and self.resume_state.exists()
+        self.job: TrainingJob | None = None
+        self.session: TrainingSession | None = None
+        self.model = self.backend = self.trainer = None
+        self._clear()
+
+    def _clear(self) -> None:
+        """Nothing trained since the last version."""
+        self.history: list[dict] = []  # the optimizer steps since the last version
+        self.updates = 0  # updates since the last version
+        self.steps = 0  # their planned optimizer steps
+        self.closing_lines: list[dict] = []  # their ``finish`` lines
 
     @property
     def parent(self) -> Path:
         return self.plan.parent
+
+    @property
+    def parent_version(self) -> int:
+        """The newest published version (the one this run started from, or published since)."""
+        return self.plan.parent_version
 
     @property
     def done(self) -> bool:
@@ -149,91 +180,159 @@ class TrainingRun:
             raise ConfigError("an interrupted run left {staging}; pass {resume} to continue it or {overwrite} to start over",
                               staging=staging)
 
-    def start_session(self) -> TrainingSession:
-        o = self.options
-        return TrainingSession.start(device=o.device, deterministic=o.deterministic, zero_stage=o.zero_stage,
-                                     deepspeed_config=o.deepspeed_config)
-
     def load(self, checkpoint: Path, session: TrainingSession, *, trained: bool = True):
         return load_for_training(checkpoint, session, self.options, trained=trained)
 
-    def run(self, job: TrainingJob, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
-        """Train ``job`` and publish; the result on rank 0, None on the other ranks."""
-        plan, options = self.plan, self.options
-        staging, resume_state = plan.staging, plan.staging / "trainer_state" / "resume.pt"
-        session = self.start_session()
+    def open(self, job: TrainingJob) -> None:
+        """Start the session, load the parent's weights and restore the optimizer state the parent
+        carries (not when resuming: the resume state holds it)."""
+        o = self.options
+        self.job = job
+        self.session = session = TrainingSession.start(device=o.device, deterministic=o.deterministic,
+                                                       zero_stage=o.zero_stage, deepspeed_config=o.deepspeed_config)
+        if self.follow and o.reset_optimizer and session.use_deepspeed:
+            raise ConfigError("{reset_optimizer} with --follow resets torch AdamW between versions; not under DeepSpeed")
         model = self.load(self.parent, session)
         if job.adapt_model is not None:
             job.adapt_model(model)
-        backend = session.backend(model, job.config)
-        trainer = job.build(model, backend, session)
-        resuming = options.resume and resume_state.exists()
-        companion = job.companion
-        companion_state = staging / "trainer_state" / companion.name if companion is not None else None
-        if job.keep_optimizer_state and not options.reset_optimizer and not resuming:
-            backend.load_optimizer(self.parent / "trainer_state" / "optimizer.pt")
-            if companion is not None:
-                companion.load_optimizer()
-        if session.is_main:
-            if staging.exists() and (options.overwrite or not resuming):
-                shutil.rmtree(staging)  # --overwrite, or an interruption before the first saved state
-            staging.mkdir(parents=True, exist_ok=True)
-        session.barrier()
+        self.model, self.backend = model, session.backend(model, job.config)
+        if self._carries_optimizer:
+            self.backend.load_optimizer(self.parent / "trainer_state" / "optimizer.pt")
+
+    @property
+    def _carries_optimizer(self) -> bool:
+        return self.job.keep_optimizer_state and not self.options.reset_optimizer and not self.resuming
+
+    def _build_trainer(self) -> None:
+        """The stage's trainer, on the first update: its settings may come from the first batch's
+        records (the log-prob distribution they were sampled with). It sets the companion up."""
+        self.trainer = self.job.build(self.model, self.backend, self.session)
+        if self.job.companion is not None and self._carries_optimizer:
+            self.job.companion.load_optimizer()
+
+    def close(self) -> None:
+        """End the session (callers close in a ``finally``, whatever :meth:`open` got to)."""
+        if self.session is not None:
+            self.session.close()
+
+    @property
+    def _companion_state(self) -> Path:
+        return self.plan.staging / "trainer_state" / self.job.companion.name
+
+    def update(self, update: Update) -> list[dict]:
+        """Train one update (module doc); returns its steps' metrics, kept until the next publish."""
+        o, session, staging, companion = self.options, self.session, self.plan.staging, self.job.companion
+        if self.updates == 0:  # the version's first update starts its staging
+            if session.is_main:
+                if staging.exists() and (o.overwrite or not self.resuming):
+                    shutil.rmtree(staging)  # --overwrite, an interruption before the first saved state, a lost follow update
+                staging.mkdir(parents=True, exist_ok=True)
+            session.barrier()
+        if self.trainer is None:
+            self._build_trainer()
         metrics_path = staging / "metrics.jsonl"
-        prepared = trainer.prepare(job.examples)  # on the parent's weights, before any resume
-        total = trainer.steps(prepared)
-        start_step, history = 0, []
-        if resuming:  # weights, optimizer state, step and metrics of the last save
-            start_step, history = backend.load_resume_state(resume_state)
+        prepared = self.trainer.prepare(update.examples)  # the weights as they are now, before any resume
+        total = self.trainer.steps(prepared)
+        start_step, steps = 0, []
+        if self.resuming:  # weights, optimizer state, step and metrics of the last save
+            start_step, steps = self.backend.load_resume_state(self.resume_state)
             if companion is not None:
-                companion.load_resume_state(companion_state, start_step)
+                companion.load_resume_state(self._companion_state, start_step)
             log(f"resuming at optimizer step {start_step} of {total}")
             if session.is_main:  # drop lines of steps that ran after the last saved state
-                metrics_path.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in history))
-        progress = tqdm(total=total, initial=start_step, desc=job.stage, unit="step", leave=False,
+                metrics_path.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in steps))
+            self.resuming = False
+        step_metrics = {**update.step_metrics, **({"train/update": self.updates} if self.follow else {})}
+        progress = tqdm(total=total, initial=start_step, desc=self.job.stage, unit="step", leave=False,
                         disable=None if session.is_main else True)
 
         def on_step(step: int, metrics: dict) -> None:
-            metrics.update(job.step_metrics)
-            history.append(metrics)
+            metrics.update(step_metrics)
+            steps.append(metrics)
             if session.is_main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics, sort_keys=True) + "\n")
             progress.update(1)
-            if options.save_every and (step + 1) % options.save_every == 0 and step + 1 < total:
+            if not self.follow and o.save_every and (step + 1) % o.save_every == 0 and step + 1 < total:
                 if companion is not None:  # first: the policy's resume state names the step to resume at
-                    companion.save_resume_state(companion_state, step + 1)
-                backend.save_resume_state(resume_state, step + 1, history)
+                    companion.save_resume_state(self._companion_state, step + 1)
+                self.backend.save_resume_state(self.resume_state, step + 1, self.history + steps)
 
         with progress:
-            trainer.train(prepared, start_step=start_step, on_step=on_step)
-        finish_lines = job.finish(trainer) if job.finish is not None else []
-        backend.save_model(staging)
+            self.trainer.train(prepared, start_step=start_step, on_step=on_step)
+        if update.finish is not None:
+            self.closing_lines += update.finish(self.trainer)
+        self.history += steps
+        self.updates += 1
+        self.steps += total
+        return steps
+
+    def publish(self, *, tokenizer_revision: str, stage_options: dict[str, Any], manifest_extra: dict[str, Any],
+                stage_extra: dict[str, Any]) -> RunResult:
+        """Publish the updates since the last version as the next one (every rank: ZeRO-3 gathers
+        the weights); a follow run then plans the version after it."""
+        plan, session, job, companion = self.plan, self.session, self.job, self.job.companion
+        staging = plan.staging
+        self.backend.save_model(staging)
         if job.keep_optimizer_state:
-            backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
+            self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
         if companion is not None:
             companion.save(tokenizer_revision=tokenizer_revision, stage=job.stage, stage_options=stage_options,
-                           world_size=session.world_size, history=history)
+                           world_size=session.world_size, history=self.history)
         if session.is_main:
             if companion is not None:
-                shutil.rmtree(companion_state, ignore_errors=True)
+                shutil.rmtree(self._companion_state, ignore_errors=True)
             if job.keep_optimizer_state:
-                resume_state.unlink(missing_ok=True)
+                self.resume_state.unlink(missing_ok=True)
             else:  # resume state is not part of the checkpoint
                 shutil.rmtree(staging / "trainer_state", ignore_errors=True)
-            if finish_lines:
-                with open(metrics_path, "a") as f:
-                    f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in finish_lines)
+            if self.closing_lines:
+                with open(staging / "metrics.jsonl", "a") as f:
+                    f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in self.closing_lines)
+            if self.follow:
+                stage_extra = {**stage_extra, "updates": self.updates}
             publish_staged(plan, stage=job.stage, stage_options=stage_options, world_size=session.world_size,
-                           stage_extra=job.stage_extra, manifest_extra=job.manifest_extra, steps=total,
-                           tokenizer_revision=tokenizer_revision, history=history)
+                           stage_extra=stage_extra, manifest_extra=manifest_extra, steps=self.steps,
+                           tokenizer_revision=tokenizer_revision, history=self.history)
             if companion is not None:
                 companion.publish()
         session.barrier()
-        session.close()
-        if not session.is_main:
-            return None
-        return RunResult(plan.target, plan.version, self.parent, history, session.world_size, total)
+        result = RunResult(plan.target, plan.version, plan.parent, self.history, session.world_size, self.steps)
+        self.plan = NextVersion.plan(plan.target, self.out)
+        self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
+        self._clear()
+        if companion is not None:
+            companion.version = self.plan.version
+        if self.follow and self.options.reset_optimizer:
+            self.backend.reset_optimizer()
+            if companion is not None:
+                companion.reset_optimizer()
+        return result
+
+    def run(self, job: TrainingJob, update: Update, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
+        """Open, train ``update``, publish it and close; the result on rank 0, None on the other ranks."""
+        try:
+            self.open(job)
+            self.update(update)
+            result = self.publish(tokenizer_revision=tokenizer_revision, stage_options=stage_options,
+                                  manifest_extra=update.manifest_extra, stage_extra=update.stage_extra)
+        finally:
+            self.close()
+        return result if self.session.is_main else None
+
+
+def newest_parent(out: Path, checkpoint: Path) -> Path:
+    """The version a follow run continues from: ``out``'s newest (``LATEST`` repaired when a crash
+    came between moving a version in and moving ``LATEST``), else ``checkpoint``."""
+    root = CheckpointRoot(out)
+    versions = root.versions()
+    if not versions:
+        return Path(checkpoint)
+    latest = root.latest()
+    if latest != versions[-1]:
+        log(f"{out}: {LATEST} named {'nothing' if latest is None else f'v{latest}'}, but v{versions[-1]} was published; moving it")
+        root.set_latest(versions[-1])
+    return Path(out)
 
 
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):

@@ -33,7 +33,7 @@ from glmpost.rl.batches import (
 )
 from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.rl.critic import CriticVersions
-from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun
+from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun, Update
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import PolicyTrainer
 from glmpost.stage import log
@@ -61,9 +61,12 @@ class UpdateBatch:
     summary: dict[str, Any]
     lines: list[dict[str, Any]] = field(default_factory=list)  # metric lines after the steps' (each compacted segment)
 
-    def finish(self):
-        """The job's ``finish``: writes :attr:`lines` after the steps' metrics (None when there are none)."""
-        return (lambda trainer: list(self.lines)) if self.lines else None
+    def update(self, *, manifest_extra: dict[str, Any] | None = None, stage_extra: dict[str, Any] | None = None) -> Update:
+        """The run's :class:`~glmpost.rl.run.Update`: :attr:`lines` written after the steps' metrics;
+        ``stage_extra`` (default :attr:`stage_extra`) in stage.json."""
+        finish = (lambda trainer: list(self.lines)) if self.lines else None
+        return Update(self.examples, self.step_metrics, finish=finish, manifest_extra=dict(manifest_extra or {}),
+                      stage_extra=self.stage_extra if stage_extra is None else stage_extra)
 
 
 def _validated(config) -> None:
@@ -205,10 +208,9 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
                        skip_ids=skip_ids)
     build = grpo_trainer(config, pad_token_id=tokenizer.pad_token_id,
                          reference=lambda session: run.load(ref_checkpoint or run.parent, session, trained=False))
-    job = TrainingJob("train-grpo", config, batch.examples, build, step_metrics=batch.step_metrics, finish=batch.finish(),
-                      manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples), **(manifest_extra or {})},
-                      stage_extra=batch.stage_extra)
-    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    update = batch.update(manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
+                                          **(manifest_extra or {})})
+    result = run.run(TrainingJob("train-grpo", config, build), update, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
         return None
     return {**_published(result, batch.records, trained_records(batch.examples), batch.excluded), **batch.summary}
@@ -274,12 +276,10 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
     batch = opd_batch(inputs, config, parent_version=run.plan.parent_version, revision=revision, skip_ids=skip_ids)
-    job = TrainingJob("opd-merge", config, batch.examples, opd_trainer(config, pad_token_id=tokenizer.pad_token_id),
-                      step_metrics=batch.step_metrics,
-                      manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
-                                      "teachers": batch.summary["teachers"], **(manifest_extra or {})},
-                      stage_extra=batch.stage_extra)
-    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    job = TrainingJob("opd-merge", config, opd_trainer(config, pad_token_id=tokenizer.pad_token_id))
+    update = batch.update(manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
+                                          "teachers": batch.summary["teachers"], **(manifest_extra or {})})
+    result = run.run(job, update, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:
         return None
     first = result.history[0] if result.history else {}
@@ -350,11 +350,11 @@ def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, cr
     critic = CriticVersions(critic_root, policy=run.parent, version=run.plan.version, groups=config.critic_groups(),
                             optimizer=config.critic_optimizer(), init=init_critic, seed=config.seed)
     build = sao_trainer(config, critic, pad_token_id=tokenizer.pad_token_id, options=run.options)
-    job = TrainingJob("train-sao", config, batch.examples, build, step_metrics=batch.step_metrics, finish=batch.finish(),
-                      manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
-                                      "critic": str(critic.root.version_dir(critic.version))},
-                      stage_extra={**batch.stage_extra, "critic_parent": str(critic.parent)}, companion=critic)
-    result = run.run(job, tokenizer_revision=revision, stage_options=stage_options)
+    update = batch.update(manifest_extra={"records": batch.records, "trained_records": trained_records(batch.examples),
+                                          "critic": str(critic.root.version_dir(critic.version))},
+                          stage_extra={**batch.stage_extra, "critic_parent": str(critic.parent)})
+    result = run.run(TrainingJob("train-sao", config, build, companion=critic), update, tokenizer_revision=revision,
+                     stage_options=stage_options)
     if result is None:
         return None
     last = result.history[-1] if result.history else {}

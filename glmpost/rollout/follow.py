@@ -103,88 +103,117 @@ def _queued(spools: list[Spool]) -> int:
     return total
 
 
+class _Producer:
+    """One ``rollout --follow`` run: the runner, the engine on the newest version, the spool it
+    publishes into, and what it has done so far."""
+
+    def __init__(self, config: RolloutConfig, follow: RolloutFollowConfig, *, options: dict[str, Any]):
+        follow.check()
+        self.config, self.follow = config, follow
+        self.params = config.sampling_params()
+        self.device = resolve_device(config.device)
+        self.checkpoint = PolicyCheckpoint.open(config.checkpoint)
+        self.spool = Spool(follow.follow, tokenizer_revision=self.checkpoint.revision)
+        self.name = follow.producer or default_producer(config.checkpoint, config.shard_index)
+        self.reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
+        self.runner = RolloutRunner(config, options=options)
+        prompts = self.runner.open(self.checkpoint)
+        self.home = self.spool.path / "producers" / self.name
+        self.home.mkdir(parents=True, exist_ok=True)
+        cut, mine = task_parts(prompts, config)
+        self.parts = [(index, cut[index]) for index in mine]
+        write_stage_json(self.home, STAGE, options, producer=self.name, spool=str(self.spool.path))
+        self.watched = [self.spool] + [Spool(path, tokenizer_revision=self.checkpoint.revision) for path in follow.queue]
+        self.backend = open_backend(self.checkpoint, config, self.device)
+        self.published, self.versions, self.rounds, self.switches = 0, set(), 0, 0
+        self.waited, self.started = 0.0, time.monotonic()
+        # A server's weights are switched by sync-weights; each answer says which version sampled it.
+        local = self.reload_root is not None and isinstance(self.backend, LocalBackend)
+        self.runner.between_turns = self.switch_between_turns if local else None
+        self.engine_info = {"engine": self.backend.engine_name(), "engine_version": engine_version(),
+                            "group_size": config.group_size, "seed_reproducible": self.backend.seed_reproducible}
+
+    def idle_fraction(self) -> float:
+        return round(self.waited / max(time.monotonic() - self.started, 1e-9), 4)
+
+    def switch_between_turns(self) -> None:
+        """The local engine, between the turns of a multi-turn part: the newest version's weights."""
+        newer = _newest(self.reload_root, self.checkpoint)
+        if newer is not None:
+            log(f"{self.name}: switching from v{self.checkpoint.policy_version} to v{newer.policy_version} "
+                f"between turns ({self.follow.kv_on_switch} the KV caches)")
+            self.backend.switch(newer, self.config, self.device, keep_cache=self.follow.kv_on_switch == "keep")
+            self.checkpoint = newer
+            self.switches += 1
+
+    def switch_between_parts(self, round_params) -> None:
+        """Before a part: a new engine on the newest version when it moved."""
+        newer = _newest(self.reload_root, self.checkpoint)
+        if newer is not None:
+            log(f"{self.name}: switching from v{self.checkpoint.policy_version} to v{newer.policy_version}")
+            self.backend.close()
+            self.checkpoint = newer
+            self.backend = open_backend(newer, self.config, self.device)
+            self.runner.prepare(self.backend, round_params)
+
+    def wait_for_room(self, stop: dict) -> None:
+        """Backpressure: wait while ``--max-queued`` shards are published and not yet consumed."""
+        while (self.follow.max_queued is not None and stop["signal"] is None
+               and _queued(self.watched) >= self.follow.max_queued):
+            time.sleep(0.1)
+            self.waited += 0.1
+
+    def publish_part(self, name: str, part: list, round_params, progress: tqdm) -> dict[str, Any]:
+        """Sample ``part`` and publish it as the shard ``name``; returns its metrics line."""
+        checkpoint, started = self.checkpoint, time.perf_counter()
+        progress.total = (progress.total or 0) + len(part) * self.config.group_size
+        samples = self.runner.generate(part, self.backend, progress)
+        self.runner.write_part(self.spool.publish_path(name), samples, round_params, checkpoint, self.engine_info)
+        completions = [s.outcome[0] for s in samples if s.outcome[0] is not None]
+        aborted = sum(s.status() == "aborted" for s in samples)
+        self.published += 1
+        self.versions.update({checkpoint.policy_version, self.checkpoint.policy_version})
+        return {**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,
+                                policy_version=checkpoint.policy_version),
+                **refill_metrics(samples), "rollout/queue_ready": self.spool.depth().ready,
+                "rollout/switches_between_turns": self.switches, "rollout/queued": _queued(self.watched),
+                "rollout/idle_fraction": self.idle_fraction()}
+
+    def run(self, stop: dict) -> None:
+        """Round after round over this task's parts until stopped (module doc)."""
+        held = self.spool.names()
+        progress = tqdm(desc="rollout --follow", unit="seq", leave=False, disable=None)
+        with MetricsWriter(self.home / "metrics.jsonl") as metrics, progress:
+            for round_number in count():
+                if stop["signal"] is not None or (self.follow.max_rounds is not None and round_number >= self.follow.max_rounds):
+                    break
+                round_params = replace(self.params, seed=self.config.seed + round_number)
+                self.runner.prepare(self.backend, round_params)
+                for part_index, part in self.parts:
+                    name = f"{self.name}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
+                    if name in held:
+                        continue
+                    self.wait_for_room(stop)
+                    if stop["signal"] is not None:
+                        break
+                    self.switch_between_parts(round_params)
+                    metrics.write(**self.publish_part(name, part, round_params, progress))
+                else:
+                    self.rounds += 1
+
+    def summary(self, stopped_by: str | None) -> dict[str, Any]:
+        return {"spool": str(self.spool.path), "producer": self.name, "shards_published": self.published,
+                "rounds": self.rounds, "policy_versions": sorted(self.versions),
+                "policy_version": self.checkpoint.policy_version, "switches_between_turns": self.switches,
+                "idle_fraction": self.idle_fraction(), "stopped_by": stopped_by or "max_rounds"}
+
+
 def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, options: dict[str, Any]) -> dict[str, Any]:
     """Run the follow loop (module doc); returns the run's summary."""
-    params = config.sampling_params()
-    device = resolve_device(config.device)
-    checkpoint = PolicyCheckpoint.open(config.checkpoint)
-    follow.check()
-    spool = Spool(follow.follow, tokenizer_revision=checkpoint.revision)
-    producer = follow.producer or default_producer(config.checkpoint, config.shard_index)
-    reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
-    runner = RolloutRunner(config, options=options)
-    prompts = runner.open(checkpoint)
-    home = spool.path / "producers" / producer
-    home.mkdir(parents=True, exist_ok=True)
-    cut, mine = task_parts(prompts, config)
-    parts = [(index, cut[index]) for index in mine]
-    write_stage_json(home, STAGE, options, producer=producer, spool=str(spool.path))
-    watched = [spool] + [Spool(path, tokenizer_revision=checkpoint.revision) for path in follow.queue]
-    backend = open_backend(checkpoint, config, device)
-    published, versions, rounds_done, waited, started_at = 0, set(), 0, 0.0, time.monotonic()
-    current = {"checkpoint": checkpoint, "switches": 0}
-
-    def switch_between_turns() -> None:
-        newer = _newest(reload_root, current["checkpoint"])
-        if newer is not None:
-            log(f"{producer}: switching from v{current['checkpoint'].policy_version} to v{newer.policy_version} "
-                f"between turns ({follow.kv_on_switch} the KV caches)")
-            backend.switch(newer, config, device, keep_cache=follow.kv_on_switch == "keep")
-            current["checkpoint"] = newer
-            current["switches"] += 1
-
-    # A server's weights are switched by sync-weights; each answer says which version sampled it.
-    runner.between_turns = switch_between_turns if reload_root is not None and isinstance(backend, LocalBackend) else None
+    producer = _Producer(config, follow, options=options)
     with stop_on_signals() as stop:
         try:
-            engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(),
-                           "group_size": config.group_size, "seed_reproducible": backend.seed_reproducible}
-            held = spool.names()
-            progress = tqdm(desc="rollout --follow", unit="seq", leave=False, disable=None)
-            with MetricsWriter(home / "metrics.jsonl") as metrics, progress:
-                for round_number in count():
-                    if stop["signal"] is not None or (follow.max_rounds is not None and round_number >= follow.max_rounds):
-                        break
-                    round_params = replace(params, seed=config.seed + round_number)
-                    runner.prepare(backend, round_params)
-                    for part_index, part in parts:
-                        name = f"{producer}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
-                        if name in held:
-                            continue
-                        while (follow.max_queued is not None and stop["signal"] is None
-                               and _queued(watched) >= follow.max_queued):
-                            time.sleep(0.1)  # backpressure: the trainer is behind
-                            waited += 0.1
-                        if stop["signal"] is not None:
-                            break
-                        checkpoint = current["checkpoint"]  # where the last part's turns left it
-                        newer = _newest(reload_root, checkpoint)
-                        if newer is not None:
-                            log(f"{producer}: switching from v{checkpoint.policy_version} to v{newer.policy_version}")
-                            backend.close()
-                            checkpoint = current["checkpoint"] = newer
-                            backend = open_backend(checkpoint, config, device)
-                            runner.prepare(backend, round_params)
-                        started = time.perf_counter()
-                        progress.total = (progress.total or 0) + len(part) * config.group_size
-                        samples = runner.generate(part, backend, progress)
-                        runner.write_part(spool.publish_path(name), samples, round_params, checkpoint, engine_info)
-                        completions = [s.outcome[0] for s in samples if s.outcome[0] is not None]
-                        aborted = sum(s.status() == "aborted" for s in samples)
-                        metrics.write(**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,
-                                                      policy_version=checkpoint.policy_version),
-                                      **refill_metrics(samples), **{"rollout/queue_ready": spool.depth().ready,
-                                                                    "rollout/switches_between_turns": current["switches"],
-                                                                    "rollout/queued": _queued(watched),
-                                                                    "rollout/idle_fraction": round(waited / max(time.monotonic() - started_at, 1e-9), 4)})
-                        published += 1
-                        versions.update({checkpoint.policy_version, current["checkpoint"].policy_version})
-                    else:
-                        rounds_done += 1
+            producer.run(stop)
         finally:
-            backend.close()
-    return {"spool": str(spool.path), "producer": producer, "shards_published": published, "rounds": rounds_done,
-            "policy_versions": sorted(versions), "policy_version": current["checkpoint"].policy_version,
-            "switches_between_turns": current["switches"],
-            "idle_fraction": round(waited / max(time.monotonic() - started_at, 1e-9), 4),
-            "stopped_by": stop["signal"] or "max_rounds"}
+            producer.backend.close()
+    return producer.summary(stop["signal"])
