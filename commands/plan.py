@@ -59,14 +59,7 @@ def plan(
     if report.errors:
         raise UsageError(f"{report.errors[0]} (see `glmpost recipe check {recipe}`)")
     given = {"model": model, "prompt_tokens": prompt_tokens, "dtype": dtype, "ranks": ranks, "attention": attention, "margin": margin}
-    recipe_plan = report.stages.get("plan", {})
-    defaults = {**PLAN_DEFAULTS, "ranks": report.pipeline.world_size if report.pipeline is not None else 1}
-    settings = {k: given[k] if given[k] is not None else recipe_plan.get(k) if recipe_plan.get(k) is not None else defaults[k]
-                for k in PLAN_DEFAULTS}
-    if settings["attention"] not in (None, "native", "math", "eager", "fused"):
-        raise UsageError(f"--attention {settings['attention']!r}: expected native, math, eager or fused")
-    if settings["dtype"] not in ("bfloat16", "float16", "float32"):
-        raise UsageError(f"--dtype {settings['dtype']!r}: expected bfloat16, float16 or float32")
+    settings = _settings(report, given)
     description, config = model_config(str(settings["model"]))
     try:
         shape = ModelShape.from_config(config)
@@ -87,7 +80,26 @@ def plan(
         "not_modelled": "allocator fragmentation (M_allocator)",
         "objects": {role: asdict(facts) for role, facts in memory_objects(workload.attention).items()},
     }
-    human = "\n".join([
+    human = _human(recipe, description, counts, workload, rows, summary)
+    print_summary(summary, as_json=as_json, human=human)
+
+
+def _settings(report, given: dict) -> dict:
+    """Each plan setting: the command line's, else the recipe's ``[plan]``, else the default."""
+    recipe_plan = report.stages.get("plan", {})
+    defaults = {**PLAN_DEFAULTS, "ranks": report.pipeline.world_size if report.pipeline is not None else 1}
+    settings = {k: given[k] if given[k] is not None else recipe_plan.get(k) if recipe_plan.get(k) is not None else defaults[k]
+                for k in PLAN_DEFAULTS}
+    if settings["attention"] not in (None, "native", "math", "eager", "fused"):
+        raise UsageError(f"--attention {settings['attention']!r}: expected native, math, eager or fused")
+    if settings["dtype"] not in ("bfloat16", "float16", "float32"):
+        raise UsageError(f"--dtype {settings['dtype']!r}: expected bfloat16, float16 or float32")
+    return settings
+
+
+def _human(recipe: Path, description: str, counts: dict, workload, rows: list, summary: dict) -> str:
+    """The plan as a table with its workload above and what it models below."""
+    return "\n".join([
         (f"{recipe}: peak memory per role (brief: 内存不是“参数量乘位宽”), model {description}: "
         f"{counts['total']:,} parameters ({counts['trainable']:,} trainable; DSA indexer frozen)"),
         (f"train micro-batch {workload.micro_batch} x {workload.seq} tokens, {workload.dtype}, "
@@ -102,4 +114,3 @@ def plan(
         "",
         format_objects(memory_objects(workload.attention)),
     ])
-    print_summary(summary, as_json=as_json, human=human)

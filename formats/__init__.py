@@ -24,7 +24,6 @@ from glmpost.formats.schema import (
     RecordError,
     normalize_record,
     require_fields,
-    validate_record,
 )
 from glmpost.formats.shard_reader import Shard, ShardReader, read_shard
 from glmpost.formats.shards import (
@@ -36,6 +35,7 @@ from glmpost.formats.shards import (
     write_shard,
 )
 from glmpost.formats.synthetic import synthetic_record
+from glmpost.formats.validation import validate_record
 from glmpost.formats.windows import ContextWindow, compactions, context_windows, window_inputs, window_views
 
 __all__ = [

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from glmpost.formats.schema import FIELDS, RecordError, normalize_record, validate_record
+from glmpost.formats.schema import FIELDS, RecordError, normalize_record
+from glmpost.formats.validation import validate_record
 from glmpost.formats.windows import CONTEXT_KEY
 
 

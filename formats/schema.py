@@ -8,7 +8,7 @@ and read as they are.
 
 - :func:`normalize_record` converts what a stage hands over (Python lists, other int/float widths,
   numpy scalars) into the exact dtypes; it runs on the write path only.
-- :func:`validate_record` checks an exact record: fields, dtypes, shapes, masks, log-prob ranges,
+- :func:`~glmpost.formats.validation.validate_record` checks an exact record: fields, dtypes, shapes, masks, log-prob ranges,
   segments, status, reward. The reader runs it on every record without normalising first, so a
   wrong dtype inside a file is refused rather than silently converted.
 - :func:`require_fields` is how a stage asks for fields a previous stage produces; its error names
@@ -17,8 +17,6 @@ and read as they are.
 
 from __future__ import annotations
 
-import difflib
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -203,7 +201,7 @@ def _to_float(name: str, value: Any) -> Any:
 
 
 # A segment's ``context``: converted like a schema array field on the write path.
-_CONTEXT = Field(CONTEXT_KEY, "array", ROLLOUT, dtype=np.dtype("int32"), shape=("C",))
+CONTEXT_FIELD = Field(CONTEXT_KEY, "array", ROLLOUT, dtype=np.dtype("int32"), shape=("C",))
 
 
 def _to_segment(index: int, segment: Any) -> Any:
@@ -214,7 +212,7 @@ def _to_segment(index: int, segment: Any) -> Any:
         if isinstance(out.get(key), np.integer):
             out[key] = int(out[key])
     if CONTEXT_KEY in out:
-        out[CONTEXT_KEY] = _to_array(f"segments[{index}].{CONTEXT_KEY}", segment[CONTEXT_KEY], _CONTEXT)
+        out[CONTEXT_KEY] = _to_array(f"segments[{index}].{CONTEXT_KEY}", segment[CONTEXT_KEY], CONTEXT_FIELD)
     return out
 
 
@@ -248,171 +246,3 @@ def to_free_form(value: Any, where: str) -> Any:
 # Kept in sync with the dtype table in shards.py (checked by a test); listed here so that the schema
 # does not import the codec.
 _FREE_FORM_DTYPES = ("b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8")
-
-
-# --------------------------------------------------------------------------------------------
-# validate_record: exact checks, shared by writer and reader
-
-
-def validate_record(record: Mapping[str, Any]) -> None:
-    """Raise :class:`RecordError` unless ``record`` is an exact schema-v2 record (see SPEC.md §6); a
-    version-1 record (no ``context`` segments) is one too."""
-    if not isinstance(record, Mapping):
-        raise RecordError(f"a record must be a map, got {type(record).__name__}")
-    _check_keys(record)
-    for name, value in record.items():
-        _check_type(name, value, FIELDS[name])
-    T = len(record["response_token_ids"])
-    _check_shapes(record, T)
-    _check_token_ids(record)
-    action = record["action_mask"]
-    if (action & record["observation_mask"]).any():
-        first = int(np.flatnonzero(action & record["observation_mask"])[0])
-        raise RecordError(f"action_mask and observation_mask are both set on token {first}")
-    for name in LOG_PROB_FIELDS:
-        if name in record:
-            _check_log_probs(name, record[name], action)
-    if "teacher_topk_log_probs" in record:
-        _check_topk_log_probs(record["teacher_topk_log_probs"])
-    if "segments" in record:
-        _check_segments(record["segments"], T, action)
-    if record["status"] not in STATUSES:
-        raise RecordError(f"status {record['status']!r} is not one of {', '.join(STATUSES)}")
-    _check_reward(record)
-
-
-def _check_keys(record: Mapping[str, Any]) -> None:
-    for name in record:
-        if name not in FIELDS:
-            close = difflib.get_close_matches(str(name), FIELDS, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise RecordError(f"unknown field {name!r}{hint}; free-form additions go under 'extra'")
-    for name in REQUIRED_FIELDS:
-        if name not in record:
-            raise RecordError(f"missing required field '{name}'")
-
-
-_PY_TYPES = {"str": str, "map": dict, "segments": list, "float": float}
-
-
-def _check_type(name: str, value: Any, spec: Field) -> None:
-    if spec.kind == "array":
-        if not isinstance(value, np.ndarray):
-            raise RecordError(f"field '{name}': expected a {spec.dtype} array, got {type(value).__name__}")
-        if value.dtype != spec.dtype:
-            raise RecordError(f"field '{name}': dtype {value.dtype}, expected {spec.dtype}")
-        if value.ndim != len(spec.shape):
-            raise RecordError(f"field '{name}': {value.ndim}-D, expected shape [{','.join(spec.shape)}]")
-        return
-    want = _PY_TYPES[spec.kind]
-    if not isinstance(value, want) or isinstance(value, bool):
-        raise RecordError(f"field '{name}': expected {want.__name__}, got {type(value).__name__}")
-    if spec.kind == "str" and spec.required and not value:
-        raise RecordError(f"field '{name}': must not be empty")
-
-
-def _check_shapes(record: Mapping[str, Any], T: int) -> None:
-    k = None
-    for name in ARRAY_FIELDS:
-        value = record.get(name)
-        if value is None or FIELDS[name].shape[0] != "T":
-            continue
-        if value.shape[0] != T:
-            raise RecordError(f"field '{name}': length {value.shape[0]}, expected T={T} (len of response_token_ids)")
-        if value.ndim == 2:
-            if k is not None and value.shape[1] != k:
-                raise RecordError(f"field '{name}': top-k width {value.shape[1]}, expected k={k}")
-            k = value.shape[1]
-    if ("teacher_topk_ids" in record) != ("teacher_topk_log_probs" in record):
-        raise RecordError("teacher_topk_ids and teacher_topk_log_probs must be present together")
-
-
-def _check_token_ids(record: Mapping[str, Any]) -> None:
-    for name in ("prompt_token_ids", "response_token_ids", "teacher_topk_ids"):
-        value = record.get(name)
-        if value is not None and value.size and value.min() < 0:
-            raise RecordError(f"field '{name}': negative token id {int(value.min())}")
-
-
-def _check_log_probs(name: str, values: np.ndarray, action: np.ndarray) -> None:
-    """NaN is allowed only off actions; everything else is a finite log-prob (<= 0, with tolerance)."""
-    nan_on_action = np.isnan(values) & action
-    if nan_on_action.any():
-        raise RecordError(f"field '{name}': NaN on action token {int(np.flatnonzero(nan_on_action)[0])}")
-    if values.size == 0:
-        return
-    # fmax/fmin skip NaN: the extremes of the non-NaN values (NaN when every value is NaN).
-    high, low = np.fmax.reduce(values), np.fmin.reduce(values)
-    if np.isnan(high) or (high <= LOG_PROB_TOLERANCE and np.isfinite(low)):
-        return
-    invalid = ~np.isnan(values) & ~(np.isfinite(values) & (values <= LOG_PROB_TOLERANCE))
-    index = int(np.flatnonzero(invalid)[0])
-    raise RecordError(f"field '{name}': token {index} has {float(values[index])}, not a log-prob (<= 0)")
-
-
-def _check_topk_log_probs(values: np.ndarray) -> None:
-    ok = np.isnan(values) | (np.isfinite(values) & (values <= LOG_PROB_TOLERANCE))
-    if not ok.all():
-        t, j = np.argwhere(~ok)[0]
-        raise RecordError(
-            f"field 'teacher_topk_log_probs': [{t},{j}] has {float(values[t, j])}, not a log-prob (<= 0)"
-        )
-
-
-def _check_segments(segments: list, T: int, action: np.ndarray) -> None:
-    previous_end = 0
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, dict):
-            raise RecordError(f"segments[{i}]: expected a map, got {type(seg).__name__}")
-        for key in SEGMENT_KEYS:
-            if key not in seg:
-                raise RecordError(f"segments[{i}]: missing '{key}'")
-        start, end, turn = seg["start"], seg["end"], seg["turn"]
-        if not (type(start) is int and type(end) is int and type(turn) is int):  # bool is not allowed
-            raise RecordError(f"segments[{i}]: start, end and turn must be integers")
-        if seg["kind"] not in SEGMENT_KINDS:
-            raise RecordError(f"segments[{i}]: kind {seg['kind']!r} is not one of {', '.join(SEGMENT_KINDS)}")
-        if not 0 <= start <= end <= T:
-            raise RecordError(f"segments[{i}]: [{start}, {end}) is not within [0, T={T}]")
-        if start < previous_end:
-            raise RecordError(f"segments[{i}]: starts at {start}, before the previous segment ends ({previous_end})")
-        previous_end = end
-        if CONTEXT_KEY in seg:
-            _check_context(i, seg[CONTEXT_KEY])
-        if ROLE_KEY in seg and not isinstance(seg[ROLE_KEY], str):
-            raise RecordError(f"segments[{i}].{ROLE_KEY}: expected str, got {type(seg[ROLE_KEY]).__name__}")
-        if seg["kind"] == "summary" and not action[start:end].all():
-            token = start + int(np.flatnonzero(~action[start:end])[0])
-            raise RecordError(f"segments[{i}]: kind 'summary' but token {token} has action_mask 0 (a summary is the policy's)")
-
-
-def _check_context(index: int, context: Any) -> None:
-    """A window's rebuilt context: a non-empty int32 [C] array of token ids, never on segment 0."""
-    where = f"segments[{index}].{CONTEXT_KEY}"
-    if index == 0:
-        raise RecordError(f"{where}: the first segment cannot open a window (window 0's context is prompt_token_ids)")
-    if not isinstance(context, np.ndarray):
-        raise RecordError(f"{where}: expected a int32 array, got {type(context).__name__}")
-    if context.dtype != _CONTEXT.dtype:
-        raise RecordError(f"{where}: dtype {context.dtype}, expected int32")
-    if context.ndim != 1:
-        raise RecordError(f"{where}: {context.ndim}-D, expected shape [C]")
-    if context.size == 0:
-        raise RecordError(f"{where}: empty (a window's context holds at least one token)")
-    if context.min() < 0:
-        raise RecordError(f"{where}: negative token id {int(context.min())}")
-
-
-def _check_reward(record: Mapping[str, Any]) -> None:
-    for key, value in record.get("rewards", {}).items():
-        if not isinstance(key, str) or not isinstance(value, float):
-            raise RecordError(f"field 'rewards': {key!r} -> {value!r} is not str -> float")
-        if math.isinf(value):
-            raise RecordError(f"field 'rewards': {key!r} is infinite")
-    if "reward" not in record:
-        return
-    reward = record["reward"]
-    if math.isinf(reward):
-        raise RecordError("field 'reward': infinite (use NaN with reward_info['failure'] for a failed judgement)")
-    if math.isnan(reward) and not record.get("reward_info", {}).get(REWARD_FAILURE_KEY):
-        raise RecordError(f"field 'reward': NaN without reward_info['{REWARD_FAILURE_KEY}'] saying why")

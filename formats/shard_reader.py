@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import msgpack
 import zstandard
 
-from glmpost.formats.schema import SCHEMA_VERSION, RecordError, validate_record
+from glmpost.formats.schema import SCHEMA_VERSION, RecordError
 from glmpost.formats.shards import (
     FORMAT_NAME,
     HEADER_KEYS,
@@ -28,6 +28,7 @@ from glmpost.formats.shards import (
     checksum_text,
     record_unpacker,
 )
+from glmpost.formats.validation import validate_record
 from glmpost.formats.windows import CONTEXT_KEY
 
 _READ_CHUNK = 1 << 18

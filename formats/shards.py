@@ -43,8 +43,8 @@ from glmpost.formats.schema import (
     RecordError,
     normalize_record,
     to_free_form,
-    validate_record,
 )
+from glmpost.formats.validation import validate_record
 from glmpost.fsutil import fsync_dir
 
 FORMAT_NAME = "glmpost-trajectories"

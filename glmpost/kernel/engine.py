@@ -310,23 +310,7 @@ class LocalEngine:
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], dim=-1)
             positions = positions[:, -1:] + 1
         recorded = torch.stack(chosen_steps, dim=1)
-        tokens = recorded.cpu().tolist()
-        log_probs = torch.stack(log_prob_steps, dim=1).cpu().tolist()
-        top_ids = top_values = None
-        if top_logprobs_num > 0:
-            top_values = torch.stack([t[0] for t in top_steps], dim=1).cpu().tolist()
-            top_ids = torch.stack([t[1] for t in top_steps], dim=1).cpu().tolist()
-        stop_set = set(params.stop_token_ids)
-        results = []
-        for row, (row_tokens, row_log_probs) in enumerate(zip(tokens, log_probs)):
-            length = row_tokens.index(-1) if -1 in row_tokens else len(row_tokens)
-            kept = row_tokens[:length]
-            reason = "stop" if kept and kept[-1] in stop_set else "length"
-            results.append(Completion(
-                kept, row_log_probs[:length], reason,
-                top_ids[row][:length] if top_ids is not None else None,
-                top_values[row][:length] if top_values is not None else None,
-            ))
+        results = _completions(recorded, log_prob_steps, top_steps if top_logprobs_num > 0 else None, params)
         if not keep_cache:
             return results, ()
         # The cache holds every token fed after the first forward (all chosen ones but the last); a
@@ -364,3 +348,26 @@ def _top(log_probs: torch.Tensor, k: int):
         return None
     top = torch.topk(log_probs, min(k, log_probs.shape[-1]), dim=-1)
     return top.values, top.indices
+
+
+def _completions(recorded: torch.Tensor, log_prob_steps: list, top_steps: list | None, params: SamplingParams) -> list[Completion]:
+    """Each row's :class:`Completion` from a batch's decode steps (``recorded [B, steps]``: -1 after
+    the row stopped): its tokens up to and with its stop token, their log-probs and top-k lists."""
+    tokens = recorded.cpu().tolist()
+    log_probs = torch.stack(log_prob_steps, dim=1).cpu().tolist()
+    top_ids = top_values = None
+    if top_steps is not None:
+        top_values = torch.stack([t[0] for t in top_steps], dim=1).cpu().tolist()
+        top_ids = torch.stack([t[1] for t in top_steps], dim=1).cpu().tolist()
+    stop_set = set(params.stop_token_ids)
+    results = []
+    for row, (row_tokens, row_log_probs) in enumerate(zip(tokens, log_probs)):
+        length = row_tokens.index(-1) if -1 in row_tokens else len(row_tokens)
+        kept = row_tokens[:length]
+        reason = "stop" if kept and kept[-1] in stop_set else "length"
+        results.append(Completion(
+            kept, row_log_probs[:length], reason,
+            top_ids[row][:length] if top_ids is not None else None,
+            top_values[row][:length] if top_values is not None else None,
+        ))
+    return results

@@ -84,6 +84,14 @@ class RoleMemory:
 
 def plan_memory(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     """One :class:`RoleMemory` per role in :data:`ROLES` (unused roles are present with used=False)."""
+    rows = [*_model_roles(shape, w), *_rollout_roles(shape, w), *_transfer_roles(shape, w)]
+    for row in rows:
+        row.margin = int(w.margin * sum(getattr(row, c) for c in COMPONENTS))
+    return rows
+
+
+def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
+    """The actor, the reference, the teacher and the critic."""
     deepspeed = w.zero_stage > 0 or w.ranks > 1
     counts = shape.parameter_count()
     rows: list[RoleMemory] = []
@@ -130,6 +138,12 @@ def plan_memory(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     rows.append(RoleMemory("critic", w.critic, sum(critic_state.values()), sum(acts.values()) - acts["head"],
                            max(ws["attention"], ws["dsa_indexer"]), comm_buffers(True),
                            train_io_bytes(batch=w.micro_batch, seq=w.seq), details=critic_state))
+    return rows
+
+
+def _rollout_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
+    """The rollout's KV cache and the DSA index."""
+    rows: list[RoleMemory] = []
     # Rollout KV cache: the whole rollout batch at prompt + max-new-tokens.
     rollout_seq = w.rollout_prompt + w.response_tokens
     native = w.attention == "native"
@@ -159,13 +173,17 @@ def plan_memory(shape: ModelShape, w: Workload) -> list[RoleMemory]:
             shape, batch=w.rollout_batch, queries=w.rollout_prompt, keys=w.rollout_prompt, dtype=w.rollout_dtype)}
             if native else {})},
     ))
+    return rows
+
+
+def _transfer_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
+    """The teacher payload of an update and the weight sync's buffers."""
+    rows: list[RoleMemory] = []
     payload = teacher_payload_bytes(records=w.records_per_update, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
     rows.append(RoleMemory("teacher_payload", w.teacher, 0, 0, 0, 0, payload,
                            details={"records": w.records_per_update, "kind": w.teacher_payload}))
     sync = weight_sync_bytes(shape, quantize=w.sync_quantize, dtype=w.rollout_dtype)
     rows.append(RoleMemory("weight_sync", w.sync, 0, 0, 0, sync, 0, details={"quantize": w.sync_quantize}))
-    for row in rows:
-        row.margin = int(w.margin * sum(getattr(row, c) for c in COMPONENTS))
     return rows
 
 

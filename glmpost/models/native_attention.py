@@ -185,17 +185,12 @@ class _Native:
     reference_class: type
 
 
-def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: KeyMask,
-                             cache: LatentCache | None = None, position_ids=None, prev_topk_indices=None, **kwargs):
-    """One GLM-5 attention layer over its latent cache; ``(output, None, topk_indices [B, S, k])``."""
+def _queries_and_keys(self, hidden_states: torch.Tensor, position_embeddings):
+    """A layer's queries (``q_pass``, rotated ``q_rot``), this forward's cache entries (``latent``,
+    rotated ``rot`` and the indexer's ``index`` keys) and the indexer's queries and head weights."""
     reference = _import_reference()
-    if not isinstance(attention_mask, KeyMask):
-        raise TypeError("native GLM-5 attention runs inside its base model's forward (a KeyMask, not a 4-D mask)")
     batch, seq, _ = hidden_states.shape
-    heads, nope, rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
-    past = attention_mask.past
-    total = past + seq
-
+    nope, rope = self.qk_nope_head_dim, self.qk_rope_head_dim
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
     q_states = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q_states, [nope, rope], dim=-1)
@@ -211,16 +206,34 @@ def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
         with torch.no_grad():
             index_q, index_k, index_w = indexer_queries(self.indexer, hidden_states, q_resid, position_embeddings)
         parts["index"] = index_k
-    if cache is not None:
-        # The cache keeps detached copies; this forward's own keys stay in the autograd graph.
-        stored = cache.append(self.layer_idx, **parts)
-        if seq == total:
-            stored = parts
-        else:
-            stored = {name: torch.cat([stored[name][:, :past], parts[name]], dim=1) if parts[name].requires_grad
-                      else stored[name] for name in parts}
-    else:
-        stored = parts
+    return q_pass, q_rot, parts, index_q, index_w
+
+
+def _keys_so_far(cache: LatentCache | None, layer: int, parts: dict[str, torch.Tensor], *, past: int) -> dict[str, torch.Tensor]:
+    """The keys of every position up to this forward's: ``parts`` appended to ``cache`` (when
+    there is one) after its ``past`` positions."""
+    if cache is None:
+        return parts
+    # The cache keeps detached copies; this forward's own keys stay in the autograd graph.
+    stored = cache.append(layer, **parts)
+    if past == 0:
+        return parts
+    return {name: torch.cat([stored[name][:, :past], parts[name]], dim=1) if parts[name].requires_grad
+            else stored[name] for name in parts}
+
+
+def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: KeyMask,
+                             cache: LatentCache | None = None, position_ids=None, prev_topk_indices=None, **kwargs):
+    """One GLM-5 attention layer over its latent cache; ``(output, None, topk_indices [B, S, k])``."""
+    if not isinstance(attention_mask, KeyMask):
+        raise TypeError("native GLM-5 attention runs inside its base model's forward (a KeyMask, not a 4-D mask)")
+    batch, seq, _ = hidden_states.shape
+    heads = self.num_heads
+    past = attention_mask.past
+    total = past + seq
+
+    q_pass, q_rot, parts, index_q, index_w = _queries_and_keys(self, hidden_states, position_embeddings)
+    stored = _keys_so_far(cache, self.layer_idx, parts, past=past)
 
     w_uk, w_uv = _absorbed_weights(self)
     q_latent = torch.einsum("bhsn,hnc->bshc", q_pass, w_uk)  # [B, S, H, c]

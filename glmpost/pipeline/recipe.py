@@ -202,7 +202,19 @@ def _teachers_table(table: dict[str, Any], where: str) -> dict[str, str]:
 
 
 def _validate(config: PipelineConfig, where: str) -> None:
-    stages = config.stages
+    _check_stage_order(config.stages, where)
+    for f in fields(config):
+        low = f.metadata.get("min")
+        if low is not None and getattr(config, f.name) < low:
+            raise UsageError(f"{where} {f.name.replace('_', '-')}: must be at least {low}, not {getattr(config, f.name)}")
+    if config.launcher not in LAUNCHERS:
+        raise UsageError(f"{where} launcher: '{config.launcher}' is not one of {', '.join(LAUNCHERS)}")
+    _check_base_checkpoint(config, where)
+    _check_inputs(config, where)
+
+
+def _check_stage_order(stages: list[str], where: str) -> None:
+    """Known stages, each once, in :data:`STAGE_ORDER`."""
     if not stages:
         raise UsageError(f"{where} stages: empty; name at least one of {', '.join(STAGE_ORDER)}")
     for stage in stages:
@@ -217,13 +229,11 @@ def _validate(config: PipelineConfig, where: str) -> None:
                              f"(each stage consumes the one before; order: {', '.join(STAGE_ORDER)})")
     if "diff-logprobs" in stages and not ({"rl", "opd"} & set(stages)):
         raise UsageError(f"{where} stages: 'diff-logprobs' needs rollouts to check: add 'rl' or 'opd' before it")
-    for f in fields(config):
-        low = f.metadata.get("min")
-        if low is not None and getattr(config, f.name) < low:
-            raise UsageError(f"{where} {f.name.replace('_', '-')}: must be at least {low}, not {getattr(config, f.name)}")
-    if config.launcher not in LAUNCHERS:
-        raise UsageError(f"{where} launcher: '{config.launcher}' is not one of {', '.join(LAUNCHERS)}")
 
+
+def _check_base_checkpoint(config: PipelineConfig, where: str) -> None:
+    """One starting model: ``base-checkpoint`` (a checkpoint) or the ``init-model`` stage."""
+    stages = config.stages
     if "init-model" in stages:
         if config.base_checkpoint is not None:
             raise UsageError(f"{where}: base-checkpoint and the 'init-model' stage both give the starting model; keep one")
@@ -236,6 +246,10 @@ def _validate(config: PipelineConfig, where: str) -> None:
     else:
         base_checkpoint_version(config, where)  # refuses a directory that is no checkpoint
 
+
+def _check_inputs(config: PipelineConfig, where: str) -> None:
+    """The data files and teachers the stages read."""
+    stages = config.stages
     needs = {"qat": ("sft_data", "sft-data"), "rl": ("prompts", "prompts")}
     for stage, (name, key) in needs.items():
         if stage in stages and not getattr(config, name):

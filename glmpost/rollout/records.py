@@ -190,23 +190,29 @@ def trajectory_record(
         "segments": segments,
         "status": trajectory.status,
     })
+    record["extra"] = _trajectory_extra(trajectory, env_name=env_name, drift=drift, compaction=compaction, stale=stale)
+    return record
+
+
+def _trajectory_extra(trajectory: Any, *, env_name: str, drift: int | None, compaction: Any, stale: list[dict]) -> dict[str, Any]:
+    """A multi-turn record's ``extra`` (:func:`trajectory_record`)."""
     acted = trajectory.action_turns()
-    record["extra"] = {"env": {"name": env_name, "reward": trajectory.reward, "turns": len(acted),
-                               "malformed": trajectory.malformed, "steps": [t.info for t in acted],
-                               "peak_context": trajectory.peak_context()}}
+    extra = {"env": {"name": env_name, "reward": trajectory.reward, "turns": len(acted),
+                     "malformed": trajectory.malformed, "steps": [t.info for t in acted],
+                     "peak_context": trajectory.peak_context()}}
     if compaction is not None and compaction.on:
-        record["extra"]["compaction"] = compaction_extra(trajectory, compaction)
+        extra["compaction"] = compaction_extra(trajectory, compaction)
     if drift is not None:
-        record["extra"]["env"]["retokenize_drift"] = drift
+        extra["env"]["retokenize_drift"] = drift
     servers = [t.server for t in trajectory.turns if t.server]
     if servers:  # sampled by servers: where it lived, and every move to another one
-        record["extra"]["env"]["server"] = servers[0]
-        record["extra"]["env"]["server_moves"] = trajectory.server_moves()
+        extra["env"]["server"] = servers[0]
+        extra["env"]["server_moves"] = trajectory.server_moves()
     if stale:  # the KV owner contract: which turns attended to another version's cache
-        record["extra"]["kv_cache"] = {"stale_turns": stale}
+        extra["kv_cache"] = {"stale_turns": stale}
     if trajectory.reason:
-        record["extra"]["status_reason"] = trajectory.reason
-    return record
+        extra["status_reason"] = trajectory.reason
+    return extra
 
 
 def compaction_extra(trajectory: Any, compaction: Any) -> dict[str, Any]:

@@ -247,6 +247,30 @@ def _pipelined(items: Iterator[tuple[str, Any]], fn: Callable[[str, Any], Any], 
         torch.set_num_threads(threads)
 
 
+def _float_config(source: TrainSource, *, scheme: str, dtype: str) -> dict:
+    """The source's ``config.json``, after checking the sync's ``quantize`` and ``dtype`` and that
+    the source holds float (not already quantized) weights."""
+    if scheme not in SCHEMES:
+        raise ConfigError("{quantize} {value!r}: expected one of {known}", value=scheme, known=", ".join(SCHEMES))
+    if dtype not in DTYPES:
+        raise ConfigError("{dtype} {value!r}: expected one of {known}", value=dtype, known=", ".join(DTYPES))
+    model_config = json.loads((source.base / "config.json").read_text())
+    if "quantization_config" in model_config:
+        method = model_config["quantization_config"].get("quant_method", "?")
+        raise UsageError(f"checkpoint {source.base} is already quantized ({method}); sync its float training checkpoint")
+    return model_config
+
+
+def _check_shapes(source: TrainSource, shapes: dict, expected: dict) -> None:
+    """The trainer's checkpoint must hold every weight the model loads, in its shape."""
+    for name in sorted(expected):
+        if name not in shapes:
+            raise GlmpostError(f"checkpoint {source.path}: missing tensor {name} (shape {list(expected[name])})")
+        if tuple(shapes[name]) != expected[name]:
+            raise GlmpostError(f"checkpoint {source.path}: tensor {name} has shape {list(shapes[name])}, "
+                               f"the architecture expects {list(expected[name])}")
+
+
 def convert(
     source: TrainSource,
     staging: Path,
@@ -267,24 +291,12 @@ def convert(
     import torch
 
     started = time.perf_counter()
-    if scheme not in SCHEMES:
-        raise ConfigError("{quantize} {value!r}: expected one of {known}", value=scheme, known=", ".join(SCHEMES))
-    if dtype not in DTYPES:
-        raise ConfigError("{dtype} {value!r}: expected one of {known}", value=dtype, known=", ".join(DTYPES))
+    model_config = _float_config(source, scheme=scheme, dtype=dtype)
     spec = make_spec(scheme, group_size=group_size if scheme == "w4a16" else None)
-    model_config = json.loads((source.base / "config.json").read_text())
-    if "quantization_config" in model_config:
-        method = model_config["quantization_config"].get("quant_method", "?")
-        raise UsageError(f"checkpoint {source.base} is already quantized ({method}); sync its float training checkpoint")
     skeleton = model_skeleton(source.base)
     expected = expected_shapes(skeleton)
     shapes, tensors = _source_tensors(source, skeleton)
-    for name in sorted(expected):  # the trainer's checkpoint must hold every weight the model loads
-        if name not in shapes:
-            raise GlmpostError(f"checkpoint {source.path}: missing tensor {name} (shape {list(expected[name])})")
-        if tuple(shapes[name]) != expected[name]:
-            raise GlmpostError(f"checkpoint {source.path}: tensor {name} has shape {list(shapes[name])}, "
-                               f"the architecture expects {list(expected[name])}")
+    _check_shapes(source, shapes, expected)
     result = ConvertResult(unexpected=sorted(set(shapes) - set(expected)))
     plan = layer_plan(skeleton, shapes, spec, targets="all")
     chosen = set(plan.chosen)
