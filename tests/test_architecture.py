@@ -226,3 +226,28 @@ def test_long_pieces_are_only_the_listed_ones(kind):
         long, listed, limit = _long_functions(), LONG_FUNCTIONS, MAX_FUNCTION_LINES
     assert {name: n for name, n in long.items() if name not in listed} == {}, f"over {limit} lines: split it"
     assert sorted(listed - set(long)) == [], "split now: take it off the list"
+
+
+def _usage_errors_spelling_a_flag() -> list[str]:
+    """Library ``UsageError`` / ``ConfigError`` raises whose message spells a command-line flag
+    (``--name``) instead of naming the config field (``{name}``) the command then spells."""
+    import re
+
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("glmpost.commands") or module == "glmpost.pipeline.__main__":  # the command lines
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+                continue
+            name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", ""))
+            literal = " ".join(part.value for part in ast.walk(node.exc.args[0])
+                               if isinstance(part, ast.Constant) and isinstance(part.value, str))
+            literal = re.sub(r"`[^`]*`", "", literal)  # a quoted command line (another command's flags)
+            if name in ("UsageError", "ConfigError") and re.search(r"(?<![\w-])--[a-z]", literal):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_library_usage_errors_name_config_fields_not_flags():
+    assert _usage_errors_spelling_a_flag() == []

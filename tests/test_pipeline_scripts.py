@@ -184,7 +184,7 @@ def test_glm5_recipe_leaves_site_paths_to_the_environment(tmp_path, tiny_checkpo
     with pytest.raises(UsageError) as error:
         plan(config)
     assert str(error.value) == (f"{glm5}: [pipeline] base-checkpoint: ${{GLM5_SFT_CHECKPOINT}} names the unset environment "
-                                "variable GLM5_SFT_CHECKPOINT; export it or pass --set base-checkpoint=...")
+                                "variable GLM5_SFT_CHECKPOINT; export it or pass `--set base-checkpoint=...`")
     for name in ("sft", "reasoning-rl", "general"):
         (tmp_path / f"{name}.jsonl").write_text("")
     monkeypatch.setenv("GLM5_DATA", str(tmp_path))

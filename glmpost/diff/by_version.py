@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
+from glmpost.config import ConfigError
 from glmpost.diff.kv_cache import stale_cache_tokens
 from glmpost.diff.mismatch import PathScores, action_positions
 
@@ -63,8 +64,8 @@ def version_split(records: Sequence[dict[str, Any]], path_a: PathScores, *, curr
             rows.setdefault(int(version), []).append(index)
     missing = sorted(v for v in rows if v not in directories)
     if missing:
-        raise CheckpointError(f"--by-version {root}: no checkpoint of policy version(s) {missing} "
-                              f"(kept: {sorted(directories)})")
+        raise ConfigError("{by_version} {root}: no checkpoint of policy version(s) {missing} (kept: {kept})", root=root,
+                          missing=missing, kept=sorted(directories), exit_code=CheckpointError.exit_code)
     engine, lag, dis, icepop, lags, stale = [], [], [], [], [], []
     for version, indices in sorted(rows.items()):
         subset = [records[i] for i in indices]

@@ -132,7 +132,8 @@ class DiffConfig:
                               "{against_topk}, {against_attention} or {against_batch_size}")
         if self.by_version is not None and self.mode != "rollout":
             raise ConfigError("{by_version} splits the mismatch against the rollout log-probs: drop {against}, "
-                              "{against_server} and the other --against-* options")
+                              "{against_server}, {against_dtype}, {against_device}, {against_topk}, {against_attention} "
+                              "and {against_batch_size}")
         if "indexer_differing_sets" in gates and not self.indexer:
             raise ConfigError("{fail_above} indexer_differing_sets: not measured in this comparison (add {indexer})")
         return gates

@@ -174,7 +174,7 @@ def require_resolved(config: PipelineConfig) -> None:
     for key, text in config.unresolved.items():
         names = [m.group(1) for m in _VARIABLE.finditer(text) if m.group(1) not in os.environ]
         raise UsageError(f"{config.recipe}: [pipeline] {key}: {text} names the unset environment variable "
-                         f"{names[0] if names else text}; export it or pass --set {key}=...")
+                         f"{names[0] if names else text}; export it or pass `--set {key}=...`")
 
 
 def _slurm_table(table: dict[str, Any], where: str) -> SlurmConfig:

@@ -19,7 +19,6 @@ from typing import Any, Iterator, Optional
 from tqdm import tqdm
 
 from glmpost.config import ConfigError, setting, shared
-from glmpost.errors import UsageError
 from glmpost.formats import (
     ShardReader,
     ShardWriter,
@@ -31,9 +30,9 @@ from glmpost.npu import resolve_device
 from glmpost.rewards.components import (
     MODEL_SOURCES,
     ComponentSpec,
-    parse_spec_string,
     check_components,
     default_components,
+    parse_spec_string,
     uses_domain_routing,
 )
 from glmpost.rewards.mixture import RewardMixture, RewardStats
@@ -52,9 +51,9 @@ def parse_domains(value: Any) -> dict[str, str]:
         try:
             value = parse_spec_string(value)
         except ValueError as exc:
-            raise UsageError(f"--domains {value!r}: {exc}") from None
+            raise ConfigError("{domains} {value!r}: {problem}", value=value, problem=str(exc)) from None
     if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
-        raise UsageError(f"--domains / [judge.domains]: expected DOMAIN = \"VERIFIER\" entries, got {value!r}")
+        raise ConfigError("{domains} / [judge.domains]: expected DOMAIN = \"VERIFIER\" entries, got {value!r}", value=value)
     return dict(value)
 
 

@@ -268,7 +268,8 @@ class CriticVersions:
     def load_resume_state(self, directory: Path, step: int) -> None:
         path = directory / f"resume-{step:08d}.pt"
         if not path.is_file():
-            raise CheckpointError(f"{directory}: no critic state of step {step} to resume with; pass --overwrite to start over")
+            raise ConfigError("{directory}: no critic state of step {step} to resume with; pass {overwrite} to start over",
+                              directory=directory, step=step, exit_code=CheckpointError.exit_code)
         self.backend.load_resume_state(path)
 
     def save(self, *, tokenizer_revision: str, stage: str, stage_options: dict[str, Any], world_size: int,

@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest, resolve_checkpoint
-from glmpost.config import section, setting
-from glmpost.errors import UsageError
+from glmpost.config import ConfigError, section, setting
 from glmpost.formats import ShardReader
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.rl.batches import trained_records
@@ -276,8 +275,8 @@ class _RunFollower:
 
 def _follow_run(checkpoint: Path, out: Path, options: RunOptions) -> TrainingRun:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--follow trains in one process for now: every rank would claim its own shards; "
-                         "run it without torchrun / deepspeed")
+        raise ConfigError("{follow} trains in one process for now: every rank would claim its own shards; "
+                          "run it without torchrun / deepspeed")
     return TrainingRun(checkpoint, out, options, follow=True)
 
 

@@ -191,7 +191,7 @@ class TrainingRun:
         self.session = session = TrainingSession.start(device=o.device, deterministic=o.deterministic,
                                                        zero_stage=o.zero_stage, deepspeed_config=o.deepspeed_config)
         if self.follow and o.reset_optimizer and session.use_deepspeed:
-            raise ConfigError("{reset_optimizer} with --follow resets torch AdamW between versions; not under DeepSpeed")
+            raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         model = self.load(self.parent, session)
         if job.adapt_model is not None:
             job.adapt_model(model)
