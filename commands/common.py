@@ -22,6 +22,7 @@ import typer
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.fsutil import current_umask, make_readable
+from glmpost.locks import output_lock
 from glmpost.stage import check_same_options, log, recorded_options
 from glmpost.toml import tomllib
 
@@ -132,10 +133,10 @@ def staged_output_dir(
     ``out`` is refused unless ``overwrite`` is given, so nothing is silently replaced.
     """
     out = Path(out)
-    if out.exists():
-        if not out.is_dir():
-            raise ConfigError("{out} {out_dir} exists and is not a directory", out_dir=out)
-        if not overwrite:
+    if out.exists() and not out.is_dir():
+        raise ConfigError("{out} {out_dir} exists and is not a directory", out_dir=out)
+    with output_lock(out, stage=stage or "glmpost"):  # one writer: the checks below see what it left
+        if out.exists() and not overwrite:
             if (out / complete_marker).exists():
                 if stage is not None and options is not None:
                     check_same_options(out, stage, options, ignore=ignore, overwrite=False)
@@ -143,6 +144,11 @@ def staged_output_dir(
                 return
             if any(out.iterdir()):
                 raise ConfigError("{out} {out_dir} exists but holds no complete output; pass {overwrite} to replace it", out_dir=out)
+        yield from _build_and_move(out)
+
+
+def _build_and_move(out: Path) -> Iterator[Path]:
+    """:func:`staged_output_dir`'s build in a temporary sibling and the move into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     os.chmod(tmp, 0o777 & ~current_umask())

@@ -68,8 +68,8 @@ def opd_merge(
         summary = opd_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
                              config=config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
         return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
+    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+        summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
 
     def human(s: dict) -> str:
         text = (f"{s['out']}: student v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} "

@@ -49,9 +49,9 @@ def qat(
     **shared: Any,
 ) -> None:
     scheme = ctx.params["scheme"]
-    run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    summary = qat_update(run, inputs, config_from(ctx, SFTConfig), quantization=config_from(ctx, QATQuantization),
-                         eval_data=eval_data, stage_options=effective_options(ctx))
+    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+        summary = qat_update(run, inputs, config_from(ctx, SFTConfig), quantization=config_from(ctx, QATQuantization),
+                             eval_data=eval_data, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: {scheme} QAT of {s['quantized_layers']} layers, {s['records']} trajectories, {s['steps']} steps, "
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}"

@@ -93,9 +93,9 @@ def train_grpo(
                               config=config_from(ctx, GRPOConfig), temperature=temperature, ref_checkpoint=ref_checkpoint,
                               stage_options=effective_options(ctx))
         return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
-                          ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))
+    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+        summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
+                              ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: policy v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} trajectories, "
         f"reward mean {s['reward_mean']:.4f}, {s['steps']} step(s) on {s['world_size']} rank(s), "

@@ -81,9 +81,9 @@ def train_sao(
                              options=config_from(ctx, RunOptions), config=config_from(ctx, SAOConfig),
                              stage_options=effective_options(ctx))
         return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    run = TrainingRun(checkpoint, out, config_from(ctx, RunOptions))
-    summary = sao_update(run, inputs, config_from(ctx, SAOConfig), critic_root=critic, init_critic=init_critic,
-                         stage_options=effective_options(ctx))
+    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+        summary = sao_update(run, inputs, config_from(ctx, SAOConfig), critic_root=critic, init_critic=init_critic,
+                             stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (
         f"{s['out']}: policy v{s['policy_version']} from {run.parent.name} and critic {s['critic']}, {s['trained_records']} "
         f"of {s['records']} trajectories, reward mean {s['reward_mean']:.4f}, {s['steps']} policy step(s) after "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import zlib
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -265,6 +266,22 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def remove_partial_shards(paths: Iterable[Path]) -> list[Path]:
+    """Remove what writers of the shards ``paths`` left when they died (``.NAME.tmp-PID``, see
+    :class:`ShardWriter`); returns what was removed. The caller holds the output's lock, so no
+    live writer of these names is left."""
+    removed = []
+    for path in paths:
+        path = Path(path)
+        for partial in path.parent.glob(f".{path.name}.tmp-*"):
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    if removed:
+        sys.stderr.write(f"glmpost: removed {len(removed)} partial shard(s) a stopped writer left: "
+                         f"{', '.join(p.name for p in removed[:3])}{' ...' if len(removed) > 3 else ''}\n")
+    return removed
 
 
 def _created() -> str:

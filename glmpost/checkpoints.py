@@ -172,22 +172,49 @@ class CheckpointRoot:
             raise CheckpointError(f"{self.version_dir(version)} is not a complete version (no {MANIFEST})")
         write_text_atomic(self.path / LATEST, version_dir_name(version) + "\n")
 
-    def publish(self, staged: Path, version: int, *, move_latest: bool = True) -> Path:
-        """Move a fully written version directory into the root, then switch ``LATEST`` to it."""
+    def publish(self, staged: Path, version: int, *, move_latest: bool = True, replace: bool = False) -> Path:
+        """Move a fully written version directory into the root, then switch ``LATEST`` to it. A
+        published version is never overwritten unless ``replace`` (a stage's ``--overwrite``): the
+        old one is then moved aside, the new one in, and the old one removed."""
         staged = Path(staged)
         manifest = read_manifest(staged)
         if manifest.policy_version != version:
             raise CheckpointError(f"{staged}: manifest says policy version {manifest.policy_version}, publishing {version}")
         target = self.version_dir(version)
+        replaced = None
         if target.exists():
-            raise CheckpointError(f"{target} already exists; policy versions are never overwritten")
+            if not replace:
+                raise CheckpointError(f"{target} already exists; policy versions are never overwritten")
+            replaced = self.path / f".replaced-{target.name}-{time.time_ns()}"
+            os.replace(target, replaced)
         self.path.mkdir(parents=True, exist_ok=True)
         make_readable(staged)
         os.replace(staged, target)
         fsync_dir(self.path)
         if move_latest:
             self.set_latest(version)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         return target
+
+    def repair_latest(self) -> tuple[str | None, int] | None:
+        """Point ``LATEST`` at the newest complete version when it names an older one, none, or one
+        this root does not hold complete (a crash between moving a version in and moving
+        ``LATEST``); returns ``(what it named, the version it names now)`` when it moved. Only a
+        writer holding the root's lock calls it."""
+        versions = self.versions()
+        if not versions:
+            return None
+        pointer = self.path / LATEST
+        named = pointer.read_text().strip() if pointer.is_file() else None
+        try:
+            before = self.latest()
+        except CheckpointError:
+            before = None
+        if before is not None and before >= versions[-1]:
+            return None
+        self.set_latest(versions[-1])
+        return named, versions[-1]
 
 
 
@@ -225,10 +252,11 @@ class NextVersion:
     def staging(self) -> Path:
         return self.root.path / f".staging-{version_dir_name(self.version)}"
 
-    def publish(self, manifest: CheckpointManifest) -> Path:
-        """Copy the parent's tokenizer files into staging, write the manifest, move it in, move LATEST."""
+    def publish(self, manifest: CheckpointManifest, *, replace: bool = False) -> Path:
+        """Copy the parent's tokenizer files into staging, write the manifest, move it in, move LATEST
+        (``replace``: over a published version, :meth:`CheckpointRoot.publish`)."""
         for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (self.parent / name).is_file() and not (self.staging / name).exists():
                 shutil.copy2(self.parent / name, self.staging / name)
         write_manifest(self.staging, manifest)
-        return self.root.publish(self.staging, self.version)
+        return self.root.publish(self.staging, self.version, replace=replace)

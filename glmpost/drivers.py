@@ -30,6 +30,8 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from glmpost.formats import ShardReader, resolve_shard_paths, select_shards
+from glmpost.formats.shards import remove_partial_shards
+from glmpost.locks import output_lock
 from glmpost.spool.settings import FollowSettings, default_consumer
 from glmpost.spool.spool import Spool, lease_kept
 from glmpost.stage import (
@@ -77,25 +79,32 @@ def run_shards(stage: ShardStage, *, inputs: list[str], out: Path, shard_index: 
     out = Path(out)
     paths = select_shards(resolve_shard_paths(inputs), shard_index, num_shards)
     targets = shard_outputs(paths, out, what=stage.outputs)
-    check_same_options(out, stage.name, stage.options, ignore=stage.per_task_options, overwrite=overwrite)
-    pending = [p for p in paths if overwrite or not complete_shard(targets[p], stage.name, redo=stage.redo)]
-    counts = [stage.check(path) for path in pending]
-    if pending:
-        facts = stage.open()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            write_stage_json(out, stage.name, stage.options, **facts)
-            progress = tqdm(total=sum(counts), desc=stage.name, unit="rec", leave=False, disable=None)
-            with MetricsWriter(out / "metrics.jsonl") as metrics, progress:
-                for path in pending:
-                    metrics.write(shard=targets[path].name, input=str(path), **stage.process(path, targets[path], progress))
-        finally:
-            stage.close()
+    with output_lock(out, stage=stage.name, task=(shard_index, num_shards)):
+        check_same_options(out, stage.name, stage.options, ignore=stage.per_task_options, overwrite=overwrite)
+        remove_partial_shards(targets.values())
+        pending = [p for p in paths if overwrite or not complete_shard(targets[p], stage.name, redo=stage.redo)]
+        counts = [stage.check(path) for path in pending]
+        if pending:
+            _process_all(stage, pending, targets, out, counts)
     if len(paths) > len(pending):
         log(f"kept {len(paths) - len(pending)} complete output shard(s) in {out} (--overwrite redoes them)")
     if not paths:
         log(f"--shard-index {shard_index} of --num-shards {num_shards} selects no input shard; nothing to do")
     return {"out": str(out), "shards": len(pending), "skipped": len(paths) - len(pending), **stage.summary()}
+
+
+def _process_all(stage: ShardStage, pending: list[Path], targets: dict[Path, Path], out: Path, counts: list[int]) -> None:
+    """Open the stage, process every pending shard into its target, close it."""
+    facts = stage.open()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_stage_json(out, stage.name, stage.options, **facts)
+        progress = tqdm(total=sum(counts), desc=stage.name, unit="rec", leave=False, disable=None)
+        with MetricsWriter(out / "metrics.jsonl") as metrics, progress:
+            for path in pending:
+                metrics.write(shard=targets[path].name, input=str(path), **stage.process(path, targets[path], progress))
+    finally:
+        stage.close()
 
 
 def follow_line(summary: dict[str, Any], verb: str) -> str:
@@ -110,6 +119,12 @@ def follow_shards(stage: ShardStage, settings: FollowSettings, *, out: Path) -> 
     source, target = Spool(settings.follow, tokenizer_revision=revision), Spool(out, tokenizer_revision=revision)
     consumer = settings.consumer or default_consumer(stage.name, target.path)
     home = target.path / "producers" / consumer
+    with output_lock(home, stage=stage.name):
+        return _follow(stage, settings, source, target, consumer, home, revision)
+
+
+def _follow(stage: ShardStage, settings: FollowSettings, source: Spool, target: Spool, consumer: str, home: Path,
+            revision: str) -> dict[str, Any]:
     home.mkdir(parents=True, exist_ok=True)
     write_stage_json(home, stage.name, stage.options, tokenizer_revision=revision, spool=str(source.path))
     done, opened, last_new = 0, False, time.monotonic()

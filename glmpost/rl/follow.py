@@ -273,22 +273,21 @@ class _RunFollower:
         return result.version
 
 
-def _follow_run(checkpoint: Path, out: Path, options: RunOptions) -> TrainingRun:
+def _follow_run(checkpoint: Path, out: Path, options: RunOptions, *, stage: str) -> TrainingRun:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("{follow} trains in one process for now: every rank would claim its own shards; "
                           "run it without torchrun / deepspeed")
-    return TrainingRun(checkpoint, out, options, follow=True)
+    return TrainingRun(checkpoint, out, options, stage=stage, follow=True)
 
 
 def _training_follow(follow: FollowConfig, run: TrainingRun, job: TrainingJob, *, make_batch, revision: str,
                      stage_options: dict[str, Any]) -> dict[str, Any]:
-    """:func:`follow_spool` with ``run`` kept open (``job`` its trainer, ``make_batch`` each update's examples)."""
-    try:
+    """:func:`follow_spool` with ``run`` kept open (``job`` its trainer, ``make_batch`` each update's
+    examples); closes it."""
+    with run:
         run.open(job)
         return follow_spool(follow, out=run.out, tokenizer_revision=revision,
                             trainer=_RunFollower(run, make_batch, revision=revision, stage_options=stage_options))
-    finally:
-        run.close()
 
 
 def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options: RunOptions, config, temperature: float | None,
@@ -296,7 +295,7 @@ def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options: R
     """``train-grpo --follow``: a :func:`~glmpost.rl.updates.grpo_batch` update per batch; the KL
     reference (``kl_coef`` > 0) is ``ref_checkpoint``, else the version the run started from."""
 
-    run = _follow_run(checkpoint, out, options)
+    run = _follow_run(checkpoint, out, options, stage="train-grpo")
     tokenizer, revision = load_tokenizer(checkpoint)
     reference_dir = resolve_checkpoint(ref_checkpoint or checkpoint)
     build = grpo_trainer(config, pad_token_id=tokenizer.pad_token_id,
@@ -313,7 +312,7 @@ def opd_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options: Ru
     """``opd-merge --follow``: a :func:`~glmpost.rl.updates.opd_batch` update per batch (group size
     1: an update per ``follow_records`` scored trajectories)."""
 
-    run = _follow_run(checkpoint, out, options)
+    run = _follow_run(checkpoint, out, options, stage="opd-merge")
     tokenizer, revision = load_tokenizer(checkpoint)
     job = TrainingJob("opd-merge", config, opd_trainer(config, pad_token_id=tokenizer.pad_token_id))
     return _training_follow(follow, run, job, revision=revision, stage_options=stage_options,
@@ -327,7 +326,7 @@ def sao_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, critic_root
     the critic kept in memory beside the policy and published with each version under ``critic_root``."""
 
     CriticVersions.finish_interrupted(critic_root, out)
-    run = _follow_run(checkpoint, out, options)
+    run = _follow_run(checkpoint, out, options, stage="train-sao")
     tokenizer, revision = load_tokenizer(run.parent)
     critic = CriticVersions(critic_root, policy=run.parent, version=run.plan.version, groups=config.critic_groups(),
                             optimizer=config.critic_optimizer(), init=init_critic, seed=config.seed)

@@ -59,7 +59,7 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, qu
     """SFT with every targeted weight fake-quantized by ``quantization.scheme`` (``none``: plain SFT)."""
     stage, scheme, q = "qat", quantization.scheme, quantization
     spec = make_spec(scheme, group_size=q.group_size)
-    if run.done:
+    if run.already_done(stage_options):
         return run.skipped()
     run.check_staging()
     config.validate()

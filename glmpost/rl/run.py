@@ -25,7 +25,9 @@ once on a batch of inputs or kept open by a follow trainer (``--follow``)::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +35,12 @@ from typing import Any, Callable, Protocol
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import LATEST, CheckpointManifest, CheckpointRoot, NextVersion
+from glmpost.checkpoints import LATEST, CheckpointManifest, CheckpointRoot, NextVersion, version_dir_name
 from glmpost.config import ConfigError, setting, shared
 from glmpost.kernel.loading import load_model
+from glmpost.locks import output_lock
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
-from glmpost.stage import log, write_stage_json
+from glmpost.stage import check_same_options, log, write_stage_json
 
 
 @dataclass
@@ -57,6 +60,10 @@ class RunOptions:
     overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
     reset_optimizer: bool = setting(False, "Start AdamW fresh instead of from the parent version's optimizer state (--follow: after "
                                     "every published version too).")
+
+
+# Options that say how a run executes, not what it trains: a rerun may change them.
+RERUN_IGNORED = ("config", "resume", "save_every")
 
 
 class Trainer(Protocol):
@@ -139,9 +146,20 @@ class TrainingRun:
     """A training session from a parent version to the versions after it (see the module doc):
     ``follow`` keeps it open across updates and versions, continuing ``out``'s newest version."""
 
-    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, follow: bool = False):
-        self.out, self.options, self.follow = Path(out), options, follow
-        self.plan = NextVersion.plan(newest_parent(self.out, Path(checkpoint)) if follow else checkpoint, out)
+    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, stage: str, follow: bool = False):
+        self.out, self.options, self.follow, self.stage = Path(out), options, follow, stage
+        self._held = contextlib.ExitStack()
+        if int(os.environ.get("RANK", "0")) == 0:  # one writer per root: the run's rank 0 holds it for all
+            self._held.enter_context(output_lock(self.out, stage=stage))
+        try:
+            repaired = CheckpointRoot(self.out).repair_latest()
+            if repaired is not None:
+                log(f"{self.out}: {LATEST} named {repaired[0] or 'nothing'}, but {version_dir_name(repaired[1])} was "
+                    "published; moved it")
+            self.plan = NextVersion.plan(self.out if follow and CheckpointRoot(self.out).versions() else checkpoint, out)
+        except BaseException:
+            self._held.close()
+            raise
         self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
         self.resuming = not follow and options.resume and self.resume_state.exists()
         self.job: TrainingJob | None = None
@@ -165,10 +183,28 @@ class TrainingRun:
         """The newest published version (the one this run started from, or published since)."""
         return self.plan.parent_version
 
-    @property
-    def done(self) -> bool:
-        """The target version exists: this update was trained and published."""
-        return self.plan.target.exists()
+    def __enter__(self) -> "TrainingRun":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def already_done(self, stage_options: dict[str, Any]) -> bool:
+        """Whether this update was trained and published with these options (a rerun then does
+        nothing). Another option, or other inputs, than the published version's: exit 2 naming it.
+        ``overwrite`` trains it again and replaces it, when no later version was trained from it."""
+        target = self.plan.target
+        if not target.exists():
+            return False
+        if self.options.overwrite:
+            later = [v for v in self.plan.root.versions() if v > self.plan.version]
+            if later:
+                raise ConfigError("{overwrite} would train {target} again, but {later} came after it; publish into another {out}",
+                                  target=target, later=", ".join(version_dir_name(v) for v in later))
+            log(f"{target}: training it again (--overwrite); the new version replaces it when it is published")
+            return False
+        check_same_options(target, self.stage, stage_options, ignore=RERUN_IGNORED, overwrite=False)
+        return True
 
     def skipped(self) -> dict[str, Any]:
         """The summary of an update whose version was already published."""
@@ -211,9 +247,11 @@ class TrainingRun:
             self.job.companion.load_optimizer()
 
     def close(self) -> None:
-        """End the session (callers close in a ``finally``, whatever :meth:`open` got to)."""
+        """End the session and let the root's lock go (callers close in a ``finally``, or use the
+        run as a context manager; closing twice is harmless)."""
         if self.session is not None:
             self.session.close()
+        self._held.close()
 
     @property
     def _companion_state(self) -> Path:
@@ -293,11 +331,14 @@ class TrainingRun:
                 stage_extra = {**stage_extra, "updates": self.updates}
             publish_staged(plan, stage=job.stage, stage_options=stage_options, world_size=session.world_size,
                            stage_extra=stage_extra, manifest_extra=manifest_extra, steps=self.steps,
-                           tokenizer_revision=tokenizer_revision, history=self.history)
+                           tokenizer_revision=tokenizer_revision, history=self.history,
+                           replace=self.options.overwrite and not self.follow)
             if companion is not None:
                 companion.publish()
         session.barrier()
         result = RunResult(plan.target, plan.version, plan.parent, self.history, session.world_size, self.steps)
+        if not self.follow:  # a run once keeps its plan: what it reports
+            return result
         self.plan = NextVersion.plan(plan.target, self.out)
         self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
         self._clear()
@@ -321,20 +362,6 @@ class TrainingRun:
         return result if self.session.is_main else None
 
 
-def newest_parent(out: Path, checkpoint: Path) -> Path:
-    """The version a follow run continues from: ``out``'s newest (``LATEST`` repaired when a crash
-    came between moving a version in and moving ``LATEST``), else ``checkpoint``."""
-    root = CheckpointRoot(out)
-    versions = root.versions()
-    if not versions:
-        return Path(checkpoint)
-    latest = root.latest()
-    if latest != versions[-1]:
-        log(f"{out}: {LATEST} named {'nothing' if latest is None else f'v{latest}'}, but v{versions[-1]} was published; moving it")
-        root.set_latest(versions[-1])
-    return Path(out)
-
-
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):
     """A model on this rank's device: the one trained holds float32 master weights on a CPU; another
     (a KL reference) keeps the checkpoint's dtype."""
@@ -344,11 +371,12 @@ def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOp
 
 
 def publish_staged(plan: NextVersion, *, stage: str, stage_options: dict[str, Any], world_size: int, stage_extra: dict[str, Any],
-                   manifest_extra: dict[str, Any], steps: int, tokenizer_revision: str, history: list[dict]) -> None:
+                   manifest_extra: dict[str, Any], steps: int, tokenizer_revision: str, history: list[dict],
+                   replace: bool = False) -> None:
     """Rank 0, the weights in ``plan.staging``: stage.json, the manifest, the move into place and
     ``LATEST``; the steps' metrics appended to the root's ``metrics.jsonl`` (its history across versions)."""
     write_stage_json(plan.staging, stage, stage_options, parent=str(plan.parent), world_size=world_size, **stage_extra)
     plan.publish(CheckpointManifest(policy_version=plan.version, tokenizer_revision=tokenizer_revision, stage=stage, step=steps,
-                                    parent=str(plan.parent), extra=manifest_extra))
+                                    parent=str(plan.parent), extra=manifest_extra), replace=replace)
     with open(plan.root.path / "metrics.jsonl", "a") as f:
         f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)

@@ -36,10 +36,10 @@ import torch
 from glmpost.config import SettingError, setting
 from glmpost.rl.advantages import skip_observation_gae
 from glmpost.rl.batches import TrainExample, collate, fit
+from glmpost.rl.configs import PolicyGradientConfig
 from glmpost.rl.critic import DEFAULT_TRAINED, ValueModel, critic_values
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import masked_sum_over, value_loss
-from glmpost.rl.configs import PolicyGradientConfig
 from glmpost.rl.trainer import PolicyTrainer, PreparedUpdate
 
 OPTIONAL_CRITIC_GROUPS = ("attention",)

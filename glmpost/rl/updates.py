@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.formats import read_checked_records
 from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
@@ -200,7 +201,7 @@ def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, 
                 manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One GRPO + IcePop update on judged shards (:func:`grpo_batch`), published as the next version;
     ``manifest_extra`` goes into its manifest."""
-    if run.done:
+    if run.already_done(stage_options):
         return run.skipped()
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
@@ -271,7 +272,7 @@ def opd_trainer(config: OPDConfig, *, pad_token_id: int):
 def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, stage_options: dict[str, Any],
                skip_ids: frozenset[str] = frozenset(), manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One OPD / MOPD update on teacher-scored shards (:func:`opd_batch`), published as the next version."""
-    if run.done:
+    if run.already_done(stage_options):
         return run.skipped()
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)
@@ -342,7 +343,10 @@ def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, cr
     finished = CriticVersions.finish_interrupted(critic_root, run.plan.root.path)
     if finished:
         log(f"{critic_root}: published critic v{finished[-1]}, which an interrupted run had left staged")
-    if run.done:
+    if run.plan.target.exists() and run.options.overwrite:
+        raise ConfigError("{overwrite} cannot train {target} again: its critic's version was trained with it; publish "
+                          "into another {out} (and {critic})", target=run.plan.target)
+    if run.already_done(stage_options):
         return {**run.skipped(), "critic": str(critic_root)}
     run.check_staging()
     tokenizer, revision = load_tokenizer(run.parent)

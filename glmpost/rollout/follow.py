@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import LATEST, CheckpointRoot
 from glmpost.config import ConfigError, setting
+from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
 from glmpost.rollout.engines import LocalBackend, PolicyCheckpoint, engine_version, open_backend
 from glmpost.rollout.refill import refill_metrics
@@ -210,10 +211,12 @@ class _Producer:
 
 def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, options: dict[str, Any]) -> dict[str, Any]:
     """Run the follow loop (module doc); returns the run's summary."""
-    producer = _Producer(config, follow, options=options)
-    with stop_on_signals() as stop:
-        try:
-            producer.run(stop)
-        finally:
-            producer.backend.close()
+    name = follow.producer or default_producer(config.checkpoint, config.shard_index)
+    with output_lock(Path(follow.follow) / "producers" / name, stage=STAGE):
+        producer = _Producer(config, follow, options=options)
+        with stop_on_signals() as stop:
+            try:
+                producer.run(stop)
+            finally:
+                producer.backend.close()
     return producer.summary(stop["signal"])

@@ -30,7 +30,9 @@ from tqdm import tqdm
 
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
+from glmpost.formats.shards import remove_partial_shards
 from glmpost.kernel.engine import Completion, SamplingParams
+from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
 from glmpost.rollout.agentic import (
     MultiTurnSettings,
@@ -61,7 +63,7 @@ from glmpost.rollout.records import (
 )
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
 from glmpost.rollout.settings import PER_TASK_OPTIONS, RolloutConfig, parse_stop_ids
-from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
+from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, write_stage_json
 
 STAGE = "rollout"
 @dataclass
@@ -88,11 +90,15 @@ def task_parts(prompts: list[RolloutPrompt], config: RolloutConfig) -> tuple[lis
 
 
 def plan_shards(prompts: list[RolloutPrompt], config: RolloutConfig) -> ShardPlan:
-    """Parts of ``prompts_per_shard`` prompts; this task's (:func:`task_parts`) that are missing in
-    ``out`` (all of them with ``overwrite``)."""
+    """Parts of ``prompts_per_shard`` prompts; this task's (:func:`task_parts`) that ``out`` does not
+    hold complete (all of them with ``overwrite``): a part already there is read through (footer,
+    checksum, records) and redone when it is damaged; what a dead writer of this task's parts left
+    (``.NAME.tmp-PID``) is removed. Called with this task's lock held."""
     parts, mine = task_parts(prompts, config)
     paths = [config.out / f"rollout-{i:05d}{SHARD_SUFFIX}" for i in mine]
-    todo = [(i, path) for i, path in zip(mine, paths) if config.overwrite or not path.exists()]
+    remove_partial_shards(paths)
+    todo = [(i, path) for i, path in zip(mine, paths)
+            if config.overwrite or not complete_shard(path, STAGE, redo="sampling this part again")]
     if len(todo) < len(mine):
         log(f"{len(mine) - len(todo)} of this task's {len(mine)} shard(s) already exist in {config.out}; writing the rest")
     return ShardPlan(parts, len(mine), todo)
@@ -178,14 +184,15 @@ class RolloutRunner:
         device = resolve_device(config.device)
         checkpoint = PolicyCheckpoint.open(config.checkpoint)
         prompts = self.open(checkpoint)
-        backend = open_backend(checkpoint, config, device)
-        try:
-            self.prepare(backend, params)
-            self._claim_output(checkpoint)
-            plan = plan_shards(prompts, config)
-            totals = self._write_shards(plan, backend, params, checkpoint)
-        finally:
-            backend.close()
+        with output_lock(config.out, stage=STAGE, task=(config.shard_index, config.num_shards)):
+            backend = open_backend(checkpoint, config, device)
+            try:
+                self.prepare(backend, params)
+                self._claim_output(checkpoint)
+                plan = plan_shards(prompts, config)
+                totals = self._write_shards(plan, backend, params, checkpoint)
+            finally:
+                backend.close()
         return self._summary(prompts, plan, totals, checkpoint)
 
     def prepare(self, backend: LocalBackend | SGLangBackend, params: SamplingParams) -> None:
