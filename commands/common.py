@@ -26,6 +26,8 @@ from glmpost.locks import output_lock
 from glmpost.stage import check_same_options, log, recorded_options
 from glmpost.toml import tomllib
 
+PIPELINE_SECTION = "pipeline"  # bin/pipeline's, read by no stage
+
 
 def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
     """Eager callback of ``--config``: the recipe section becomes the command's default map."""
@@ -39,6 +41,12 @@ def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> 
         raise typer.BadParameter(f"recipe {value} does not exist", ctx=ctx, param=param)
     except tomllib.TOMLDecodeError as exc:
         raise typer.BadParameter(f"recipe {value} is not valid TOML: {exc}", ctx=ctx, param=param)
+    except UnicodeDecodeError as exc:
+        raise typer.BadParameter(f"recipe {value}: not UTF-8 text (byte {exc.start}: {exc.reason})", ctx=ctx, param=param)
+    unknown, known = unknown_sections(recipe, ctx.find_root().command)
+    if unknown:  # a misspelled [rolout] would leave this stage on its defaults
+        raise typer.BadParameter(f"recipe {value}: unknown section [{unknown[0]}] (known: {', '.join(known)})",
+                                 ctx=ctx, param=param)
     section: Any = recipe
     for part in section_name.split("."):
         section = section.get(part, {}) if isinstance(section, dict) else None
@@ -68,9 +76,48 @@ def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> 
             )
         if target.param_type_name == "argument":
             setting = [str(s) for s in setting] if isinstance(setting, list) else [str(setting)]
+        else:  # refused here, the error names the recipe, not a flag nobody typed
+            try:
+                coerced = target.get_runtime_param().coerce(setting, param=target, ctx=ctx)
+                if target.callback is not None:  # the bounds a stage's options check (commands.options.bounded)
+                    target.callback(ctx, target, coerced)
+            except typer.BadParameter as exc:
+                raise typer.BadParameter(f"recipe {value}: [{section_name}] {key} = {setting!r}: {exc.message}",
+                                         ctx=ctx, param=param) from None
         defaults[target.name] = setting
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
+
+
+def unknown_sections(recipe: dict[str, Any], root: Any) -> tuple[list[str], list[str]]:
+    """The sections of ``recipe`` that name no stage of ``root`` (the glmpost command; a group's
+    sections are ``[GROUP.STAGE]``) and are not ``[pipeline]``, and the names a recipe may use."""
+    stages: dict[str, Any] = {}
+
+    def walk(command: Any, prefix: str) -> None:
+        for name, sub in getattr(command, "commands", {}).items():
+            full = f"{prefix}.{name}" if prefix else name
+            if hasattr(sub, "commands"):
+                walk(sub, full)
+            else:
+                stages[full] = sub
+
+    walk(root, "")
+    groups = {name.rsplit(".", 1)[0] for name in stages if "." in name}
+    unknown = []
+
+    def visit(table: dict[str, Any], prefix: str) -> None:
+        for key, section in table.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if name in stages or (not prefix and key == PIPELINE_SECTION):
+                continue
+            if name in groups and isinstance(section, dict):
+                visit(section, name)
+            else:
+                unknown.append(name)
+
+    visit(recipe, "")
+    return unknown, sorted([*stages, PIPELINE_SECTION])
 
 
 def recipe_section_name(ctx: typer.Context) -> str:

@@ -8,6 +8,7 @@ with the flag the user typed. Options every stage has (``--json``, ``--config``)
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -26,7 +27,26 @@ def option(cls: type, name: str, **overrides: Any) -> Any:
     flag = meta.get("flag") or "--" + name.replace("_", "-")
     bounds = {k: meta[k] for k in ("min", "max") if meta.get(k) is not None}
     cli = {k: v for k, v in meta.get("cli", {}).items() if k != "annotation"}
-    return typer.Option(default, flag, help=meta["help"], **{**bounds, **cli, **overrides})
+    return typer.Option(default, flag, help=meta["help"],
+                        **{**bounds, "callback": bounded(above=meta.get("above"), below=meta.get("below")), **cli, **overrides})
+
+
+def bounded(*, above: float | None = None, below: float | None = None):
+    """A typer callback refusing, at parse time, a float that is not finite or not strictly inside
+    ``(above, below)`` (an option's inclusive bounds are typer's ``min`` / ``max``)."""
+    def check(value: Any) -> Any:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(item, float):
+                continue
+            if not math.isfinite(item):
+                raise typer.BadParameter(f"{item} is not a finite number")
+            if above is not None and not item > above:
+                raise typer.BadParameter(f"{item} is not > {above:g}")
+            if below is not None and not item < below:
+                raise typer.BadParameter(f"{item} is not < {below:g}")
+        return value
+
+    return check
 
 
 def settings_of(cls: type, *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:

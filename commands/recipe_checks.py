@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 
+from glmpost.commands.common import PIPELINE_SECTION
 from glmpost.commands.options import flag_of
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
@@ -26,7 +27,6 @@ from glmpost.toml import load_recipe
 # Values of path parameters with these suffixes are input files no stage writes: they must exist.
 INPUT_FILE_SUFFIXES = (".jsonl", ".json", ".toml")
 # Sections that are not stages.
-PIPELINE_SECTION = "pipeline"
 # Commands that read their recipe section from a positional RECIPE (not --config).
 RECIPE_ARGUMENT_COMMANDS = ("plan",)
 

@@ -59,6 +59,7 @@ import typer
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
     TRAINING_RUN_OPTIONS,
+    bounded,
     config_from,
     follow_from,
     json_option,
@@ -82,7 +83,7 @@ def train_grpo(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy to update: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version v(N+1) and its LATEST pointer."),
     ref_checkpoint: Optional[Path] = typer.Option(None, "--ref-checkpoint", help="Reference policy for the KL term (default: --checkpoint)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature of the log-probs; default: the one the records were sampled at (their log-prob kind, top-k and top-p always apply)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature of the log-probs; default: the one the records were sampled at (their log-prob kind, top-k and top-p always apply).", callback=bounded(above=0.0)),
     as_json: bool = json_option(),
     config: Optional[Path] = config_option(),
     **shared: Any,

@@ -71,19 +71,26 @@ def parse_prompt_line(obj: Any, *, where: str, default_id: str) -> PromptItem:
 
 
 def read_jsonl(path: Path):
-    """Yield ``(where, object)`` for each non-blank line; invalid JSON is an error naming the line."""
+    """Yield ``(where, object)`` for each non-blank line; invalid JSON or bytes that are not UTF-8
+    are an error naming the line (and the byte's offset in the file)."""
     path = Path(path)
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")
     except FileNotFoundError:
         raise PromptDataError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise PromptDataError(f"{path}: is a directory, expected a JSONL file") from None
     with handle:
-        for number, line in enumerate(handle, start=1):
+        offset = 0
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptDataError(f"{where}: not UTF-8 text (byte {offset + exc.start} of the file: {exc.reason})") from None
+            offset += len(raw)
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:

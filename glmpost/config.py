@@ -24,11 +24,13 @@ from glmpost.errors import UsageError
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, min: float | None = None,
-            max: float | None = None, cli: dict[str, Any] | None = None) -> Any:
+            max: float | None = None, above: float | None = None, below: float | None = None,
+            cli: dict[str, Any] | None = None) -> Any:
     """A config field with its default (a list or dict default is copied per instance), help text,
-    flag and bounds; ``cli``: how the command line takes it when that is not the field's type
-    (``annotation``, and typer's ``metavar``, ``parser``, ``show_default``, ...)."""
-    metadata = {"help": help, "flag": flag, "min": min, "max": max, "cli": cli or {}}
+    flag and bounds (``min`` / ``max`` inclusive, ``above`` / ``below`` exclusive; a float option
+    is finite whatever its bounds); ``cli``: how the command line takes it when that is not the
+    field's type (``annotation``, and typer's ``metavar``, ``parser``, ``show_default``, ...)."""
+    metadata = {"help": help, "flag": flag, "min": min, "max": max, "above": above, "below": below, "cli": cli or {}}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=functools.partial(copy.copy, default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

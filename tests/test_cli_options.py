@@ -25,6 +25,8 @@ HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge
 # stages and the trainers: the trainers' --consumer, --poll-s and --lease-s say the shared words.
 CONSUMER_HELP = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao") for name in ("consumer", "poll_s")}
 CONSUMER_HELP |= {(command, "lease_s") for command in ("train-grpo", "opd-merge", "train-sao", "judge", "score-teacher")}
+# Bounds issue 30 added (every option bounded, checked before any work).
+BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
 
 def _expected(stored: dict) -> dict:
@@ -40,6 +42,8 @@ def _expected(stored: dict) -> dict:
         row["help"] = row["help"].replace("eps-low", "dis-low").replace("eps-high", "dis-high")
     for command, name in CONSUMER_HELP:
         table[command][name]["help"] = setting_of(FollowSettings, name)[1]["help"]
+    for (command, name), bounds in BOUNDS.items():
+        table[command][name].update(bounds)
     return table
 
 

@@ -56,7 +56,7 @@ class PolicyGradientConfig(OptimizerConfig):
         None, "Drop whole trajectories whose oldest action token is more than TAU policy versions behind --checkpoint, "
         "before any token check (counted, with their lengths and rewards, in the metrics); the rest are trained "
         "with DIS. Unset: none dropped.", min=0)
-    advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).")
+    advantage_eps: float = setting(1e-6, "eps in the group advantage (R - mean) / (std + eps).", above=0.0)
     # brief, CompactionRL: "在全部可训练 token 集合 M 上归一化 PPO loss"
     loss_normalization: str = setting(
         "token", "How a mini-batch's token losses are averaged, by name: token (every trusted token weighs the same: "

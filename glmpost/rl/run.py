@@ -148,6 +148,8 @@ class TrainingRun:
 
     def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, stage: str, follow: bool = False):
         self.out, self.options, self.follow, self.stage = Path(out), options, follow, stage
+        if options.resume and options.overwrite:
+            raise ConfigError("{resume} continues an interrupted run and {overwrite} starts it over: give one of them")
         self._held = contextlib.ExitStack()
         if int(os.environ.get("RANK", "0")) == 0:  # one writer per root: the run's rank 0 holds it for all
             self._held.enter_context(output_lock(self.out, stage=stage))
@@ -259,6 +261,7 @@ class TrainingRun:
 
     def update(self, update: Update) -> list[dict]:
         """Train one update (module doc); returns its steps' metrics, kept until the next publish."""
+        _check_update(self.job, update)
         o, session, staging, companion = self.options, self.session, self.plan.staging, self.job.companion
         if self.updates == 0:  # the version's first update starts its staging
             if session.is_main:
@@ -352,6 +355,7 @@ class TrainingRun:
 
     def run(self, job: TrainingJob, update: Update, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
         """Open, train ``update``, publish it and close; the result on rank 0, None on the other ranks."""
+        _check_update(job, update)  # before the model loads
         try:
             self.open(job)
             self.update(update)
@@ -360,6 +364,14 @@ class TrainingRun:
         finally:
             self.close()
         return result if self.session.is_main else None
+
+
+def _check_update(job: TrainingJob, update: Update) -> None:
+    """An update the job's optimizer settings can train: every mini-batch gets an example."""
+    mini = getattr(job.config, "mini_batches", 1)
+    if mini > len(update.examples):
+        raise ConfigError("{mini_batches} {mini} is more than this update's {n} example(s): every optimizer step needs one",
+                          mini=mini, n=len(update.examples))
 
 
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):

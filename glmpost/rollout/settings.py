@@ -119,7 +119,7 @@ class RolloutConfig:
     group_size: int = setting(8, "Samples per prompt (GRPO's G); siblings share a group_id.", min=1)
     temperature: float = setting(
         1.0, "Sampling temperature; 0 is greedy (its log-probs are then the model's own: log_prob_kind raw).", min=0.0)
-    top_p: float = setting(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.")
+    top_p: float = setting(1.0, "Nucleus sampling mass in (0, 1]; 1 disables.", above=0.0, max=1.0)
     top_k: int = setting(0, "Sample among the k most likely tokens; 0 disables.", min=0)
     max_new_tokens: int = setting(64, "Most tokens sampled per response.", min=1)
     stop_token_ids: str = setting("default", "Comma-separated ids that end a response (kept in it); 'default' = the "

@@ -61,9 +61,9 @@ class SyncConfig(GroupSizeSetting):
     dtype: str = setting("auto", f"Dtype of the unquantized tensors: {', '.join(DTYPES)} (auto keeps the training dtype).")
     max_shard_size: float = setting(4096.0, "Largest safetensors shard to write, in MiB.")
     server: list[str] = setting([], "Server(s) to switch, URL[,URL...] (repeatable); none = publish only.")
-    retries: int = setting(3, "Extra attempts per server after a failed update or confirmation.")
-    backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.")
-    timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).")
+    retries: int = setting(3, "Extra attempts per server after a failed update or confirmation.", min=0)
+    backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.", min=0.0)
+    timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).", above=0.0)
     api_key: Optional[str] = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
     keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
 

@@ -1,0 +1,86 @@
+"""Hardening, inputs (issue 30): bad options, recipes and files are refused in one line naming the
+option, recipe section or file (and line), before any work and without writing anything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_train_grpo import _judged
+
+
+def _one_line(result, exit_code: int = 2) -> str:
+    assert result.exit_code == exit_code, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["rollout", "P", "--temperature", "inf"], "Invalid value for '--temperature': inf is not a finite number"),
+    (["rollout", "P", "--temperature", "nan"], "Invalid value for '--temperature'"),
+    (["rollout", "P", "--top-p", "0"], "Invalid value for '--top-p': 0.0 is not > 0"),
+    (["rollout", "P", "--top-p", "1.5"], "Invalid value for '--top-p'"),
+    (["train-grpo", "P", "--temperature", "-1"], "Invalid value for '--temperature': -1.0 is not > 0"),
+    (["train-grpo", "P", "--advantage-eps", "-1"], "Invalid value for '--advantage-eps': -1.0 is not > 0"),
+    (["train-grpo", "P", "--resume", "--overwrite"], "--resume continues an interrupted run and --overwrite starts it over"),
+    (["sync-weights", "--timeout", "0"], "Invalid value for '--timeout': 0.0 is not > 0"),
+    (["sync-weights", "--timeout", "-5"], "Invalid value for '--timeout': -5.0 is not > 0"),
+    (["sync-weights", "--backoff", "-1"], "Invalid value for '--backoff'"),
+    (["sync-weights", "--retries", "-1"], "Invalid value for '--retries'"),
+])
+def test_an_option_out_of_its_range_is_refused_before_any_work(glmpost_cli, tiny_checkpoint, tmp_path, args, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
+    args = [str(prompts) if a == "P" else a for a in args]
+    if args[0] == "sync-weights":
+        args = ["sync-weights", str(tiny_checkpoint), *args[1:]]
+    else:
+        args = [*args, "--checkpoint", str(tiny_checkpoint)]
+    result = glmpost_cli(*args, "--out", tmp_path / "out")
+    assert message in _one_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_mini_batches_than_examples_is_refused_before_the_model_loads(glmpost_cli, tiny_checkpoint, tmp_path):
+    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root", "--mini-batches", "17")
+    assert "--mini-batches 17 is more than this update's 16 example(s)" in _one_line(result)
+    assert not (tmp_path / "root").exists()  # no staging left to block the next run
+    assert glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root",
+                       "--mini-batches", "16").exit_code == 0
+
+
+def test_a_misspelled_recipe_section_or_a_bad_recipe_value_names_the_recipe(glmpost_cli, tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
+    recipe = tmp_path / "recipe.toml"
+    run = ["rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out", "--config", recipe]
+    recipe.write_text("[rolout]\ntemperature = 0.5\n")
+    assert f"recipe {recipe}: unknown section [rolout] (known: " in _one_line(glmpost_cli(*run))
+    recipe.write_text("[shards.improt]\nlevel = 3\n")  # inside a group too
+    assert "unknown section [shards.improt]" in _one_line(glmpost_cli(*run))
+    recipe.write_text("[rollout]\ntemperature = -0.5\n")
+    assert f"recipe {recipe}: [rollout] temperature = -0.5: " in _one_line(glmpost_cli(*run))
+    recipe.write_text("[rollout]\ngroup-size = \"many\"\n")
+    assert f"recipe {recipe}: [rollout] group-size = 'many': " in _one_line(glmpost_cli(*run))
+    recipe.write_text("[rollout]\ntemperature = inf\n")  # a parse-time bound (commands.options.bounded) too
+    assert "[rollout] temperature = inf: inf is not a finite number" in _one_line(glmpost_cli(*run))
+    recipe.write_bytes("[rollout]\n# caf\u00e9\n".encode("latin-1"))
+    assert f"recipe {recipe}: not UTF-8 text (byte 15: invalid continuation byte)" in _one_line(glmpost_cli(*run))
+    recipe.write_text("[rollout]\ngroup-size = 1\n[pipeline]\nstages = [\"rl\"]\n")  # known sections: it runs
+    assert glmpost_cli(*run, "--max-new-tokens", "2").exit_code == 0
+    assert not (tmp_path / ".out.lock").exists()
+
+
+@pytest.mark.parametrize("stage", ["rollout", "shards import"])
+def test_prompts_that_are_not_utf8_name_the_file_line_and_byte(glmpost_cli, tiny_checkpoint, tmp_path, stage):
+    prompts = tmp_path / "p.jsonl"
+    lines = [json.dumps({"id": "a", "prompt": "count: 1"}), '{"id": "b", "prompt": "caf\u00e9"}']
+    prompts.write_bytes(("\n".join(lines) + "\n").encode("latin-1"))
+    first = len(lines[0]) + 1
+    result = glmpost_cli(*stage.split(), prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "out")
+    offset = first + lines[1].index("\u00e9")
+    assert f"{prompts}:2: not UTF-8 text (byte {offset} of the file: invalid continuation byte)" in _one_line(result, 1)
+    assert not Path(tmp_path / "out").exists()
