@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_train_grpo import _judged
 
 

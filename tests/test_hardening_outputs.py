@@ -5,20 +5,18 @@ would meet them."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from test_train_grpo import _judged
 
 from glmpost.checkpoints import LATEST, CheckpointRoot, read_manifest
 from glmpost.formats import ShardReader
 from glmpost.locks import OutputLocked, lock_path, output_lock
-from test_train_grpo import _judged
 
 HOLD = """
 import sys, time
@@ -141,7 +139,7 @@ def test_a_damaged_part_is_redone_and_a_dead_writers_partial_file_removed(glmpos
     partial.write_bytes(b"half a shard")
     again = glmpost_cli(*args)
     assert again.exit_code == 0, again.stderr
-    assert f"sampling this part again: " in again.stderr and "removed 1 partial shard(s)" in again.stderr
+    assert "sampling this part again: " in again.stderr and "removed 1 partial shard(s)" in again.stderr
     assert not partial.exists() and parts[0].read_bytes() == good  # the complete part is kept as it was
     assert len(list(ShardReader(parts[1]))) == 4
     assert glmpost_cli("shards", "verify", out).exit_code == 0

@@ -89,8 +89,9 @@ class EngineServer:
 
     def __init__(self, checkpoint: str | Path, *, device: Any = "cpu", batch_size: int = 32, deterministic_topk: bool = True,
                  weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND,
-                 prefix_cache_batches: int = 0, attention: str = "native"):
+                 prefix_cache_batches: int = 0, attention: str = "native", max_queued: int = 1024):
         self.device = device
+        self.max_queued = max_queued
         self.attention = attention
         self.log_prob_kind = check_log_prob_kind(log_prob_kind)
         self.batch_size = batch_size
@@ -123,6 +124,11 @@ class EngineServer:
     def start(self) -> None:
         self._worker.start()
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the engine (at most ``max_queued``)."""
+        return len(self._queue)
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -132,12 +138,15 @@ class EngineServer:
         for job in pending:
             job.error = RequestError("server is shutting down", 503)
             job.done.set()
-        self._worker.join(timeout=30)
+        if self._worker.ident is not None:  # started
+            self._worker.join(timeout=30)
 
     def submit(self, job: _Job) -> Any:
         with self._cond:
             if self._stopping:
                 raise RequestError("server is shutting down", 503)
+            if len(self._queue) >= self.max_queued:
+                raise RequestError(f"{len(self._queue)} requests are waiting for the engine (--max-queued); retry", 503)
             self._queue.append(job)
             self._last_arrival = time.perf_counter()
             self._cond.notify()

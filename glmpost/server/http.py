@@ -31,30 +31,45 @@ from glmpost.server.engine import EngineServer
 from glmpost.server.parsing import RequestError
 from glmpost.stage import MetricsWriter, log
 
+LISTEN_BACKLOG = 512
+RETRY_AFTER_S = 1  # what a 503 asks a client to wait
+
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "glmpost-serve"
     engine: EngineServer  # set on the subclass made by make_http_server
     quiet = True
     api_key: Optional[str] = None  # set on the subclass: every route but /health then wants it
+    max_body_bytes = 64 << 20  # set on the subclass
 
     def log_message(self, format: str, *args: Any) -> None:
         if not self.quiet:
             super().log_message(format, *args)
 
-    def _send(self, status: int, payload: Any) -> None:
+    def _send(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         body = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
     def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message, "code": int(status)}})
+        # A full queue or a stopping server: the client may come back (SGLang answers 503 the same way).
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        self._send(status, {"error": {"message": message, "code": int(status)}}, headers)
 
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise RequestError("Content-Length is not a number") from None
+        if length > self.max_body_bytes:  # refused before it is read
+            self.close_connection = True
+            raise RequestError(f"the request body has {length} bytes, more than the {self.max_body_bytes} this server "
+                               "reads (--max-body-bytes)", 413)
         raw = self.rfile.read(length) if length else b""
         try:
             return json.loads(raw) if raw else {}
@@ -99,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
         except RequestError as exc:
             self._error(exc.status, str(exc))
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away
+            log(f"{self.client_address[0]}:{self.client_address[1]} disconnected before its answer to {method} {path}")
         except Exception as exc:  # never let one request take the server down
             try:
                 self._error(500, f"{type(exc).__name__}: {exc}")
@@ -113,14 +128,20 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
 
-def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True,
-                     api_key: Optional[str] = None) -> ThreadingHTTPServer:
+class _Server(ThreadingHTTPServer):
+    # Connections the kernel holds before they are accepted (socketserver's default is 5: a burst of
+    # clients was reset); each accepted one gets a thread, and the engine's queue bounds the work.
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
+def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True, api_key: Optional[str] = None,
+                     max_body_bytes: int = 64 << 20) -> ThreadingHTTPServer:
     """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port); with
-    ``api_key`` every route but ``/health`` wants it."""
-    handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet, "api_key": api_key or None})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    ``api_key`` every route but ``/health`` wants it; a body over ``max_body_bytes`` is refused (413)."""
+    handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet, "api_key": api_key or None,
+                                                         "max_body_bytes": max_body_bytes})
+    return _Server((host, port), handler)
 
 
 def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, on_ready=None, on_tick=None,
@@ -189,6 +210,9 @@ class ServeConfig:
         None, "Append the server's counters to this JSONL file every --metrics-interval seconds and at stop.",
         cli={"dir_okay": False})
     metrics_interval: float = setting(10.0, "Seconds between --metrics lines.", min=0.1)
+    max_queued: int = setting(1024, "Most requests waiting for the engine; a request beyond them is answered 503 with "
+                              "Retry-After (never a reset connection).", min=1)
+    max_body_bytes: int = setting(64 << 20, "Largest request body read; a larger one is answered 413 before it is read.", min=1)
 
 
 class _MetricsLines:
@@ -247,9 +271,10 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               deterministic_topk=config.deterministic_topk, attention=config.attention,
                               weight_version=config.weight_version,
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind,
-                              prefix_cache_batches=config.prefix_cache_batches)
+                              prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
-            server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key)
+            server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
+                                      max_body_bytes=config.max_body_bytes)
         except OSError as exc:
             raise ConfigError("{host} {address} {port} {number}: cannot listen ({reason})", address=config.host,
                               number=config.port, reason=exc.strerror or exc) from None
