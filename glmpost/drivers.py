@@ -16,8 +16,9 @@ redoes it); ``stage.json`` and one ``metrics.jsonl`` line per shard go to ``--ou
 :func:`follow_shards` runs it between two spools (``--follow IN --out OUT``, formats/SPEC.md §12):
 each shard of ``IN`` as it lands, published into ``OUT`` under the same name, then committed in
 ``IN``. The output shard's name is the commit record: a restart that finds a claimed shard already
-in ``OUT`` commits it without processing it again. SIGTERM / SIGINT stop after the shard in
-progress; ``--idle-timeout`` after that long without one. Metrics and stage.json go to
+in ``OUT`` commits it without processing it again. It stops when ``IN`` has ended (every producer
+closed its stream and nothing is left: it then closes its own stream in ``OUT``); SIGTERM / SIGINT
+stop it after the shard in progress; ``--idle-timeout`` after that long without one (a safety net). Metrics and stage.json go to
 ``OUT/producers/CONSUMER/``.
 """
 
@@ -118,9 +119,12 @@ def follow_shards(stage: ShardStage, settings: FollowSettings, *, out: Path) -> 
     revision = stage.spool_revision(Path(settings.follow))
     source, target = Spool(settings.follow, tokenizer_revision=revision), Spool(out, tokenizer_revision=revision)
     consumer = settings.consumer or default_consumer(stage.name, target.path)
-    home = target.path / "producers" / consumer
+    home = target.producer_home(consumer)
     with output_lock(home, stage=stage.name):
-        return _follow(stage, settings, source, target, consumer, home, revision)
+        summary = _follow(stage, settings, source, target, consumer, target.open_producer(consumer), revision)
+        if summary["stopped_by"] == "end_of_stream":  # its input ended: so does its output
+            target.close_producer(consumer, reason="end_of_stream")
+        return summary
 
 
 def _follow(stage: ShardStage, settings: FollowSettings, source: Spool, target: Spool, consumer: str, home: Path,
@@ -135,6 +139,9 @@ def _follow(stage: ShardStage, settings: FollowSettings, source: Spool, target: 
             while stop["signal"] is None:
                 shards = source.claimed(consumer) or source.claim(consumer, limit=1, lease_s=settings.lease_s)
                 if not shards:
+                    if source.ended(consumer):
+                        stop["signal"] = "end_of_stream"
+                        break
                     if settings.idle_timeout is not None and time.monotonic() - last_new > settings.idle_timeout:
                         stop["signal"] = "idle"
                         break

@@ -49,23 +49,32 @@ def test_rollout_judge_and_trainer_over_spools_survive_kill_9(tiny_checkpoint, t
     logs.mkdir()
     rollout = ["rollout", prompts, "--checkpoint", tiny_checkpoint, "--follow", rolled.path, "--reload-root", root,
                "--group-size", "4", "--max-new-tokens", "6", "--stop-token-ids", "none", "--prompts-per-shard", "2"]
+    # The followers end with their input (end of stream); the idle timeout is only a safety net.
     judge = ["judge", "--follow", rolled.path, "--out", judged.path, "--checkpoint", tiny_checkpoint, "--poll-s", "0.1",
-             "--idle-timeout", "25", "--lease-s", "5"]
+             "--idle-timeout", "600", "--lease-s", "5"]
     train = ["train-grpo", "--follow", judged.path, "--checkpoint", tiny_checkpoint, "--out", root, "--follow-records", "8",
-             "--max-version-lag", "8", "--max-staleness", "1", "--poll-s", "0.1", "--lease-s", "3", "--idle-timeout", "25"]
+             "--max-version-lag", "8", "--max-staleness", "1", "--poll-s", "0.1", "--lease-s", "3", "--idle-timeout", "600"]
 
     # Phase 1: two rounds (4 shards of 8 trajectories at v0) land before the trainer starts, so it
     # trains v1 (lag 0) and v2 (lag 1), then drops the lag-2 ones (--max-staleness 1) and counts them.
+    # The rollout closes its stream after its last round, the judge then stops and closes its own,
+    # and the trainer stops once it has taken everything.
     assert subprocess.run([*GLMPOST, *map(str, rollout), "--max-rounds", "2"], capture_output=True).returncode == 0
-    judging = _start(*judge, log=logs / "judge.log")
-    _wait("4 judged shards", lambda: len(_all_shards(judged)) == 4)
-    trainer = subprocess.run([*GLMPOST, *map(str, train), "--idle-timeout", "3", "--json"], capture_output=True, text=True)
+    assert rolled.closed()
+    judging = subprocess.run([*GLMPOST, *map(str, judge), "--json"], capture_output=True, text=True, timeout=600)
+    assert judging.returncode == 0 and json.loads(judging.stdout)["stopped_by"] == "end_of_stream", judging.stderr
+    assert len(_all_shards(judged)) == 4 and judged.closed()
+    trainer = subprocess.run([*GLMPOST, *map(str, train), "--json"], capture_output=True, text=True, timeout=600)
     assert trainer.returncode == 0, trainer.stderr
     summary = json.loads(trainer.stdout)
-    assert summary["versions"] == [1, 2] and summary["dropped_records"] == 16
+    assert summary["versions"] == [1, 2] and summary["dropped_records"] == 16 and summary["stopped_by"] == "end_of_stream"
 
     # Phase 2: rollout rounds 2-5 run while the trainer trains; each is killed -9 once and restarted.
+    # Restarting its producers, the orchestrator opens their streams again first (as bin/async-rl
+    # does): a follower that started on a closed, drained input would stop at once.
+    assert len(rolled.reopen()) == 1 and len(judged.reopen()) == 1
     producing = _start(*rollout, "--max-rounds", "6", log=logs / "rollout.log")
+    judging = _start(*judge, log=logs / "judge.log")
     training = _start(*train, log=logs / "train.log")
     _wait("v3", lambda: 3 in CheckpointRoot(root).versions())
     os.kill(training.pid, signal.SIGKILL)
@@ -76,9 +85,8 @@ def test_rollout_judge_and_trainer_over_spools_survive_kill_9(tiny_checkpoint, t
     producing = _start(*rollout, "--max-rounds", "6", log=logs / "rollout.log")
     training = _start(*train, log=logs / "train.log")
     assert producing.wait(timeout=300) == 0, (logs / "rollout.log").read_text()[-2000:]
-    assert training.wait(timeout=300) == 0, (logs / "train.log").read_text()[-2000:]
-    judging.send_signal(signal.SIGTERM)
-    assert judging.wait(timeout=60) == 0, (logs / "judge.log").read_text()[-2000:]
+    assert judging.wait(timeout=300) == 0, (logs / "judge.log").read_text()[-2000:]  # end of stream: no signal
+    assert training.wait(timeout=300) == 0, (logs / "train.log").read_text()[-2000:]  # idle only after 600 s: the end
 
     # Nothing lost: every rollout shard was judged and every judged shard committed by the trainer.
     produced = {p.name for p in _all_shards(rolled)}
@@ -104,15 +112,15 @@ def test_bin_async_rl_runs_the_three_stages_from_one_recipe(tiny_checkpoint, tmp
     assert usage.returncode == 2 and "usage: bin/async-rl RECIPE PROMPTS" in usage.stderr
     run_dir = tmp_path / "async"
     done = subprocess.run([script, "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
-                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "20"], cwd=root, capture_output=True,
+                           "--run-dir", run_dir, "--max-rounds", "1"], cwd=root, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo"))
     judged = Spool(run_dir / "judged", tokenizer_revision=tokenizer_revision(tiny_checkpoint), create=False)
-    # 10 prompts, 2 per shard: 5 shards of 16; four made two versions of --follow-records 32, the fifth
-    # waits in ready/ for a partner (the trainer stopped idle and returned its claim).
+    # 10 prompts, 2 per shard: 5 shards of 16; four made two versions of --follow-records 32, and the
+    # fifth, the end of the stream, one more update of its own: every shard was taken.
     depth = judged.depth()
-    assert (depth.ready, depth.claimed, depth.done) == (1, 0, 4)
+    assert (depth.ready, depth.claimed, depth.done) == (0, 0, 5)
     assert sorted(e["shard"] for e in judged.ledger()) == sorted(p.name for p in judged.done_dir.glob("*.msgpack.zst"))
     assert CheckpointRoot(run_dir / "policy").versions()[:1] == [1]
 
@@ -123,7 +131,7 @@ def test_bin_async_rl_trains_with_sao_when_the_recipe_has_a_train_sao_section(ti
     recipe.write_text((root / "recipes" / "tiny-async-rl.toml").read_text().replace("[train-grpo]", "[train-sao]"))
     run_dir = tmp_path / "async"
     done = subprocess.run([root / "bin" / "async-rl", recipe, "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
-                           "--run-dir", run_dir, "--max-rounds", "1", "--idle-timeout", "20"], cwd=root, capture_output=True,
+                           "--run-dir", run_dir, "--max-rounds", "1"], cwd=root, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-sao"))
@@ -136,7 +144,7 @@ def test_bin_async_rl_serve_puts_a_server_and_the_weight_sync_between_trainer_an
     root = Path(__file__).resolve().parents[1]
     run_dir = tmp_path / "async"
     done = subprocess.run([root / "bin" / "async-rl", "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", "--checkpoint",
-                           tiny_checkpoint, "--run-dir", run_dir, "--serve", "--max-rounds", "2", "--idle-timeout", "20"], cwd=root,
+                           tiny_checkpoint, "--run-dir", run_dir, "--serve", "--max-rounds", "2"], cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo", "sync-weights"))
@@ -178,12 +186,13 @@ def test_the_slurm_template_runs_producer_and_trainer_roles(tiny_checkpoint, tmp
     """bin/slurm/async-rl.sbatch as two jobs sharing a run folder (run here with bash, one after the other)."""
     root = Path(__file__).resolve().parents[1]
     template = root / "bin" / "slurm" / "async-rl.sbatch"
-    env = {**os.environ, "GLMPOST_PYTHON": sys.executable, "ASYNC_MAX_ROUNDS": "1", "ASYNC_IDLE_TIMEOUT": "20"}
+    env = {**os.environ, "GLMPOST_PYTHON": sys.executable, "ASYNC_MAX_ROUNDS": "1"}  # each role ends with its input
     args = ["recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl", str(tiny_checkpoint), str(tmp_path / "run")]
     for role in ("producer", "trainer"):
         done = subprocess.run(["bash", template, role, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr
-    assert CheckpointRoot(tmp_path / "run" / "policy").versions() == [1, 2]
+    # 5 judged shards of 16, --follow-records 32: two versions, and the stream's last shard a third.
+    assert CheckpointRoot(tmp_path / "run" / "policy").versions() == [1, 2, 3]
     bad = subprocess.run(["bash", template, "nobody", *args], cwd=root, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "role must be all, producer or trainer" in bad.stderr
 

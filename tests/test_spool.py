@@ -127,3 +127,21 @@ def test_refusals_name_the_spool(tmp_path):
         Spool(tmp_path / "nothing", tokenizer_revision=REVISION, create=False)
     with pytest.raises(ValueError, match="expected NAME.msgpack.zst"):
         spool.publish_path("../x.msgpack.zst")
+
+
+def test_end_of_stream_when_every_producer_closed_and_nothing_is_left(tmp_path):
+    spool = Spool(tmp_path / "s", tokenizer_revision=REVISION)
+    assert not spool.closed() and not spool.ended("trainer")  # no producer opened it yet: not an end
+    spool.open_producer("rollout-a")
+    spool.open_producer("rollout-b")
+    _publish(spool, "a0", ["a0-1"])
+    spool.close_producer("rollout-a", reason="max_rounds")
+    assert not spool.closed()  # rollout-b still produces
+    spool.close_producer("rollout-b", reason="SIGTERM")
+    assert spool.closed() and not spool.ended("trainer")  # closed, but a shard is still ready
+    [claimed] = spool.claim("judge")
+    assert spool.ended("judge") and not spool.ended("trainer")  # the judge holds the last one: the trainer waits
+    spool.commit("judge", [claimed], version=-1, ids={claimed.name: ["a0-1"]})
+    assert spool.ended("trainer")
+    spool.open_producer("rollout-a")  # a restart opens its stream again
+    assert not spool.closed() and not spool.ended("trainer")

@@ -16,9 +16,12 @@ counted in published versions. A batch with nothing left to train (all stale, al
 is committed as dropped (version -1) so it is not retried forever; its records' lengths and
 rewards are in the metrics.
 
-A background thread renews the lease; SIGTERM / SIGINT stop after the update in progress,
-publishing the updates since the last version, and return unused claims to ``ready/``;
-``--max-steps``, ``--max-versions`` and ``--idle-timeout`` stop it the same way. A crash loses the
+A background thread renews the lease. The run ends with its input: when every producer of the
+spool has closed its stream and no shard is left (formats/SPEC.md §12, end of stream), the last
+records are trained as one smaller batch and the updates since the last version published.
+SIGTERM / SIGINT stop after the update in progress, publishing the updates since the last version,
+and return unused claims to ``ready/``; ``--max-steps``, ``--max-versions`` and ``--idle-timeout``
+(a safety net, not the way a run ends) stop it the same way. A crash loses the
 updates since the last version (their claims return after the lease; a restart trains them again).
 """
 
@@ -150,6 +153,9 @@ class _FollowLoop:
                 ids.update(_shard_ids(new))
                 claims += new
                 continue
+            if spool.ended(self.consumer):
+                stop["signal"] = "end_of_stream"
+                break
             if self.source.idle_timeout is not None and time.monotonic() - self.last_new > self.source.idle_timeout:
                 stop["signal"] = "idle"
                 break
@@ -214,6 +220,8 @@ class _FollowLoop:
         while stop["signal"] is None and not self.finished():
             committed = self.committed()
             claims, ids = self.claim_batch(committed, stop)
+            if stop["signal"] == "end_of_stream" and claims:  # the stream's last records: a smaller batch
+                self.train(claims, ids, committed)
             if stop["signal"] is not None:
                 break
             self.train(claims, ids, committed)
@@ -260,6 +268,9 @@ class _RunFollower:
 
     def train(self, shards: list[Path], skip_ids: frozenset) -> dict[str, Any]:
         batch = self.make_batch([str(s) for s in shards], self.run.parent_version, skip_ids)
+        mini = getattr(self.run.job.config, "mini_batches", 1)
+        if len(batch.examples) < mini:  # the stream's last few records: too few for the optimizer steps
+            raise NothingToTrain(f"{len(batch.examples)} example(s), fewer than mini_batches {mini}")
         steps = self.run.update(batch.update())
         self.batches.append(batch.stage_extra)
         return {"records": batch.records, "trained_records": trained_records(batch.examples), "version_lags": batch.summary["version_lags"],

@@ -18,7 +18,9 @@ the turns that attended to the old weights' keys and values are listed in the re
 
 A restart skips every part the spool already holds (in any area), so a crash loses at most the part
 being sampled (never visible: shards publish atomically). SIGTERM / SIGINT stop after the part in
-progress; ``--max-rounds`` stops after that many rounds. ``--max-queued N`` waits before a part
+progress; ``--max-rounds`` stops after that many rounds. Either way the rollout then closes its
+stream in the spool (end of stream, formats/SPEC.md §12): the followers downstream stop once they
+have taken everything; a restart opens it again. ``--max-queued N`` waits before a part
 while N shards are published and not yet consumed (here and in the ``--queue`` spools
 downstream): a producer-side bound on staleness (AReaL's ``max_head_offpolicyness`` plays this
 role), the time waited is the rollout's idle fraction. Metrics and stage.json go to
@@ -119,8 +121,7 @@ class _Producer:
         self.reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
         self.runner = RolloutRunner(config, options=options)
         prompts = self.runner.open(self.checkpoint)
-        self.home = self.spool.path / "producers" / self.name
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home = self.spool.open_producer(self.name)
         cut, mine = task_parts(prompts, config)
         self.parts = [(index, cut[index]) for index in mine]
         write_stage_json(self.home, STAGE, options, producer=self.name, spool=str(self.spool.path))
@@ -219,4 +220,5 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
                 producer.run(stop)
             finally:
                 producer.backend.close()
+        producer.spool.close_producer(producer.name, reason=stop["signal"] or "max_rounds")  # after its last shard
     return producer.summary(stop["signal"])

@@ -10,6 +10,8 @@ v_rollout > tau``).
     SPOOL/claimed/CONSUMER/NAME...      a consumer's claimed shards, and its lease.json
     SPOOL/done/NAME.msgpack.zst         consumed shards (the update that trained them is published)
     SPOOL/ledger.jsonl                  one line per consumed shard: consumer, version, trajectory ids
+    SPOOL/producers/NAME/               a producer's home (stage.json, metrics.jsonl), made when it opens
+    SPOOL/producers/NAME/closed.json    its end of stream: it will publish nothing more
 
 Every step is one atomic rename on one file system: a producer writes a shard under a hidden
 temporary name in ``ready/`` and renames it to its final name (the shard writer's rule, SPEC §8),
@@ -17,6 +19,12 @@ so a consumer never sees half a shard; a consumer claims a shard by renaming it 
 claim area (two consumers racing for one shard: exactly one rename succeeds); a consumer whose
 lease expired (it stopped renewing: killed, hung) has its claims renamed back to ``ready/`` by any
 other consumer. Every shard stays a valid input to any stage wherever it sits.
+
+End of stream: a producer opens its stream when it starts (:meth:`Spool.open_producer`) and
+closes it when it finishes (:meth:`Spool.close_producer`: ``--max-rounds`` done, its input ended,
+SIGTERM), after its last shard is published. The spool is *closed* when every producer that opened
+it has closed, and *ended* for a consumer when it is closed and no shard is left for it (none ready,
+none claimed by another consumer): a follower then stops, finishing what it holds.
 
 Exactly-once is defined by trajectory id: a consumer commits a claim by publishing a checkpoint
 version whose manifest lists the shards and ids it trained (the commit record), then appending the
@@ -44,6 +52,7 @@ from glmpost.fsutil import fsync_dir, write_text_atomic
 SPOOL_FORMAT = "glmpost-spool"
 SPOOL_VERSION = 1
 DEFAULT_LEASE_S = 60.0
+CLOSED = "closed.json"
 
 
 class SpoolError(GlmpostError):
@@ -118,6 +127,44 @@ class Spool:
         for claims in _consumers(self.claimed_dir):
             found |= {p.name for p in _shards(claims)}
         return found
+
+    # -- end of stream (module doc) -----------------------------------------------------------
+
+    def producer_home(self, name: str) -> Path:
+        return self.path / "producers" / name
+
+    def open_producer(self, name: str) -> Path:
+        """Register producer ``name`` (again, after a restart: its stream is open once more); returns its home."""
+        home = self.producer_home(name)
+        home.mkdir(parents=True, exist_ok=True)
+        (home / CLOSED).unlink(missing_ok=True)
+        return home
+
+    def close_producer(self, name: str, reason: str) -> None:
+        """Producer ``name`` publishes nothing more (called after its last shard is published)."""
+        write_text_atomic(self.producer_home(name) / CLOSED, json.dumps(
+            {"producer": name, "reason": reason, "closed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+
+    def reopen(self) -> list[str]:
+        """Open every producer's stream again (what an orchestrator does before it restarts them, so
+        that no follower it starts beside them finds the spool still closed); returns their names."""
+        homes = sorted(d for d in (self.path / "producers").glob("*") if d.is_dir())
+        for home in homes:
+            (home / CLOSED).unlink(missing_ok=True)
+        return [home.name for home in homes]
+
+    def closed(self) -> bool:
+        """Every producer that opened the spool has closed it (and one at least opened it)."""
+        homes = [d for d in (self.path / "producers").glob("*") if d.is_dir()] if (self.path / "producers").is_dir() else []
+        return bool(homes) and all((home / CLOSED).is_file() for home in homes)
+
+    def ended(self, consumer: str) -> bool:
+        """Closed, and nothing left for ``consumer``: no shard ready, none claimed by another consumer.
+        (Closed is looked at first: a shard published before the close is then seen as ready.)"""
+        if not self.closed():
+            return False
+        others = [c for c in _consumers(self.claimed_dir) if c.name != consumer]
+        return not _shards(self.ready_dir) and not any(_shards(c) for c in others)
 
     # -- consumers ---------------------------------------------------------------------------
 
