@@ -28,7 +28,7 @@ from glmpost.commands import (
     train_sao,
 )
 from glmpost.commands.options import spelled_with_flags
-from glmpost.errors import GlmpostError
+from glmpost.errors import GlmpostError, first_line, storage_error
 
 app = typer.Typer(
     name="glmpost",
@@ -135,6 +135,15 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # a reader such as `| head` went away: not an error of ours
         sys.stderr.close()
         sys.exit(0)
+    except Exception as exc:  # a full or read-only file system, wherever it happens: one line
+        if not storage_error(exc):
+            raise
+        if isinstance(exc, OSError):
+            message = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc.strerror or exc)
+        else:
+            message = f"{type(exc).__name__}: {first_line(exc)}"
+        sys.stderr.write(f"glmpost: error: {message}\n")
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -7,6 +7,9 @@ never with a traceback. Messages name the file, field or option at fault.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class GlmpostError(Exception):
     """The work failed for a reason the user can fix (exit code 1)."""
@@ -24,3 +27,17 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type's name if it has none), for one-line errors."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+# What a full, read-only or over-quota file system raises.
+STORAGE_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG)
+
+
+def storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a file system refusing a write: an ``OSError`` with one of
+    :data:`STORAGE_ERRORS`, or a library's wrapping of one (safetensors, torch.save) whose message
+    names it."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno in STORAGE_ERRORS
+    text = str(exc)
+    return any(os.strerror(code) in text for code in STORAGE_ERRORS)

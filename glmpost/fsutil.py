@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -56,3 +57,21 @@ def make_readable(directory: Path) -> None:
         if path.is_symlink():
             continue
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def file_system_problem(path: Path) -> str | None:
+    """After a write under ``path`` failed with an error that does not say why (``torch.save``'s
+    "iostream error"): what its file system says, "No space left on device" (less than 1 MiB free)
+    or "Read-only file system"; None when neither."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    if stats.f_flag & os.ST_RDONLY:
+        return os.strerror(errno.EROFS)
+    if stats.f_bavail * stats.f_frsize < 1 << 20:
+        return os.strerror(errno.ENOSPC)
+    return None

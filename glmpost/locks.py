@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from glmpost.errors import GlmpostError
+from glmpost.errors import GlmpostError, UsageError
 from glmpost.stage import log
 
 
@@ -74,11 +74,13 @@ def _alive(pid: Any) -> bool:
 def output_lock(out: Path, *, stage: str, task: tuple[int, int] | None = None) -> Iterator[Path]:
     """Hold the lock of ``out`` (module doc) while the block writes it; yields the lock file."""
     path = lock_path(out, task=task)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UsageError(f"{out} exists and is not a directory: name a directory for this output")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _acquire(path, out, stage)
     except OSError as exc:  # a read-only or missing parent: one line naming the path
-        raise GlmpostError(f"{out}: cannot take its lock {path}: {os.strerror(exc.errno) if exc.errno else exc}") from None
+        raise GlmpostError(f"{out}: cannot write beside it ({path}): {os.strerror(exc.errno) if exc.errno else exc}") from None
     try:
         yield path
     finally:

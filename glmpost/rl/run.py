@@ -37,6 +37,8 @@ from tqdm import tqdm
 
 from glmpost.checkpoints import LATEST, CheckpointManifest, CheckpointRoot, NextVersion, version_dir_name
 from glmpost.config import ConfigError, setting, shared
+from glmpost.errors import GlmpostError, first_line, storage_error
+from glmpost.fsutil import file_system_problem
 from glmpost.kernel.loading import load_model
 from glmpost.locks import output_lock
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
@@ -314,9 +316,16 @@ class TrainingRun:
         the weights); a follow run then plans the version after it."""
         plan, session, job, companion = self.plan, self.session, self.job, self.job.companion
         staging = plan.staging
-        self.backend.save_model(staging)
-        if job.keep_optimizer_state:
-            self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
+        try:
+            self.backend.save_model(staging)
+            if job.keep_optimizer_state:
+                self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
+        except Exception as exc:  # a full or read-only disk: the published versions are untouched
+            problem = first_line(exc) if storage_error(exc) else file_system_problem(staging)
+            if problem is None:
+                raise
+            raise GlmpostError(f"{staging}: cannot write the new version ({problem}); the published versions and "
+                               "LATEST are as they were") from None
         if companion is not None:
             companion.save(tokenizer_revision=tokenizer_revision, stage=job.stage, stage_options=stage_options,
                            world_size=session.world_size, history=self.history)
