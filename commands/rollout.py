@@ -1,7 +1,8 @@
 """Sample responses from a checkpoint and write rollout shards with all the evidence of each action.
 
-Prompts come from JSONL (`prompt` text or chat `messages`, `domain`, `task`, optional `id`; rendered
-with the checkpoint's chat template) or from shards (their prompt token ids). Every prompt is
+Prompts come from JSONL (`prompt` text or chat `messages`, `domain`, `task`, optional `id`; `id` and
+`domain` are text, an integer is kept as its decimal text; rendered with the checkpoint's chat
+template) or from shards (their prompt token ids). Every prompt is
 sampled --group-size times; siblings share a group_id. Each record carries the exact token ids, the
 log-prob of each sampled token under the distribution it was sampled from (temperature, top-k,
 top-p), the checkpoint's policy version per token, the sampling settings and the tokenizer

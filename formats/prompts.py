@@ -33,6 +33,18 @@ class PromptItem:
     response: str | None = None  # a reference reply, for imports of finished conversations
 
 
+def _text_field(obj: dict, key: str, default: str, where: str) -> str:
+    """``id`` and ``domain`` are text in every record; an integer (a dataset's row number) is kept
+    as its decimal text (``3`` -> ``"3"``); a float, boolean, null, list or object is refused."""
+    value = obj.get(key, default)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise PromptDataError(f"{where}: '{key}' must be a string (or an integer, kept as its decimal text), "
+                          f"got {json.dumps(value)}")
+
+
 def parse_prompt_line(obj: Any, *, where: str, default_id: str) -> PromptItem:
     """One JSON object as a :class:`PromptItem`; ``where`` (``file:line``) prefixes every error."""
     if not isinstance(obj, dict):
@@ -62,9 +74,9 @@ def parse_prompt_line(obj: Any, *, where: str, default_id: str) -> PromptItem:
         # A chat that ends with the assistant's turn (SFT data): that turn is the response.
         response, messages = messages[-1]["content"], messages[:-1]
     return PromptItem(
-        id=str(obj.get("id", default_id)),
+        id=_text_field(obj, "id", default_id, where),
         messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-        domain=str(obj.get("domain", "")),
+        domain=_text_field(obj, "domain", "", where),
         task=task,
         response=response,
     )

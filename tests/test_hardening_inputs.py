@@ -83,3 +83,60 @@ def test_prompts_that_are_not_utf8_name_the_file_line_and_byte(glmpost_cli, tiny
     offset = first + lines[1].index("\u00e9")
     assert f"{prompts}:2: not UTF-8 text (byte {offset} of the file: invalid continuation byte)" in _one_line(result, 1)
     assert not Path(tmp_path / "out").exists()
+
+
+def test_diff_logprobs_indexer_on_a_model_without_one_is_one_line(glmpost_cli, tiny_checkpoint, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from glmpost.checkpoints import TOKENIZER_FILES
+
+    llama = tmp_path / "llama"
+    vocab = len(AutoTokenizer.from_pretrained(str(tiny_checkpoint)))
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
+    for name in TOKENIZER_FILES:
+        if (tiny_checkpoint / name).is_file():
+            shutil.copy2(tiny_checkpoint / name, llama / name)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
+    assert glmpost_cli("rollout", prompts, "--checkpoint", llama, "--out", tmp_path / "r", "--max-new-tokens", "3").exit_code == 0
+    result = glmpost_cli("diff-logprobs", tmp_path / "r", "--checkpoint", llama, "--against", llama, "--indexer",
+                         "--out", tmp_path / "d")
+    assert "--indexer compares DSA indexer selections, but" in _one_line(result) and "(LlamaForCausalLM) has no DSA indexer" in result.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_checkpoint_with_nan_weights_is_blamed_and_nothing_is_written(glmpost_cli, tiny_checkpoint, tmp_path):
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_checkpoint, damaged)
+    weights = load_file(damaged / "model.safetensors")
+    name = sorted(k for k in weights if ".mlp." in k)[0]
+    weights[name][0, 0] = np.nan
+    save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
+    result = glmpost_cli("rollout", prompts, "--checkpoint", damaged, "--out", tmp_path / "out")
+    assert f"{damaged}: weight {name} holds 1+ NaN or infinite value(s)" in _one_line(result, 1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_integer_ids_and_domains_are_kept_as_text_and_other_types_refused(glmpost_cli, tiny_checkpoint, tmp_path):
+    from glmpost.formats import ShardReader, resolve_shard_paths
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 7, "domain": 3, "prompt": "count: 1"}\n')
+    assert glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "r", "--max-new-tokens", "2",
+                       "--group-size", "1").exit_code == 0
+    [record] = [r for path in resolve_shard_paths([tmp_path / "r"]) for r in ShardReader(path)]
+    assert record["id"].startswith("7@") and record["domain"] == "3"
+    for bad in ('{"id": 1.5, "prompt": "x"}', '{"id": true, "prompt": "x"}', '{"domain": null, "prompt": "x"}'):
+        prompts.write_text(bad + "\n")
+        result = glmpost_cli("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "bad")
+        assert f"{prompts}:1: '" in _one_line(result, 1) and "must be a string (or an integer" in result.stderr

@@ -49,7 +49,7 @@ from glmpost.kernel.loading import load_tokenizer
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.models.native_attention import set_attention
 from glmpost.npu import resolve_device
-from glmpost.npu.topk import set_indexer_topk
+from glmpost.npu.topk import indexers, set_indexer_topk
 from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
 
 STAGE = "diff-logprobs"
@@ -314,6 +314,9 @@ class LogprobDiff:
         progress = tqdm(total=len(records) * 2, desc=STAGE, unit="traj", leave=False, disable=None)
         with progress:
             model_a = side_a.load()
+            if c.indexer and not any(True for _ in indexers(model_a)):
+                raise ConfigError("{indexer} compares DSA indexer selections, but {checkpoint} ({architecture}) has no DSA "
+                                  "indexer", checkpoint=self.version_dir, architecture=type(model_a).__name__)
             path_a = side_a.score(model_a, records, distribution=distribution, label="A", indexer=c.indexer, progress=progress.update)
             if c.mode == "rollout":
                 path_b = rollout_path(records, resample=bool(engines) and engines <= set(REPRODUCIBLE_ENGINES))

@@ -13,6 +13,7 @@ from glmpost.errors import first_line
 from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
 from glmpost.npu.topk import install_deterministic_topk
 from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state
+from glmpost.stage import log
 
 
 def load_tokenizer(checkpoint: Path | str):
@@ -79,10 +80,30 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{directory}: missing tensors {', '.join(missing[:3])}{more}")
+    check_finite(model, directory)
     if deterministic_topk:
         install_deterministic_topk(model)
     apply_attention(model, attention)
     return model.to(device).eval()
+
+
+def check_finite(model, directory: Path) -> None:
+    """Refuse a checkpoint holding NaN or infinite weights (a diverged run wrote it, or the file was
+    damaged), naming the first tensor, before anything samples or trains from it. Looked at in
+    slices, so the check holds no more than a slice's mask beside the weights."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if not tensor.is_floating_point():
+                continue
+            flat = tensor.detach().reshape(-1)
+            for start in range(0, flat.numel(), 1 << 24):
+                part = flat[start:start + (1 << 24)]
+                if not bool(torch.isfinite(part).all()):
+                    bad = int((~torch.isfinite(part)).sum())
+                    raise CheckpointError(f"{directory}: weight {name} holds {bad}+ NaN or infinite value(s); this "
+                                          "checkpoint cannot be sampled or trained from (a diverged run, or a damaged file)")
 
 
 def apply_attention(model, attention: str) -> int:
@@ -91,4 +112,11 @@ def apply_attention(model, attention: str) -> int:
     the ``attention`` field. Returns the number of attention layers switched."""
     if attention not in ATTENTION_CHOICES:
         raise ConfigError("{attention} {value!r}: expected native or reference", value=attention)
-    return set_attention(model, attention)
+    layers = set_attention(model, attention)
+    if layers == 0 and attention == "native" and type(model).__name__ not in _SAID_REFERENCE:
+        _SAID_REFERENCE.add(type(model).__name__)  # once per architecture and process
+        log(f"{type(model).__name__} has no GLM-5 attention for --attention native: its own (transformers') attention runs")
+    return layers
+
+
+_SAID_REFERENCE: set[str] = set()

@@ -192,7 +192,7 @@ class CriticVersions:
     state, right after the policy's ``vN`` (the commit); a crash between the two leaves the complete
     critic in the root's staging, which the next run publishes (:meth:`finish_interrupted`). The
     parent is the root's ``LATEST``, made from the policy by :func:`init_critic_root` when the root
-    holds no version and ``init`` is set. Methods are the :class:`~glmpost.rl.run.Companion`'s."""
+    holds no version and ``init`` is set. Methods are the :class:`~glmpost.rl.jobs.Companion`'s."""
 
     name = "critic"
 

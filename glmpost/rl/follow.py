@@ -40,7 +40,8 @@ from glmpost.formats import ShardReader
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.rl.batches import trained_records
 from glmpost.rl.critic import CriticVersions
-from glmpost.rl.run import RunOptions, TrainingJob, TrainingRun
+from glmpost.rl.jobs import TrainingJob
+from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.updates import NothingToTrain, grpo_batch, grpo_trainer, opd_batch, opd_trainer, sao_batch, sao_trainer
 from glmpost.spool.settings import FollowSettings, default_consumer
 from glmpost.spool.spool import Spool, lease_kept

@@ -17,7 +17,8 @@ from glmpost.kernel.loading import load_tokenizer
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
-from glmpost.rl.run import TrainingJob, TrainingRun, Update
+from glmpost.rl.jobs import TrainingJob, Update
+from glmpost.rl.run import TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 

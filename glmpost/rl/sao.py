@@ -226,7 +226,7 @@ class SAOPrepared:
 
 
 class SAOTrainer:
-    """The :class:`~glmpost.rl.run.Trainer` of ``train-sao``: a :class:`CriticTrainer` and a
+    """The :class:`~glmpost.rl.jobs.Trainer` of ``train-sao``: a :class:`CriticTrainer` and a
     :class:`PolicyTrainer` whose every optimizer step follows K critic steps (the module doc)."""
 
     def __init__(self, actor: PolicyTrainer, critic: CriticTrainer):

@@ -66,7 +66,7 @@ class SFTTrainer:
         return self.config.epochs * math.ceil(count / self.config.batch_size)
 
     def prepare(self, examples: Sequence[TrainExample]) -> list[TrainExample]:
-        """SFT needs nothing from the weights before training (:class:`glmpost.rl.run.Trainer`)."""
+        """SFT needs nothing from the weights before training (:class:`glmpost.rl.jobs.Trainer`)."""
         return list(examples)
 
     def steps(self, examples: Sequence[TrainExample]) -> int:

@@ -251,7 +251,7 @@ class PolicyTrainer:
         return self.config.epochs * self.config.mini_batches
 
     def steps(self, prepared: PreparedUpdate) -> int:
-        """Optimizer steps of the update (:class:`glmpost.rl.run.Trainer`)."""
+        """Optimizer steps of the update (:class:`glmpost.rl.jobs.Trainer`)."""
         return self.total_steps()
 
     def _micro_loss(self, batch: MicroBatch, old_lp: torch.Tensor, trust: torch.Tensor, ref_lp, denominator: float,

@@ -34,7 +34,8 @@ from glmpost.rl.batches import (
 )
 from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.rl.critic import CriticVersions
-from glmpost.rl.run import RunOptions, RunResult, TrainingJob, TrainingRun, Update
+from glmpost.rl.jobs import RunResult, TrainingJob, Update
+from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import PolicyTrainer
 from glmpost.stage import log
@@ -63,7 +64,7 @@ class UpdateBatch:
     lines: list[dict[str, Any]] = field(default_factory=list)  # metric lines after the steps' (each compacted segment)
 
     def update(self, *, manifest_extra: dict[str, Any] | None = None, stage_extra: dict[str, Any] | None = None) -> Update:
-        """The run's :class:`~glmpost.rl.run.Update`: :attr:`lines` written after the steps' metrics;
+        """The run's :class:`~glmpost.rl.jobs.Update`: :attr:`lines` written after the steps' metrics;
         ``stage_extra`` (default :attr:`stage_extra`) in stage.json."""
         finish = (lambda trainer: list(self.lines)) if self.lines else None
         return Update(self.examples, self.step_metrics, finish=finish, manifest_extra=dict(manifest_extra or {}),
