@@ -389,12 +389,12 @@ session.close()
 
 
 def test_one_sync_at_a_time_per_rollout_root(glmpost_cli, tiny_checkpoint, tmp_path):
-    from glmpost.weight_sync.sync import root_lock
+    from glmpost.locks import output_lock
 
     out = tmp_path / "rollout"
-    with root_lock(out):
+    with output_lock(out, stage="sync-weights"):
         result = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", out)
-    assert result.exit_code == 1 and "another sync-weights is writing into it" in result.stderr
+    assert result.exit_code == 1 and f"{out} is being written by pid {os.getpid()}" in result.stderr
     assert CheckpointRoot(out).versions() == []
 
 

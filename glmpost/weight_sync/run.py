@@ -31,6 +31,7 @@ from glmpost.checkpoints import (
 from glmpost.config import ConfigError, setting
 from glmpost.errors import GlmpostError
 from glmpost.kernel.sglang_client import parse_server_urls
+from glmpost.locks import output_lock
 from glmpost.quant.spec import GroupSizeSetting
 from glmpost.stage import MetricsWriter, log, write_stage_json
 from glmpost.weight_sync.convert import DTYPES, SCHEMES, ConvertResult, TrainSource, convert, resolve_source
@@ -38,7 +39,6 @@ from glmpost.weight_sync.sync import (
     clean_stale_staging,
     prune,
     publish,
-    root_lock,
     staging_dir,
     sync_servers,
     weight_version_name,
@@ -218,9 +218,17 @@ def sync_weights_run(config: SyncConfig, options: dict[str, Any]) -> dict[str, A
     config.check()
     urls = server_urls(config.server)
     source = _resolve(config)
-    out, version = config.out, source.policy_version
-    root = CheckpointRoot(out)
-    with root_lock(out), MetricsWriter(out / "metrics.jsonl") as metrics:
+    out = Path(config.out)
+    with output_lock(out, stage="sync-weights"):
+        out.mkdir(parents=True, exist_ok=True)
+        return _publish_and_switch(config, urls, source, out, options)
+
+
+def _publish_and_switch(config: SyncConfig, urls: list[str], source: TrainSource, out: Path,
+                        options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`sync_weights_run` with the root's lock held."""
+    version, root = source.policy_version, CheckpointRoot(out)
+    with MetricsWriter(out / "metrics.jsonl") as metrics:
         stale = clean_stale_staging(out)
         if stale:
             log(f"removed staging left by an interrupted sync: {', '.join(stale)}")

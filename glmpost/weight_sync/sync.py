@@ -25,46 +25,24 @@ Brief, 「稀疏与版本契约」: "权重同步包含训练分片 → 推理�
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve_checkpoint, version_dir_name
-from glmpost.config import ConfigError
 from glmpost.fsutil import fsync_dir
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.quant.formats import load_quantized_state, read_tensors
 
 STAGING_PREFIX = ".staging-"
-LOCK_FILE = ".sync-weights.lock"
 PAUSE_ENV = "GLMPOST_SYNC_PAUSE_BEFORE_PUBLISH"
 
 
 # ---------------------------------------------------------------------------------------- publish
-
-
-@contextmanager
-def root_lock(root: Path) -> Iterator[None]:
-    """Exclusive lock of a rollout root for one sync (released by the kernel if the process dies); a
-    root another sync holds is refused naming the config field ``out``."""
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError("{out} {root}: another sync-weights is writing into it ({lock} is locked)",
-                              root=root, lock=LOCK_FILE, exit_code=1) from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def staging_dir(root: Path, version: int) -> Path:
@@ -72,7 +50,7 @@ def staging_dir(root: Path, version: int) -> Path:
 
 
 def clean_stale_staging(root: Path) -> list[str]:
-    """Remove staging directories a killed sync left behind (call with :func:`root_lock` held)."""
+    """Remove staging directories a killed sync left behind (call with the root's :func:`~glmpost.locks.output_lock` held)."""
     removed = []
     if Path(root).is_dir():
         for child in sorted(Path(root).iterdir()):
@@ -229,7 +207,6 @@ __all__ = [
     "load_rollout_state",
     "prune",
     "publish",
-    "root_lock",
     "staging_dir",
     "sync_server",
     "sync_servers",
