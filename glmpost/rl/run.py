@@ -65,8 +65,9 @@ class RunOptions:
                                     "every published version too).")
 
 
-# Options that say how a run executes, not what it trains: a rerun may change them.
-RERUN_IGNORED = ("config", "resume", "save_every")
+# Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
+# says what to do when train-sao's critic root is empty).
+RERUN_IGNORED = ("config", "resume", "save_every", "init_critic")
 
 
 class TrainingRun:
@@ -78,10 +79,11 @@ class TrainingRun:
         if options.resume and options.overwrite:
             raise ConfigError("{resume} continues an interrupted run and {overwrite} starts it over: give one of them")
         self._held = contextlib.ExitStack()
-        if int(os.environ.get("RANK", "0")) == 0:  # one writer per root: the run's rank 0 holds it for all
+        writer = int(os.environ.get("RANK", "0")) == 0  # one writer per root: the run's rank 0 holds it for all
+        if writer:
             self._held.enter_context(output_lock(self.out, stage=stage))
         try:
-            repaired = CheckpointRoot(self.out).repair_latest()
+            repaired = CheckpointRoot(self.out).repair_latest() if writer else None
             if repaired is not None:
                 log(f"{self.out}: {LATEST} named {repaired[0] or 'nothing'}, but {version_dir_name(repaired[1])} was "
                     "published; moved it")
