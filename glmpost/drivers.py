@@ -120,7 +120,8 @@ def follow_shards(stage: ShardStage, settings: FollowSettings, *, out: Path) -> 
     source, target = Spool(settings.follow, tokenizer_revision=revision), Spool(out, tokenizer_revision=revision)
     consumer = settings.consumer or default_consumer(stage.name, target.path)
     home = target.producer_home(consumer)
-    with output_lock(home, stage=stage.name):
+    # One process per consumer name: its output home, and its claims in the input spool.
+    with output_lock(home, stage=stage.name), output_lock(source.claimed_dir / consumer, stage=stage.name):
         summary = _follow(stage, settings, source, target, consumer, target.open_producer(consumer), revision)
         if summary["stopped_by"] == "end_of_stream":  # its input ended: so does its output
             target.close_producer(consumer, reason="end_of_stream")

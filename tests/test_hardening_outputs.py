@@ -143,3 +143,19 @@ def test_a_damaged_part_is_redone_and_a_dead_writers_partial_file_removed(glmpos
     assert not partial.exists() and parts[0].read_bytes() == good  # the complete part is kept as it was
     assert len(list(ShardReader(parts[1]))) == 4
     assert glmpost_cli("shards", "verify", out).exit_code == 0
+
+
+def test_two_followers_under_one_consumer_name_one_is_refused(glmpost_cli, tiny_checkpoint, tmp_path):
+    from glmpost.checkpoints import tokenizer_revision
+    from glmpost.spool.spool import Spool
+
+    rolled = Spool(tmp_path / "rolled", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    holder = _holder(rolled.claimed_dir / "judge-a")  # another judge following as judge-a
+    try:
+        busy = glmpost_cli("judge", "--follow", rolled.path, "--out", tmp_path / "judged", "--consumer", "judge-a",
+                           "--checkpoint", tiny_checkpoint, "--idle-timeout", "0")
+        assert busy.exit_code == 1 and f"is being written by pid {holder.pid}" in busy.stderr
+        assert "Traceback" not in busy.stderr
+    finally:
+        holder.kill()
+        holder.wait()

@@ -38,6 +38,7 @@ from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest, 
 from glmpost.config import ConfigError, section, setting
 from glmpost.formats import ShardReader
 from glmpost.kernel.loading import load_tokenizer
+from glmpost.locks import output_lock
 from glmpost.rl.batches import trained_records
 from glmpost.rl.critic import CriticVersions
 from glmpost.rl.jobs import TrainingJob
@@ -241,8 +242,8 @@ class _FollowLoop:
 def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, trainer: FollowTrainer) -> dict[str, Any]:
     """Run the follow loop (module doc); returns the run's summary."""
     loop = _FollowLoop(config, out=out, tokenizer_revision=tokenizer_revision, trainer=trainer)
-    with stop_on_signals() as stop, lease_kept(loop.spool, loop.consumer, config.source.lease_s), \
-            MetricsWriter(out / "metrics.jsonl") as loop.metrics:
+    with output_lock(loop.spool.claimed_dir / loop.consumer, stage="trainer"), stop_on_signals() as stop, \
+            lease_kept(loop.spool, loop.consumer, config.source.lease_s), MetricsWriter(out / "metrics.jsonl") as loop.metrics:
         try:
             loop.run(stop)
         finally:
