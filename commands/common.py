@@ -26,6 +26,7 @@ from glmpost.locks import output_lock
 from glmpost.stage import check_same_options, log, recorded_options
 from glmpost.toml import tomllib
 
+RECIPE_ARGUMENT_COMMANDS = ("plan",)  # commands reading a recipe given as their argument, not --config
 PIPELINE_SECTION = "pipeline"  # bin/pipeline's, read by no stage
 
 
@@ -89,20 +90,29 @@ def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> 
     return value
 
 
+def stage_commands(root: Any) -> dict[str, Any]:
+    """``{section name: click command}`` for every command that reads a recipe section."""
+    found: dict[str, Any] = {}
+
+    def walk(command: Any, prefix: list[str]) -> None:
+        subcommands = getattr(command, "commands", None)
+        if subcommands is not None:
+            for name, sub in subcommands.items():
+                walk(sub, prefix + [name])
+            return
+        names = {p.name for p in command.params}
+        if "config" in names or (prefix and prefix[-1] in RECIPE_ARGUMENT_COMMANDS):
+            found[".".join(prefix)] = command
+
+    walk(root, [])
+    return found
+
+
 def unknown_sections(recipe: dict[str, Any], root: Any) -> tuple[list[str], list[str]]:
-    """The sections of ``recipe`` that name no stage of ``root`` (the glmpost command; a group's
-    sections are ``[GROUP.STAGE]``) and are not ``[pipeline]``, and the names a recipe may use."""
-    stages: dict[str, Any] = {}
-
-    def walk(command: Any, prefix: str) -> None:
-        for name, sub in getattr(command, "commands", {}).items():
-            full = f"{prefix}.{name}" if prefix else name
-            if hasattr(sub, "commands"):
-                walk(sub, full)
-            else:
-                stages[full] = sub
-
-    walk(root, "")
+    """The sections of ``recipe`` that name no stage of ``root`` reading a recipe (the glmpost
+    command; a group's sections are ``[GROUP.STAGE]``) and are not ``[pipeline]``, and the names a
+    recipe may use."""
+    stages = stage_commands(root)
     groups = {name.rsplit(".", 1)[0] for name in stages if "." in name}
     unknown = []
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import typer
 
-from glmpost.commands.common import print_summary
+from glmpost.commands.common import print_summary, stage_commands
 from glmpost.commands.options import json_option
-from glmpost.commands.recipe_checks import check_recipe, stage_commands, stage_values
+from glmpost.commands.recipe_checks import check_recipe, stage_values
 from glmpost.errors import UsageError
 from glmpost.memory.plan import ModelShape
 from glmpost.memory.recipe import model_config, workload_from_recipe

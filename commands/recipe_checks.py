@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from glmpost.commands.common import PIPELINE_SECTION
+from glmpost.commands.common import PIPELINE_SECTION, stage_commands
 from glmpost.commands.options import flag_of
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
@@ -28,7 +28,6 @@ from glmpost.toml import load_recipe
 INPUT_FILE_SUFFIXES = (".jsonl", ".json", ".toml")
 # Sections that are not stages.
 # Commands that read their recipe section from a positional RECIPE (not --config).
-RECIPE_ARGUMENT_COMMANDS = ("plan",)
 
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
@@ -53,24 +52,6 @@ class RecipeReport:
             "warnings": self.warnings,
             "ranks": self.ranks,
         }
-
-
-def stage_commands(root: Any) -> dict[str, Any]:
-    """``{section name: click command}`` for every command that reads a recipe section."""
-    found: dict[str, Any] = {}
-
-    def walk(command: Any, prefix: list[str]) -> None:
-        subcommands = getattr(command, "commands", None)
-        if subcommands is not None:
-            for name, sub in subcommands.items():
-                walk(sub, prefix + [name])
-            return
-        names = {p.name for p in command.params}
-        if "config" in names or (prefix and prefix[-1] in RECIPE_ARGUMENT_COMMANDS):
-            found[".".join(prefix)] = command
-
-    walk(root, [])
-    return found
 
 
 def option_lookup(command: Any) -> dict[str, Any]:

@@ -18,8 +18,8 @@ each shard of ``IN`` as it lands, published into ``OUT`` under the same name, th
 ``IN``. The output shard's name is the commit record: a restart that finds a claimed shard already
 in ``OUT`` commits it without processing it again. It stops when ``IN`` has ended (every producer
 closed its stream and nothing is left: it then closes its own stream in ``OUT``); SIGTERM / SIGINT
-stop it after the shard in progress; ``--idle-timeout`` after that long without one (a safety net). Metrics and stage.json go to
-``OUT/producers/CONSUMER/``.
+stop it after the shard in progress; ``--idle-timeout`` after that long without one (a safety net).
+Metrics and stage.json go to ``OUT/producers/CONSUMER/``.
 """
 
 from __future__ import annotations

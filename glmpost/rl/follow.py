@@ -41,7 +41,7 @@ from glmpost.kernel.loading import load_tokenizer
 from glmpost.locks import output_lock
 from glmpost.rl.batches import trained_records
 from glmpost.rl.critic import CriticVersions
-from glmpost.rl.jobs import TrainingJob
+from glmpost.rl.jobs import TrainingJob, too_few_examples
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.updates import NothingToTrain, grpo_batch, grpo_trainer, opd_batch, opd_trainer, sao_batch, sao_trainer
 from glmpost.spool.settings import FollowSettings, default_consumer
@@ -270,8 +270,8 @@ class _RunFollower:
 
     def train(self, shards: list[Path], skip_ids: frozenset) -> dict[str, Any]:
         batch = self.make_batch([str(s) for s in shards], self.run.parent_version, skip_ids)
-        mini = getattr(self.run.job.config, "mini_batches", 1)
-        if len(batch.examples) < mini:  # the stream's last few records: too few for the optimizer steps
+        mini = too_few_examples(self.run.job, batch.examples)
+        if mini is not None:  # the stream's last few records: too few for the optimizer steps
             raise NothingToTrain(f"{len(batch.examples)} example(s), fewer than mini_batches {mini}")
         steps = self.run.update(batch.update())
         self.batches.append(batch.stage_extra)

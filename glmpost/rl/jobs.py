@@ -86,3 +86,10 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     world_size: int = 1
     steps: int = 0
+
+
+def too_few_examples(job: TrainingJob, examples: list) -> int | None:
+    """The job's ``mini_batches`` when ``examples`` cannot give each optimizer step one (a batch run
+    refuses it; a follow trainer drops such a batch), else None."""
+    mini = getattr(job.config, "mini_batches", 1)
+    return mini if mini > len(examples) else None

@@ -7,8 +7,9 @@ once on a batch of inputs or kept open by a follow trainer (``--follow``)::
   (:class:`~glmpost.checkpoints.NextVersion`). Once: the parent is ``--checkpoint``; a target that
   exists was trained and the run is skipped; staging left by an interrupted run needs ``resume``
   (continue it) or ``overwrite`` (start over). Following: the parent is the output root's newest
-  version (:func:`newest_parent`), and staging a crash left is discarded (its updates are trained
-  again from their returned claims).
+  version, and staging a crash left is discarded (its updates are trained again from their
+  returned claims). Either way the root's lock is held from the plan on, and a ``LATEST`` a crash
+  left behind is moved to the newest version first.
 * **open**: the training session (device, DeepSpeed ZeRO under a launcher), the parent's weights on
   this rank's device, the parent's optimizer state when the stage carries it from version to version.
 * **update**: on the first, the stage's trainer (:attr:`TrainingJob.build`, and the companion's
@@ -42,7 +43,7 @@ from glmpost.fsutil import file_system_problem
 from glmpost.kernel.loading import load_model
 from glmpost.locks import output_lock
 from glmpost.rl.distributed import TrainingSession
-from glmpost.rl.jobs import RunResult, TrainingJob, Update
+from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
 from glmpost.stage import check_same_options, log, write_stage_json
 
 
@@ -190,7 +191,6 @@ class TrainingRun:
 
     def update(self, update: Update) -> list[dict]:
         """Train one update (module doc); returns its steps' metrics, kept until the next publish."""
-        _check_update(self.job, update)
         o, session, staging, companion = self.options, self.session, self.plan.staging, self.job.companion
         if self.updates == 0:  # the version's first update starts its staging
             if session.is_main:
@@ -291,7 +291,10 @@ class TrainingRun:
 
     def run(self, job: TrainingJob, update: Update, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
         """Open, train ``update``, publish it and close; the result on rank 0, None on the other ranks."""
-        _check_update(job, update)  # before the model loads
+        short = too_few_examples(job, update.examples)  # before the model loads
+        if short is not None:
+            raise ConfigError("{mini_batches} {mini} is more than this update's {n} example(s): every optimizer step "
+                              "needs one", mini=short, n=len(update.examples))
         try:
             self.open(job)
             self.update(update)
@@ -300,14 +303,6 @@ class TrainingRun:
         finally:
             self.close()
         return result if self.session.is_main else None
-
-
-def _check_update(job: TrainingJob, update: Update) -> None:
-    """An update the job's optimizer settings can train: every mini-batch gets an example."""
-    mini = getattr(job.config, "mini_batches", 1)
-    if mini > len(update.examples):
-        raise ConfigError("{mini_batches} {mini} is more than this update's {n} example(s): every optimizer step needs one",
-                          mini=mini, n=len(update.examples))
 
 
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):

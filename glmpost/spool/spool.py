@@ -148,14 +148,17 @@ class Spool:
     def reopen(self) -> list[str]:
         """Open every producer's stream again (what an orchestrator does before it restarts them, so
         that no follower it starts beside them finds the spool still closed); returns their names."""
-        homes = sorted(d for d in (self.path / "producers").glob("*") if d.is_dir())
+        homes = self._producer_homes()
         for home in homes:
             (home / CLOSED).unlink(missing_ok=True)
         return [home.name for home in homes]
 
+    def _producer_homes(self) -> list[Path]:
+        return sorted(d for d in (self.path / "producers").glob("*") if d.is_dir())
+
     def closed(self) -> bool:
         """Every producer that opened the spool has closed it (and one at least opened it)."""
-        homes = [d for d in (self.path / "producers").glob("*") if d.is_dir()] if (self.path / "producers").is_dir() else []
+        homes = self._producer_homes()
         return bool(homes) and all((home / CLOSED).is_file() for home in homes)
 
     def ended(self, consumer: str) -> bool:
