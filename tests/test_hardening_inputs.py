@@ -85,7 +85,8 @@ def test_prompts_that_are_not_utf8_name_the_file_line_and_byte(glmpost_cli, tiny
     assert not Path(tmp_path / "out").exists()
 
 
-def test_diff_logprobs_indexer_on_a_model_without_one_is_one_line(glmpost_cli, tiny_checkpoint, tmp_path):
+def _llama(tiny_checkpoint, tmp_path) -> Path:
+    """A one-layer Llama sharing the tiny checkpoint's tokenizer: a model with no GLM-5 attention."""
     import shutil
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -99,6 +100,11 @@ def test_diff_logprobs_indexer_on_a_model_without_one_is_one_line(glmpost_cli, t
     for name in TOKENIZER_FILES:
         if (tiny_checkpoint / name).is_file():
             shutil.copy2(tiny_checkpoint / name, llama / name)
+    return llama
+
+
+def test_diff_logprobs_indexer_on_a_model_without_one_is_one_line(glmpost_cli, tiny_checkpoint, tmp_path):
+    llama = _llama(tiny_checkpoint, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
     assert glmpost_cli("rollout", prompts, "--checkpoint", llama, "--out", tmp_path / "r", "--max-new-tokens", "3").exit_code == 0
@@ -106,6 +112,32 @@ def test_diff_logprobs_indexer_on_a_model_without_one_is_one_line(glmpost_cli, t
                          "--out", tmp_path / "d")
     assert "--indexer compares DSA indexer selections, but" in _one_line(result) and "(LlamaForCausalLM) has no DSA indexer" in result.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_stage_json_records_the_attention_that_ran(glmpost_cli, tiny_checkpoint, tmp_path, monkeypatch):
+    """``--attention native`` on a model without GLM-5 attention: its own attention runs, the log says
+    so and stage.json records ``transformers``; a GLM-5 model records the path asked for."""
+    from glmpost.kernel import loading
+
+    monkeypatch.setattr(loading, "_SAID_REFERENCE", set())  # the log comes once per process and architecture
+    llama = _llama(tiny_checkpoint, tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "count: 1"}\n')
+    ran, logs = {}, {}
+    for name, checkpoint, attention in (("llama", llama, "native"), ("glm5", tiny_checkpoint, "reference")):
+        result = glmpost_cli("rollout", prompts, "--checkpoint", checkpoint, "--out", tmp_path / name, "--max-new-tokens", "3",
+                             "--attention", attention)
+        assert result.exit_code == 0, result.stderr
+        ran[name], logs[name] = json.loads((tmp_path / name / "stage.json").read_text()), result.stderr
+        assert ran[name]["options"]["attention"] == attention
+    assert ran["llama"]["attention_ran"] == "transformers" and ran["glm5"]["attention_ran"] == "reference"
+    assert "LlamaForCausalLM has no GLM-5 attention for --attention native" in logs["llama"]
+    assert "no GLM-5 attention" not in logs["glm5"]
+    result = glmpost_cli("diff-logprobs", tmp_path / "llama", "--checkpoint", llama, "--against", llama, "--out", tmp_path / "d")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((tmp_path / "d" / "stage.json").read_text())["attention_ran"] == "transformers"
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["path_a"]["attention"] == report["path_b"]["attention"] == "transformers"
 
 
 def test_a_checkpoint_with_nan_weights_is_blamed_and_nothing_is_written(glmpost_cli, tiny_checkpoint, tmp_path):

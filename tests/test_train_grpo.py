@@ -250,6 +250,7 @@ def _trusted_and_closed(glmpost_cli, judged, checkpoint, tmp_path, distribution)
     assert json.loads(result.stdout)["trusted_fraction"] >= 0.99
     stage = json.loads((tmp_path / "policy" / "v000001" / "stage.json").read_text())
     assert stage["log_prob_distribution"] == distribution
+    assert stage["attention_ran"] == "native"  # the tiny GLM-5 model, on the default --attention
     diff = glmpost_cli("diff-logprobs", judged, "--checkpoint", checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
     assert diff.exit_code == 0, diff.stderr
     report = json.loads(diff.stdout)

@@ -45,7 +45,7 @@ from glmpost.formats import iter_checked_records
 from glmpost.formats.windows import window_views
 from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
 from glmpost.kernel.engine import SamplingParams
-from glmpost.kernel.loading import load_tokenizer
+from glmpost.kernel.loading import attention_ran, load_tokenizer
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.models.native_attention import set_attention
 from glmpost.npu import resolve_device
@@ -171,7 +171,8 @@ class LocalSide:
     def describe(self) -> dict[str, Any]:
         """The path as the report names it."""
         return {"kind": "checkpoint", "checkpoint": str(self.checkpoint), "dtype": self.dtype, "device": str(self.device),
-                "topk": "deterministic" if self.deterministic_topk else "torch", "attention": self.attention,
+                "topk": "deterministic" if self.deterministic_topk else "torch",
+                "attention": attention_ran(self.checkpoint, self.attention),
                 "batch_size": self.batch_size}
 
 
@@ -370,7 +371,8 @@ class LogprobDiff:
         write_json_atomic(staging / "report.json", report)
         with MetricsWriter(staging / "metrics.jsonl") as metrics:
             metrics.write(**metrics_row(report))
-        write_stage_json(staging, STAGE, options, checkpoint=str(self.version_dir), mode=report["mode"])
+        write_stage_json(staging, STAGE, options, checkpoint=str(self.version_dir), mode=report["mode"],
+                         attention_ran=attention_ran(self.version_dir, self.config.attention))
 
     def check_gates(self) -> None:
         """Raise (exit 1) when a ``fail_above`` gate failed, naming the gates and the report."""

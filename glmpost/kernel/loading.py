@@ -120,3 +120,16 @@ def apply_attention(model, attention: str) -> int:
 
 
 _SAID_REFERENCE: set[str] = set()
+
+GLM5_MODEL_TYPE = "glm_moe_dsa"
+
+
+def attention_ran(checkpoint: Path | str, attention: str) -> str:
+    """The attention a model from ``checkpoint`` runs under ``--attention attention``, as stage.json
+    records it: ``native`` or ``reference`` for a GLM-5 model, ``transformers`` (its own) for any
+    other, whichever was asked. Read from ``config.json``, without loading the model."""
+    try:
+        config_json = json.loads((resolve_checkpoint(checkpoint) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{checkpoint}/config.json: unreadable ({first_line(exc)})") from None
+    return attention if config_json.get("model_type") == GLM5_MODEL_TYPE else "transformers"

@@ -40,7 +40,7 @@ from glmpost.checkpoints import LATEST, CheckpointManifest, CheckpointRoot, Next
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
-from glmpost.kernel.loading import load_model
+from glmpost.kernel.loading import attention_ran, load_model
 from glmpost.locks import output_lock
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
@@ -318,6 +318,8 @@ def publish_staged(plan: NextVersion, *, stage: str, stage_options: dict[str, An
                    replace: bool = False) -> None:
     """Rank 0, the weights in ``plan.staging``: stage.json, the manifest, the move into place and
     ``LATEST``; the steps' metrics appended to the root's ``metrics.jsonl`` (its history across versions)."""
+    if "attention" in stage_options:
+        stage_extra = {"attention_ran": attention_ran(plan.parent, stage_options["attention"]), **stage_extra}
     write_stage_json(plan.staging, stage, stage_options, parent=str(plan.parent), world_size=world_size, **stage_extra)
     plan.publish(CheckpointManifest(policy_version=plan.version, tokenizer_revision=tokenizer_revision, stage=stage, step=steps,
                                     parent=str(plan.parent), extra=manifest_extra), replace=replace)

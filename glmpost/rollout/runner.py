@@ -32,6 +32,7 @@ from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
 from glmpost.formats.shards import remove_partial_shards
 from glmpost.kernel.engine import Completion, SamplingParams
+from glmpost.kernel.loading import attention_ran
 from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
 from glmpost.rollout.agentic import (
@@ -217,8 +218,10 @@ class RolloutRunner:
         facts = {"policy_version": checkpoint.policy_version, "checkpoint": str(checkpoint.version_dir)}
         check_same_options(out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=self.config.overwrite,
                            facts=facts)
+        local = self.config.engine.engine_name == "local"
+        ran = {"attention_ran": attention_ran(checkpoint.version_dir, self.config.attention)} if local else {}
         write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
-                         policy_version=checkpoint.policy_version)
+                         policy_version=checkpoint.policy_version, **ran)
 
     def _write_shards(self, plan: ShardPlan, backend: LocalBackend | SGLangBackend, params: SamplingParams,
                       checkpoint: PolicyCheckpoint) -> RolloutTotals:
