@@ -20,6 +20,9 @@ RENAMED = {("diff-logprobs", "beta"): "icepop_beta", ("diff-logprobs", "eps_low"
            ("diff-logprobs", "eps_high"): "dis_high"}
 # The DIS band, new in the trainers, and the trust-mask help that names it.
 ADDED = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao") for name in ("dis_low", "dis_high")}
+# The learning-rate schedule of every training stage (issue 31): off by default (constant, no warmup).
+SCHEDULE = {"lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": 0, "min_lr_ratio": 0.0}
+ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat") for name in SCHEDULE}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
@@ -68,4 +71,4 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED:
         assert now[command][name]["opts"] == ["--" + name.replace("_", "-")]
-        assert now[command][name]["default"] == {"dis_low": 0.2, "dis_high": 0.28}[name]  # today's values
+        assert now[command][name]["default"] == {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE}[name]  # today's values

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 from glmpost.checkpoints import CheckpointRoot, read_manifest
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
+from glmpost.rl.schedules import scheduled_lr
 
 GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
 
@@ -96,8 +97,10 @@ def test_publishes_the_next_version_and_counts_exclusions(glmpost_cli, tiny_chec
 
 def test_resume_after_a_kill_repeats_no_step_and_matches_an_uninterrupted_run(glmpost_cli, tiny_checkpoint, tmp_path):
     judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
+    # In the middle of a schedule: the resumed steps take the rates the uninterrupted run took.
     common = [str(judged), "--checkpoint", str(tiny_checkpoint), "--lr", "1e-3", "--epochs", "40", "--mini-batches", "2",
-              "--micro-batch-size", "4"]
+              "--micro-batch-size", "4", "--lr-schedule", "cosine", "--lr-warmup-steps", "10", "--lr-decay-steps", "70",
+              "--min-lr-ratio", "0.1"]
     assert glmpost_cli("train-grpo", *common, "--out", tmp_path / "straight").exit_code == 0
 
     root = tmp_path / "resumed"
@@ -117,8 +120,10 @@ def test_resume_after_a_kill_repeats_no_step_and_matches_an_uninterrupted_run(gl
     assert refused.exit_code == 2 and "pass --resume to continue it" in refused.stderr
     resumed = glmpost_cli("train-grpo", *common, "--out", root, "--resume", "--json")
     assert resumed.exit_code == 0, resumed.stderr
-    steps = [json.loads(line)["train/step"] for line in (root / "v000001" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(80))
+    lines = [json.loads(line) for line in (root / "v000001" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["train/step"] for line in lines] == list(range(80))
+    assert [line["train/lr"] for line in lines] == pytest.approx(
+        [scheduled_lr(s, lr=1e-3, schedule="cosine", warmup_steps=10, decay_steps=70, min_lr_ratio=0.1) for s in range(80)])
     straight, again = load_file(tmp_path / "straight" / "v000001" / "model.safetensors"), load_file(root / "v000001" / "model.safetensors")
     for key in straight:
         np.testing.assert_array_equal(again[key], straight[key], err_msg=key)
@@ -127,7 +132,7 @@ def test_resume_after_a_kill_repeats_no_step_and_matches_an_uninterrupted_run(gl
 def test_two_deepspeed_ranks_match_one_process(glmpost_cli, tiny_checkpoint, tmp_path):
     judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
     common = [str(judged), "--checkpoint", str(tiny_checkpoint), "--lr", "1e-3", "--mini-batches", "2",
-              "--micro-batch-size", "3", "--json"]
+              "--micro-batch-size", "3", "--lr-warmup-steps", "2", "--json"]  # DeepSpeed steps with the scheduled rate too
     single = glmpost_cli("train-grpo", *common, "--out", tmp_path / "single")
     assert single.exit_code == 0, single.stderr
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}

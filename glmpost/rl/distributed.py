@@ -24,6 +24,7 @@ import torch
 from glmpost.config import ConfigError, SettingError, setting
 from glmpost.errors import GlmpostError
 from glmpost.npu import distributed_backend, resolve_device, set_deterministic
+from glmpost.rl.schedules import LR_SCHEDULES, scheduled_lr
 
 
 @dataclass
@@ -35,20 +36,35 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = setting(1.0, "Clip the global gradient norm to this; 0 disables.", min=0.0)
+    lr_schedule: str = setting("constant", "After the warmup: constant, linear or cosine decay of the learning rate "
+                               "to --lr x --min-lr-ratio at --lr-decay-steps (counted in optimizer steps across "
+                               "versions, as the optimizer state carries them).")
+    lr_warmup_steps: int = setting(0, "Optimizer steps of linear warmup: step s takes --lr x (s+1)/N.", min=0)
+    lr_decay_steps: int = setting(0, "The optimizer step a linear or cosine decay ends at (warmup included); "
+                                  "needed by both.", min=0)
+    min_lr_ratio: float = setting(0.0, "The learning rate a decay ends at, as a fraction of --lr.", min=0.0, max=1.0)
 
     def validate(self) -> None:
         """Every field within the ``min`` / ``max`` its setting declares (the bounds the command line
         enforces too), and the rules a bound cannot say; subclasses add theirs."""
-        self._require({"lr": self.lr > 0})
+        self._require({"lr": self.lr > 0, "lr_schedule": self.lr_schedule in LR_SCHEDULES,
+                       "lr_decay_steps": self.lr_schedule == "constant" or self.lr_decay_steps > self.lr_warmup_steps})
         for f in dataclasses.fields(self):
             low, high, value = f.metadata.get("min"), f.metadata.get("max"), getattr(self, f.name)
             if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
                 raise SettingError(f.name, value, "is out of range")
 
     def _require(self, checks: dict[str, bool]) -> None:
+        reasons = {"lr_schedule": f"is not one of {', '.join(LR_SCHEDULES)}",
+                   "lr_decay_steps": f"must be above the warmup's {self.lr_warmup_steps} steps for a {self.lr_schedule} decay"}
         for name, ok in checks.items():
             if not ok:
-                raise SettingError(name, getattr(self, name), "is out of range")
+                raise SettingError(name, getattr(self, name), reasons.get(name, "is out of range"))
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (:func:`glmpost.rl.schedules.scheduled_lr`)."""
+        return scheduled_lr(step, lr=self.lr, schedule=self.lr_schedule, warmup_steps=self.lr_warmup_steps,
+                            decay_steps=self.lr_decay_steps, min_lr_ratio=self.min_lr_ratio)
 
 
 class TorchBackend:
@@ -79,12 +95,18 @@ class TorchBackend:
             return 0.0
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        set_learning_rate(self.optimizer, self.config.learning_rate(self.optimizer_steps()))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the last step took (the scheduled one)."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def optimizer_steps(self) -> int:
         """Steps AdamW has taken, from its state (carried over with a loaded optimizer state)."""
@@ -133,6 +155,7 @@ class DeepSpeedBackend:
         import deepspeed
 
         self.model = model
+        self.config = config
         self.world_size = world_size
         self.rank = rank
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -153,9 +176,15 @@ class DeepSpeedBackend:
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self) -> float:
+        set_learning_rate(self.engine.optimizer, self.config.learning_rate(self.optimizer_steps()))
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the last step took (the scheduled one)."""
+        return float(self.engine.optimizer.param_groups[0]["lr"])
 
     def optimizer_steps(self) -> int:
         """Steps the engine's optimizer has taken (carried over with a loaded checkpoint)."""
@@ -219,6 +248,12 @@ class DeepSpeedBackend:
         return int(client["step"]), list(client["history"])
 
 
+def set_learning_rate(optimizer: Any, lr: float) -> None:
+    """Every parameter group of ``optimizer`` (torch's, or DeepSpeed's ZeRO wrapper) steps with ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, own_optimizer: bool = False) -> dict:
     """The DeepSpeed config: the user's file if given, completed with the trainer's settings
     (``own_optimizer``: ``config``'s learning rate, weight decay and clipping win over the file's)."""
@@ -237,6 +272,9 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, 
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         source = "{deepspeed_config} {path}: zero_optimization.stage" if path is not None and zero_stage is None else "{zero_stage}"
         raise ConfigError(source + " {stage!r}: ZeRO stages are 0, 1, 2 and 3", path=path, stage=stage)
+    if "scheduler" in ds:  # it would step after each of glmpost's, which sets every step's rate first
+        raise ConfigError("{deepspeed_config} {path}: remove its scheduler section; glmpost schedules the learning rate "
+                          "({lr_schedule}, {lr_warmup_steps}, {lr_decay_steps}, {min_lr_ratio})", path=path)
     ds.setdefault("train_micro_batch_size_per_gpu", 1)  # glmpost feeds its own micro-batches
     ds.setdefault("gradient_accumulation_steps", 1)
     ds["managed_gradient_accumulation"] = False

@@ -96,7 +96,10 @@ class SAOConfig(PolicyGradientConfig):
     def critic_optimizer(self) -> OptimizerConfig:
         """What the critic's optimisation backend reads."""
         return OptimizerConfig(lr=self.critic_lr, weight_decay=self.critic_weight_decay, adam_beta1=self.adam_beta1,
-                               adam_beta2=self.adam_beta2, grad_clip=self.critic_grad_clip)
+                               adam_beta2=self.adam_beta2, grad_clip=self.critic_grad_clip, lr_schedule=self.lr_schedule,
+                               min_lr_ratio=self.min_lr_ratio,  # the policy's schedule in policy steps (K critic steps each)
+                               lr_warmup_steps=self.lr_warmup_steps * self.critic_steps,
+                               lr_decay_steps=self.lr_decay_steps * self.critic_steps)
 
 
 @dataclass
@@ -185,7 +188,8 @@ class CriticTrainer:
         losses = [self._step(examples, targets, share, micro_steps, filler) for _ in range(self.config.critic_steps)]
         last = losses[-1]
         return {**last, "sao/value_loss_first": losses[0]["sao/value_loss"],
-                "sao/critic_optimizer_steps": self.backend.optimizer_steps(), "sao/critic_s": time.perf_counter() - started}
+                "sao/critic_optimizer_steps": self.backend.optimizer_steps(), "sao/critic_lr": self.backend.learning_rate,
+                "sao/critic_s": time.perf_counter() - started}
 
     def _step(self, examples: Sequence[TrainExample], targets: CriticTargets, indices: list[int], micro_steps: int,
               filler: int) -> dict[str, float]:

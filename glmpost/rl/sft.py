@@ -134,5 +134,5 @@ class SFTTrainer:
         grad_norm = self.backend.step()
         loss_total = float(self.backend.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64))[0])
         seconds = time.perf_counter() - started
-        return {"sft/loss": loss_total, "sft/tokens": total_tokens, "sft/grad_norm": grad_norm,
+        return {"sft/loss": loss_total, "sft/tokens": total_tokens, "sft/grad_norm": grad_norm, "sft/lr": self.backend.learning_rate,
                 "sft/tokens_per_s": total_tokens / max(seconds, 1e-9)}

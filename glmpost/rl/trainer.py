@@ -329,5 +329,6 @@ class PolicyTrainer:
             "train/action_tokens": action_total,
             "train/trusted_fraction": trusted_total / action_total if action_total else 0.0,
             "train/grad_norm": grad_norm,
+            "train/lr": self.backend.learning_rate,
             "train/action_tokens_per_s": action_total / max(seconds, 1e-9),
         }
