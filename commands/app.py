@@ -10,6 +10,7 @@ import typer
 from glmpost import __version__
 from glmpost.commands import (
     diff_logprobs,
+    import_model,
     init_critic,
     init_model,
     judge,
@@ -62,6 +63,7 @@ def root(
 
 # In the order of GLM-5's pipeline, then the tools around it.
 app.command("init-model", help=init_model.__doc__)(spelled_with_flags(init_model.init_model))
+app.command("import-model", help=import_model.__doc__)(spelled_with_flags(import_model.import_model))
 app.command("init-critic", help=init_critic.__doc__)(spelled_with_flags(init_critic.init_critic))
 app.command("qat", help=qat.__doc__)(spelled_with_flags(qat.qat))
 app.command("rollout", help=rollout.__doc__)(spelled_with_flags(rollout.rollout))

@@ -125,6 +125,19 @@ def resolve_checkpoint(path: Path | str) -> Path:
     raise CheckpointError(f"checkpoint {path}: neither a version directory (config.json, {MANIFEST}) nor a root ({LATEST})")
 
 
+def model_folder_problem(path: Path | str) -> str | None:
+    """Why ``path`` cannot be a checkpoint root a stage publishes versions into, or None: a model
+    folder (a version directory, a Hugging Face folder) loads as itself, so versions written into it
+    would never be loaded and the next run would find its work done."""
+    path = Path(path)
+    for name in (MANIFEST, "config.json"):
+        if (path / name).is_file():
+            return (f"holds {name}: it is a model folder, not a checkpoint root (it loads as itself, never as the "
+                    f"versions published into it); make a root of it with `glmpost import-model {path} --out ROOT` "
+                    "and train with `--checkpoint ROOT --out ROOT`, or publish into another directory")
+    return None
+
+
 class CheckpointRoot:
     """A directory of policy versions ``v000000/ ...`` and the ``LATEST`` pointer."""
 

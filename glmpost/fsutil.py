@@ -49,12 +49,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 def make_readable(directory: Path) -> None:
     """Give every file under ``directory`` (and itself) the permissions the umask allows
     (0644 / 0755 under the usual 022): checkpoints are read by servers running as other users, and
-    some writers (safetensors, mkdtemp) create 0600 / 0700."""
+    some writers (safetensors, mkdtemp) create 0600 / 0700. Links to files elsewhere (an imported
+    model's weights) keep their mode: changing it would change the source's."""
     mask = current_umask()
     directory = Path(directory)
     os.chmod(directory, 0o777 & ~mask)
     for path in directory.rglob("*"):
-        if path.is_symlink():
+        if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):  # a link to a file not ours
             continue
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 

@@ -23,6 +23,8 @@ ADDED = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao")
 # The learning-rate schedule of every training stage (issue 31): off by default (constant, no warmup).
 SCHEDULE = {"lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": 0, "min_lr_ratio": 0.0}
 ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat") for name in SCHEDULE}
+# Commands added since: bringing your own model (issue 31).
+ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
@@ -54,6 +56,8 @@ def _expected(stored: dict) -> dict:
 
 def test_every_command_keeps_its_options_flags_defaults_and_help():
     expected, now = _expected(json.loads(STORED.read_text())), json.loads(json.dumps(options_table()))
+    for command, names in ADDED_COMMANDS.items():
+        assert set(now.pop(command)) == names
     assert sorted(now) == sorted(expected), "commands added or removed"
     changed = {}
     for command in expected:

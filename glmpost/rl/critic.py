@@ -29,6 +29,7 @@ from glmpost.checkpoints import (
     CheckpointError,
     CheckpointManifest,
     CheckpointRoot,
+    model_folder_problem,
     read_manifest,
     resolve_checkpoint,
     tokenizer_revision,
@@ -95,6 +96,9 @@ def init_critic_root(policy: Path | str, out: Path | str, config: InitCriticConf
     version already is left as it is. Returns the summary."""
     import shutil
 
+    problem = model_folder_problem(out)
+    if problem:
+        raise ConfigError("{out} {path} {problem}", path=out, problem=problem)
     root = CheckpointRoot(out)
     if root.versions():
         return {"out": str(out), "skipped": True, "policy_version": root.latest()}

@@ -36,7 +36,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import LATEST, CheckpointManifest, CheckpointRoot, NextVersion, version_dir_name
+from glmpost.checkpoints import (
+    LATEST,
+    CheckpointManifest,
+    CheckpointRoot,
+    NextVersion,
+    model_folder_problem,
+    version_dir_name,
+)
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
@@ -79,6 +86,9 @@ class TrainingRun:
         self.out, self.options, self.follow, self.stage = Path(out), options, follow, stage
         if options.resume and options.overwrite:
             raise ConfigError("{resume} continues an interrupted run and {overwrite} starts it over: give one of them")
+        problem = model_folder_problem(self.out)
+        if problem:
+            raise ConfigError("{out} {path} {problem}", path=self.out, problem=problem)
         self._held = contextlib.ExitStack()
         writer = int(os.environ.get("RANK", "0")) == 0  # one writer per root: the run's rank 0 holds it for all
         if writer:

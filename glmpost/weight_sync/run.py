@@ -24,6 +24,7 @@ from glmpost.checkpoints import (
     MANIFEST,
     CheckpointManifest,
     CheckpointRoot,
+    model_folder_problem,
     read_manifest,
     tokenizer_revision,
     write_manifest,
@@ -219,6 +220,9 @@ def sync_weights_run(config: SyncConfig, options: dict[str, Any]) -> dict[str, A
     urls = server_urls(config.server)
     source = _resolve(config)
     out = Path(config.out)
+    problem = model_folder_problem(out)
+    if problem:
+        raise ConfigError("{out} {path} {problem}", path=out, problem=problem)
     with output_lock(out, stage="sync-weights"):
         out.mkdir(parents=True, exist_ok=True)
         return _publish_and_switch(config, urls, source, out, options)
