@@ -23,6 +23,9 @@ ADDED = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao")
 # The learning-rate schedule of every training stage (issue 31): off by default (constant, no warmup).
 SCHEDULE = {"lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": 0, "min_lr_ratio": 0.0}
 ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat") for name in SCHEDULE}
+# Mixed precision over float32 masters (issue 31): auto = bf16 on an accelerator, fp32 on a CPU.
+ADDED |= {(command, "precision") for command in ("train-grpo", "opd-merge", "train-sao", "qat")}
+ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto"}  # today's values
 # Commands added since: bringing your own model (issue 31).
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).
@@ -75,4 +78,4 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED:
         assert now[command][name]["opts"] == ["--" + name.replace("_", "-")]
-        assert now[command][name]["default"] == {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE}[name]  # today's values
+        assert now[command][name]["default"] == ADDED_DEFAULTS[name]

@@ -62,3 +62,13 @@ def vocab_size_of(head: torch.nn.Module) -> int | None:
         return weight.shape[0]
     out_features = getattr(head, "out_features", None)
     return out_features if isinstance(out_features, int) else None
+
+
+def in_head_dtype(hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+    """``hidden`` in the dtype of ``head``'s weight: with float32 master weights the head (and what
+    follows it: log-probs, the loss) runs in float32 whatever dtype the body ran in (bf16 autocast).
+    Call it, and the head, with autocast off."""
+    weight = getattr(head, "weight", None)
+    if weight is None or not weight.is_floating_point() or weight.dtype == hidden.dtype:
+        return hidden
+    return hidden.to(weight.dtype)

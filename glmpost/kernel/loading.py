@@ -122,6 +122,28 @@ def apply_attention(model, attention: str) -> int:
 _SAID_REFERENCE: set[str] = set()
 
 GLM5_MODEL_TYPE = "glm_moe_dsa"
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def saved_dtype(checkpoint: Path | str) -> str:
+    """The dtype a checkpoint's floating weights are stored in (``float32``, ``bfloat16``, ...): the
+    first floating tensor of its first safetensors file, read from the header alone; without one
+    (``.bin`` weights) its ``config.json`` ``dtype`` / ``torch_dtype``; float32 when nothing says."""
+    from safetensors import safe_open
+
+    directory = resolve_checkpoint(checkpoint)
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                found = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if found:
+                    return found
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        config = {}
+    found = config.get("dtype") or config.get("torch_dtype")
+    return found if found in _SAFETENSORS_DTYPES.values() else "float32"
 
 
 def attention_ran(checkpoint: Path | str, attention: str) -> str:

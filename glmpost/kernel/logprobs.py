@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from glmpost.kernel.chunked import DEFAULT_CHUNK_SIZE, TokenLogProbs, check_temperature_and_chunk, chunked_log_probs
 from glmpost.kernel.distribution import ScoredDistribution
-from glmpost.kernel.heads import plain_linear, split_causal_lm, vocab_size_of
+from glmpost.kernel.heads import in_head_dtype, plain_linear, split_causal_lm, vocab_size_of
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -171,17 +171,18 @@ def sequence_log_probs(
     body, head = split_causal_lm(model)
     outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    return chunked_log_probs(
-        hidden[:, :-1],
-        head,
-        vocab_size_of(head),
-        input_ids[:, 1:],
-        mask=scored,
-        distribution=ScoredDistribution(temperature, top_k, top_p),
-        chunk_size=chunk_size,
-        return_entropy=return_entropy,
-        linear=(head.weight, head.bias) if plain_linear(head) else None,
-    )
+    with torch.autocast(hidden.device.type, enabled=False):  # the head in its weight's dtype (in_head_dtype)
+        return chunked_log_probs(
+            in_head_dtype(hidden[:, :-1], head),
+            head,
+            vocab_size_of(head),
+            input_ids[:, 1:],
+            mask=scored,
+            distribution=ScoredDistribution(temperature, top_k, top_p),
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+            linear=(head.weight, head.bias) if plain_linear(head) else None,
+        )
 
 
 def scored_entries(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, response_start: int | torch.Tensor | None,

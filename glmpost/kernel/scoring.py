@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from glmpost.kernel.chunked import DEFAULT_CHUNK_SIZE, scatter_rows
 from glmpost.kernel.distribution import LOG_PROB_FLOOR, ScoredDistribution, scaled_logits
-from glmpost.kernel.heads import split_causal_lm, vocab_size_of
+from glmpost.kernel.heads import in_head_dtype, split_causal_lm, vocab_size_of
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,22 @@ def score_tokens(
         raise ValueError(f"top-k {topk} exceeds the vocabulary size {vocab}")
     outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    rows = hidden[:, :-1][scored]
-    targets = input_ids[:, 1:][scored].long()
+    with torch.autocast(hidden.device.type, enabled=False):  # the head in its weight's dtype (in_head_dtype)
+        return _head_scores(in_head_dtype(hidden[:, :-1], head), input_ids[:, 1:], scored, gather_ids, vocab,
+                            functools.partial(_chunk_scores, head=head, distribution=distribution,
+                                              return_entropy=return_entropy, topk=topk), chunk_size)
+
+
+def _head_scores(hidden, targets, scored, gather_ids, vocab, fn, chunk_size) -> TokenScores:
+    """:func:`score_tokens` after the body: ``fn`` (:func:`_chunk_scores`) over the scored rows of
+    ``hidden`` ``[B, L-1, H]``, ``chunk_size`` at a time."""
+    rows = hidden[scored]
+    targets = targets[scored].long()
     ids = gather_ids[scored].long() if gather_ids is not None else None
     if vocab is not None and targets.numel():
         high = int(targets.max()) if ids is None else max(int(targets.max()), int(ids.max()))
         if int(targets.min()) < 0 or high >= vocab:
             raise ValueError(f"token ids must lie in [0, {vocab}); got max {high}")
-    fn = functools.partial(_chunk_scores, head=head, distribution=distribution, return_entropy=return_entropy, topk=topk)
     parts: list[tuple] = []
     use_checkpoint = torch.is_grad_enabled()
     for begin in range(0, max(rows.shape[0], 1), chunk_size):

@@ -59,7 +59,8 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.language_model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        with torch.autocast(hidden.device.type, enabled=False):  # the value head in its weight's dtype
+            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def save_pretrained(self, directory: Path | str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """The critic directory's weights (the module doc): the language model's Hugging Face files

@@ -24,6 +24,7 @@ import torch
 from glmpost.config import ConfigError, SettingError, setting
 from glmpost.errors import GlmpostError
 from glmpost.npu import distributed_backend, resolve_device, set_deterministic
+from glmpost.rl.precision import compute_context, resolve_precision, save_weights
 from glmpost.rl.schedules import LR_SCHEDULES, scheduled_lr
 
 
@@ -68,15 +69,20 @@ class OptimizerConfig:
 
 
 class TorchBackend:
-    """Single-process optimisation with torch AdamW."""
+    """Single-process optimisation with torch AdamW (over float32 master weights under ``bf16``)."""
 
     rank = 0
     world_size = 1
 
-    def __init__(self, model: torch.nn.Module, config: Any):
+    def __init__(self, model: torch.nn.Module, config: Any, *, precision: str = "fp32"):
         self.model = model
         self.config = config
+        self.precision = precision
         self.reset_optimizer()
+
+    def compute(self):
+        """The context a forward of the trained model runs in (:func:`compute_context`)."""
+        return compute_context(self.precision, next(self.model.parameters()).device)
 
     def reset_optimizer(self) -> None:
         """AdamW with no state (moments and step count from zero)."""
@@ -112,8 +118,10 @@ class TorchBackend:
         """Steps AdamW has taken, from its state (carried over with a loaded optimizer state)."""
         return max((int(state["step"]) for state in self.optimizer.state.values() if "step" in state), default=0)
 
-    def save_model(self, directory: Path) -> None:
-        self.model.save_pretrained(directory)
+    def save_model(self, directory: Path, *, dtype: torch.dtype | None = None, masters: Path | None = None) -> None:
+        """The model's Hugging Face files in ``dtype`` (None: as they are), and with ``masters`` its
+        float32 master weights there too (:func:`save_masters`)."""
+        save_weights(self.model, directory, None, dtype=dtype, masters=masters)
 
     def save_optimizer(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,11 +159,13 @@ class DeepSpeedBackend:
     multiplied by the world size to make the reduced gradient that sum.
     """
 
-    def __init__(self, model: torch.nn.Module, config: Any, *, ds_config: dict, world_size: int, rank: int):
+    def __init__(self, model: torch.nn.Module, config: Any, *, ds_config: dict, world_size: int, rank: int,
+                 precision: str = "fp32"):
         import deepspeed
 
         self.model = model
         self.config = config
+        self.precision = precision
         self.world_size = world_size
         self.rank = rank
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -174,6 +184,11 @@ class DeepSpeedBackend:
         if clear_flag is not None:
             clear_flag()
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def compute(self):
+        """The context a forward of the trained model runs in (:func:`compute_context`): the
+        parameters DeepSpeed partitions are the float32 masters, autocast computes in bfloat16."""
+        return compute_context(self.precision, next(self.model.parameters()).device)
 
     def step(self) -> float:
         set_learning_rate(self.engine.optimizer, self.config.learning_rate(self.optimizer_steps()))
@@ -198,14 +213,15 @@ class DeepSpeedBackend:
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         return reduced.cpu()
 
-    def save_model(self, directory: Path) -> None:
-        """Full weights on rank 0 (ZeRO-3 parameters are gathered first)."""
+    def save_model(self, directory: Path, *, dtype: torch.dtype | None = None, masters: Path | None = None) -> None:
+        """Full weights on rank 0 (ZeRO-3 parameters are gathered first), in ``dtype``, with
+        ``masters`` the float32 master weights too (see :class:`TorchBackend`)."""
         if self.zero_stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()
         else:
-            state = self.model.state_dict()
+            state = None
         if self.rank == 0:
-            self.model.save_pretrained(directory, state_dict=state)
+            save_weights(self.model, directory, state, dtype=dtype, masters=masters)
 
     def save_optimizer(self, path: Path) -> None:
         self.engine.save_checkpoint(str(path.parent / "deepspeed"), tag="optimizer", client_state={"world_size": self.world_size})
@@ -272,6 +288,9 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, 
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         source = "{deepspeed_config} {path}: zero_optimization.stage" if path is not None and zero_stage is None else "{zero_stage}"
         raise ConfigError(source + " {stage!r}: ZeRO stages are 0, 1, 2 and 3", path=path, stage=stage)
+    if any(isinstance(ds.get(mode), dict) and ds[mode].get("enabled") for mode in ("bf16", "fp16")):
+        raise ConfigError("{deepspeed_config} {path}: remove its bf16 / fp16 section; glmpost trains float32 master weights "
+                          "and computes in bf16 with {precision} bf16", path=path)
     if "scheduler" in ds:  # it would step after each of glmpost's, which sets every step's rate first
         raise ConfigError("{deepspeed_config} {path}: remove its scheduler section; glmpost schedules the learning rate "
                           "({lr_schedule}, {lr_warmup_steps}, {lr_decay_steps}, {min_lr_ratio})", path=path)
@@ -318,15 +337,18 @@ class TrainingSession:
     zero_stage: int | None
     deepspeed_path: Path | None
     deterministic: dict
+    precision: str = "fp32"  # resolved: bf16 or fp32
 
     @classmethod
-    def start(cls, *, device: str, deterministic: bool, zero_stage: int | None, deepspeed_config: Path | None) -> "TrainingSession":
+    def start(cls, *, device: str, deterministic: bool, zero_stage: int | None, deepspeed_config: Path | None,
+              precision: str = "fp32") -> "TrainingSession":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         resolved = resolve_device(device)
         if resolved.type in ("cuda", "npu") and resolved.index is None:
             resolved = torch.device(resolved.type, local_rank)
+        precision = resolve_precision(precision, resolved)
         settings = set_deterministic(True, resolved) if deterministic else {}
         use_deepspeed = world > 1 or zero_stage is not None or deepspeed_config is not None
         if use_deepspeed:
@@ -344,7 +366,7 @@ class TrainingSession:
                 os.environ.setdefault("MASTER_PORT", str(_free_port()))
             with contextlib.redirect_stdout(sys.stderr):
                 deepspeed.init_distributed(dist_backend=distributed_backend(resolved), verbose=False)
-        return cls(resolved, rank, world, local_rank, use_deepspeed, zero_stage, deepspeed_config, settings)
+        return cls(resolved, rank, world, local_rank, use_deepspeed, zero_stage, deepspeed_config, settings, precision)
 
     @property
     def is_main(self) -> bool:
@@ -354,9 +376,10 @@ class TrainingSession:
         """The optimisation backend of ``model``; ``own_optimizer``: a second model's (SAO's critic),
         whose learning rate, weight decay and clipping are ``config``'s whatever a --deepspeed file says."""
         if not self.use_deepspeed:
-            return TorchBackend(model, config)
+            return TorchBackend(model, config, precision=self.precision)
         ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path, own_optimizer=own_optimizer)
-        return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank)
+        return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank,
+                                precision=self.precision)
 
     def barrier(self) -> None:
         if self.world_size > 1:

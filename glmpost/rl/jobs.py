@@ -61,6 +61,9 @@ class TrainingJob:
     # RL carries AdamW's state from version to version (trainer_state/optimizer.pt); SFT/QAT do not.
     keep_optimizer_state: bool = True
     companion: Companion | None = None  # set up by ``build``
+    # Versions are published in the parent's dtype (bf16 in, bf16 out), the float32 masters kept in
+    # trainer_state; QAT publishes its float32 masters (the deployed quantizer reads exactly those).
+    publish_in_parent_dtype: bool = True
 
 
 @dataclass

@@ -87,7 +87,7 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, qu
         remove_fake_quant(trainer.model)  # checkpoints hold the float master weights
         return [*seen["errors"], {"qat/eval_loss_before": seen["eval_before"], "qat/eval_loss_after": seen["eval_after"]}]
 
-    job = TrainingJob(stage, config, build, adapt_model=adapt, keep_optimizer_state=False)
+    job = TrainingJob(stage, config, build, adapt_model=adapt, keep_optimizer_state=False, publish_in_parent_dtype=False)
     update = Update(examples, {"qat/scheme": scheme}, finish=finish, manifest_extra={"quantization": spec.to_json()})
     result = run.run(job, update, tokenizer_revision=revision, stage_options=stage_options)
     if result is None:

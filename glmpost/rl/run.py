@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from glmpost.checkpoints import (
@@ -47,10 +48,11 @@ from glmpost.checkpoints import (
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
-from glmpost.kernel.loading import attention_ran, load_model
+from glmpost.kernel.loading import attention_ran, load_model, saved_dtype
 from glmpost.locks import output_lock
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
+from glmpost.rl.precision import MASTERS, load_masters
 from glmpost.stage import check_same_options, log, write_stage_json
 
 
@@ -71,6 +73,9 @@ class RunOptions:
     overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
     reset_optimizer: bool = setting(False, "Start AdamW fresh instead of from the parent version's optimizer state (--follow: after "
                                     "every published version too).")
+    precision: str = setting("auto", "Training arithmetic: bf16 (autocast over float32 master weights and AdamW states; the "
+                             "LM head, log-probs and losses in float32), fp32, or auto: bf16 on an accelerator, fp32 on a "
+                             "CPU. Versions are published in the parent checkpoint's dtype either way.")
 
 
 # Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
@@ -167,10 +172,15 @@ class TrainingRun:
         o = self.options
         self.job = job
         self.session = session = TrainingSession.start(device=o.device, deterministic=o.deterministic,
-                                                       zero_stage=o.zero_stage, deepspeed_config=o.deepspeed_config)
+                                                       zero_stage=o.zero_stage, deepspeed_config=o.deepspeed_config,
+                                                       precision=o.precision)
         if self.follow and o.reset_optimizer and session.use_deepspeed:
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         model = self.load(self.parent, session)
+        self.dtype = saved_dtype(self.parent) if job.publish_in_parent_dtype else "float32"
+        masters = self.parent / "trainer_state" / MASTERS
+        if not self.resuming and masters.is_file():  # the parent's float32 weights, before it was rounded
+            load_masters(model, masters)
         if job.adapt_model is not None:
             job.adapt_model(model)
         self.model, self.backend = model, session.backend(model, job.config)
@@ -253,8 +263,10 @@ class TrainingRun:
         the weights); a follow run then plans the version after it."""
         plan, session, job, companion = self.plan, self.session, self.job, self.job.companion
         staging = plan.staging
+        rounded = self.dtype != "float32"
         try:
-            self.backend.save_model(staging)
+            self.backend.save_model(staging, dtype=getattr(torch, self.dtype),
+                                    masters=staging / "trainer_state" / MASTERS if rounded and job.keep_optimizer_state else None)
             if job.keep_optimizer_state:
                 self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
         except Exception as exc:  # a full or read-only disk: the published versions are untouched
@@ -278,6 +290,8 @@ class TrainingRun:
                     f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in self.closing_lines)
             if self.follow:
                 stage_extra = {**stage_extra, "updates": self.updates}
+            manifest_extra = {**manifest_extra, "dtype": self.dtype, "precision": session.precision,
+                              "masters": f"trainer_state/{MASTERS}" if rounded and job.keep_optimizer_state else None}
             publish_staged(plan, stage=job.stage, stage_options=stage_options, world_size=session.world_size,
                            stage_extra=stage_extra, manifest_extra=manifest_extra, steps=self.steps,
                            tokenizer_revision=tokenizer_revision, history=self.history,
@@ -316,9 +330,10 @@ class TrainingRun:
 
 
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):
-    """A model on this rank's device: the one trained holds float32 master weights on a CPU; another
-    (a KL reference) keeps the checkpoint's dtype."""
-    dtype = "float32" if trained and session.device.type == "cpu" else None
+    """A model on this rank's device: the one trained holds float32 master weights (whatever the
+    checkpoint's dtype; ``precision`` bf16 computes in bfloat16 over them); another (a KL reference)
+    keeps the checkpoint's dtype."""
+    dtype = "float32" if trained else None
     return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=options.deterministic_topk,
                       attention=options.attention)
 

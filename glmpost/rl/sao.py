@@ -146,6 +146,11 @@ class CriticTrainer:
         for _ in range(done, passes):
             yield None, collate([examples[0]], pad_token_id=self.pad_token_id, device=self.device)
 
+    def _values(self, batch) -> torch.Tensor:
+        """The critic's values of ``batch`` (:func:`~glmpost.rl.critic.critic_values`), computed in the run's precision."""
+        with self.backend.compute():
+            return critic_values(self.critic, batch.input_ids, batch.attention_mask)
+
     @torch.no_grad()
     def prepare(self, examples: Sequence[TrainExample], mine: Sequence[int]) -> CriticTargets:
         """Values, skip-observation GAE advantages (into each owned example's ``gae_advantages``
@@ -157,7 +162,7 @@ class CriticTrainer:
         # tokens, sum A, sum A^2, sum R, sum R^2, sum V, sum (R - V), sum (R - V)^2
         sums = torch.zeros(8, dtype=torch.float64)
         for chunk, batch in self._batches(examples, mine, passes):
-            values = critic_values(self.critic, batch.input_ids, batch.attention_mask)
+            values = self._values(batch)
             if chunk is None:
                 continue
             mask = batch.action_mask
@@ -203,13 +208,13 @@ class CriticTrainer:
             chunk = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
             if not chunk:  # this rank's share ran out: a zero-weighted pass keeps the reductions in step
                 batch = collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device)
-                self.backend.backward(critic_values(self.critic, batch.input_ids, batch.attention_mask).sum() * 0.0)
+                self.backend.backward(self._values(batch).sum() * 0.0)
                 continue
             batch = collate([examples[i] for i in chunk], pad_token_id=self.pad_token_id, device=self.device)
             width, mask = batch.action_mask.shape[1], batch.action_mask
             returns = torch.stack([fit(targets.returns[i], width) for i in chunk]).to(self.device)
             old = torch.stack([fit(targets.old_values[i], width) for i in chunk]).to(self.device)
-            values = critic_values(self.critic, batch.input_ids, batch.attention_mask)
+            values = self._values(batch)
             per_token, clipped = value_loss(values, returns, old, clip=config.value_clip)
             loss = masked_sum_over(per_token, mask, denominator)
             self.backend.backward(loss)

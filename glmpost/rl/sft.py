@@ -74,8 +74,9 @@ class SFTTrainer:
 
     def _nll_sum(self, examples: Sequence[TrainExample]) -> tuple[torch.Tensor, int]:
         batch = collate(examples, pad_token_id=self.pad_token_id, device=self.device)
-        result = sequence_log_probs(self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
-                                    chunk_size=self.config.chunk_size)
+        with self.backend.compute():
+            result = sequence_log_probs(self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
+                                        chunk_size=self.config.chunk_size)
         return -result.log_probs.sum(), int(batch.action_mask.sum())
 
     @torch.no_grad()

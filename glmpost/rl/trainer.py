@@ -103,6 +103,10 @@ class PolicyTrainer:
                                     *(name for t in self.terms for name in t.metrics)})
 
     def _log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool = False):
+        with self.backend.compute():
+            return self._sequence_log_probs(model, batch, entropy=entropy)
+
+    def _sequence_log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool):
         return sequence_log_probs(
             model,
             batch.input_ids,
@@ -120,12 +124,13 @@ class PolicyTrainer:
         log-probs of the ids a loss term gathers (``gathered`` ``[B, L-1, k]``)."""
         if self.gather is None:
             return self._log_probs(self.model, batch, entropy=True)
-        return score_tokens(
-            self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
-            temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
-            chunk_size=self.config.chunk_size, return_entropy=True,
-            gather_ids=batch.token_fields[self.gather].long(),
-        )
+        with self.backend.compute():
+            return score_tokens(
+                self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
+                temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
+                chunk_size=self.config.chunk_size, return_entropy=True,
+                gather_ids=batch.token_fields[self.gather].long(),
+            )
 
     def _micro_batches(self, examples: Sequence[TrainExample], indices: Sequence[int]):
         size = self.config.micro_batch_size
