@@ -214,5 +214,5 @@ def with_deprecated_aliases(aliases: dict[str, str], *, until: str = "the next r
     return wrap
 
 
-TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "precision", "deterministic", "attention", "save_every", "resume",
+TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "precision", "activation_checkpointing", "deterministic", "attention", "save_every", "resume",
                         "overwrite")

@@ -24,8 +24,10 @@ ADDED = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao")
 SCHEDULE = {"lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": 0, "min_lr_ratio": 0.0}
 ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat") for name in SCHEDULE}
 # Mixed precision over float32 masters (issue 31): auto = bf16 on an accelerator, fp32 on a CPU.
-ADDED |= {(command, "precision") for command in ("train-grpo", "opd-merge", "train-sao", "qat")}
-ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto"}  # today's values
+# ... and activation checkpointing, off by default.
+ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat")
+          for name in ("precision", "activation_checkpointing")}
+ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False}
 # Commands added since: bringing your own model (issue 31).
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).

@@ -1,10 +1,11 @@
-"""Training arithmetic and the weights a version is published with.
+"""Training arithmetic, activation checkpointing, and the weights a version is published with.
 
 ``precision`` bf16 runs a training forward under autocast to bfloat16 over float32 master weights
 (AdamW's states float32 too); the kernel turns autocast off around the LM head and value head, so
 log-probs and losses are float32 either way. A version is published in its parent's dtype (bf16 in,
 bf16 out: what the rollout engine loads), with the float32 masters beside it in
-``trainer_state/masters.safetensors`` for the next version to train from.
+``trainer_state/masters.safetensors`` for the next version to train from. Activation checkpointing
+keeps each decoder layer's input and recomputes the layer in the backward pass.
 """
 
 from __future__ import annotations
@@ -89,3 +90,13 @@ def load_masters(model: torch.nn.Module, path: Path) -> None:
     untied = [name for name in missing if own[name].untyped_storage().data_ptr() not in loaded]
     if unexpected or untied:
         raise CheckpointError(f"{path}: master weights do not fit the model (unexpected {unexpected[:3]}, missing {untied[:3]})")
+
+
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """Activation checkpointing per decoder layer (transformers' non-reentrant one, whichever
+    attention path runs: the native GLM-5 forward calls the same layer modules): a layer's
+    activations are recomputed in the backward pass instead of kept, the gradients unchanged (the
+    recomputation is deterministic: the DSA top-k and the MoE routing choose the same again)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError("{activation_checkpointing}: %s does not support it" % type(model).__name__)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

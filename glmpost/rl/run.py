@@ -52,7 +52,7 @@ from glmpost.kernel.loading import attention_ran, load_model, saved_dtype
 from glmpost.locks import output_lock
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
-from glmpost.rl.precision import MASTERS, load_masters
+from glmpost.rl.precision import MASTERS, checkpoint_layers, load_masters
 from glmpost.stage import check_same_options, log, write_stage_json
 
 
@@ -73,6 +73,8 @@ class RunOptions:
     overwrite: bool = setting(False, "Discard an interrupted run's state and start the update over.")
     reset_optimizer: bool = setting(False, "Start AdamW fresh instead of from the parent version's optimizer state (--follow: after "
                                     "every published version too).")
+    activation_checkpointing: bool = setting(False, "Recompute each decoder layer in the backward pass instead of keeping "
+                                             "its activations (the same gradients; memory for time).")
     precision: str = setting("auto", "Training arithmetic: bf16 (autocast over float32 master weights and AdamW states; the "
                              "LM head, log-probs and losses in float32), fp32, or auto: bf16 on an accelerator, fp32 on a "
                              "CPU. Versions are published in the parent checkpoint's dtype either way.")
@@ -181,6 +183,8 @@ class TrainingRun:
         masters = self.parent / "trainer_state" / MASTERS
         if not self.resuming and masters.is_file():  # the parent's float32 weights, before it was rounded
             load_masters(model, masters)
+        if o.activation_checkpointing:
+            checkpoint_layers(model)
         if job.adapt_model is not None:
             job.adapt_model(model)
         self.model, self.backend = model, session.backend(model, job.config)

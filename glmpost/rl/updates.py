@@ -35,6 +35,7 @@ from glmpost.rl.batches import (
 from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.rl.critic import CriticVersions
 from glmpost.rl.jobs import RunResult, TrainingJob, Update
+from glmpost.rl.precision import checkpoint_layers
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import PolicyTrainer
@@ -328,9 +329,10 @@ def sao_trainer(config: SAOConfig, critic: CriticVersions, *, pad_token_id: int,
     """``build(model, backend, session)`` of the SAO trainer: the policy's, and the critic set up
     from ``critic``'s parent on the same session."""
     def build(model, backend, session):
-        dtype = "float32" if session.device.type == "cpu" else None
-        critic_model, critic_backend = critic.setup(session, dtype=dtype, deterministic_topk=options.deterministic_topk,
-                                                    attention=options.attention)
+        critic_model, critic_backend = critic.setup(session, dtype="float32", deterministic_topk=options.deterministic_topk,
+                                                    attention=options.attention)  # float32 masters, as the policy's
+        if options.activation_checkpointing:
+            checkpoint_layers(critic_model.language_model)
         actor = PolicyTrainer(model, config, pad_token_id=pad_token_id, backend=backend)
         return SAOTrainer(actor, CriticTrainer(critic_model, critic_backend, config, pad_token_id=pad_token_id))
 
