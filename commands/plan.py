@@ -24,7 +24,7 @@ import typer
 from glmpost.commands.common import print_summary, stage_commands
 from glmpost.commands.options import json_option
 from glmpost.commands.recipe_checks import check_recipe, stage_values
-from glmpost.errors import UsageError
+from glmpost.errors import UsageError, first_line
 from glmpost.memory.plan import ModelShape
 from glmpost.memory.recipe import model_config, workload_from_recipe
 from glmpost.memory.roles import format_bytes, format_objects, format_table, memory_objects, plan_memory
@@ -64,7 +64,7 @@ def plan(
     try:
         shape = ModelShape.from_config(config)
     except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(f"--model {settings['model']}: not a GLM-5 (GlmMoeDsa) config ({exc})") from None
+        raise UsageError(f"--model {settings['model']}: not a causal LM config transformers knows ({first_line(exc)})") from None
     commands = stage_commands(root)
     values = {name: stage_values(commands[name], given_values) for name, given_values in report.stages.items() if name != "plan"}
     workload = workload_from_recipe(values, settings, lambda name: stage_values(commands[name], {}) if name in commands else {})

@@ -61,9 +61,15 @@ DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_ALLGATHER_BUCKET = 500_000_000
 
 
+GLM5_MODEL_TYPE = "glm_moe_dsa"
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions of a GLM-5 (``GlmMoeDsaForCausalLM``) config that memory depends on."""
+    """The dimensions of a causal LM config that memory depends on: GLM-5 (``GlmMoeDsaForCausalLM``:
+    MLA, DSA indexer, MoE) with exact formulas, and any other transformers causal LM
+    (:meth:`from_config`): MLA without an indexer (DeepSeek-V3) or grouped-query attention (Llama,
+    Qwen3, Qwen3-MoE, GLM-4, GLM-4.5), dense or MoE, its parameters counted on the meta device."""
 
     vocab: int
     hidden: int
@@ -88,11 +94,33 @@ class ModelShape:
     topk_group: int = 1
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    model_type: str = GLM5_MODEL_TYPE
+    attention_kind: str = "mla"  # mla (q / kv low-rank projections, GLM-5, DeepSeek-V3) or gqa
+    kv_heads: int = 0  # gqa: key / value heads
+    head_dim: int = 0  # gqa: per head
+    qk_norm: bool = False  # gqa: RMSNorm over each query and key head (Qwen3, GLM-4.5)
+    norms_per_layer: int = 2  # GLM-4 also norms after attention and after the MLP
+    counted: tuple[tuple[str, int], ...] | None = None  # parameter counts of a model without a formula here
+
+    @property
+    def native_attention(self) -> bool:
+        """Whether glmpost's native attention runs this model (GLM-5 only; others run their own)."""
+        return self.model_type == GLM5_MODEL_TYPE
+
+    def kernel(self, attention: str) -> str:
+        """The attention kernel a model runs for ``attention``: ``native`` on a model without the
+        native path is its own transformers attention through SDPA: the fused kernel, or its math
+        path for MLA, whose value head size differs from the query's (measured on a CPU)."""
+        if attention != "native" or self.native_attention:
+            return attention
+        return "math" if self.attention_kind == "mla" else "fused"
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config object or its ``config.json`` dict."""
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        if get("model_type", GLM5_MODEL_TYPE) != GLM5_MODEL_TYPE:
+            return _other_model_shape(config, get)
         layers = int(get("num_hidden_layers"))
         mlp_types = get("mlp_layer_types")
         if mlp_types:
@@ -161,6 +189,8 @@ class ModelShape:
     def parameter_count(self) -> dict[str, int]:
         """Exact parameter counts: ``total``, ``trainable`` (all but the indexer), ``indexer``,
         ``fp32_kept`` (router weights, indexer weights_proj: kept in float32 by transformers)."""
+        if self.counted is not None:
+            return dict(self.counted)
         h = self.hidden
         embeddings = self.vocab * h * (1 if self.tie_word_embeddings else 2)
         per_layer_norms = 2 * h
@@ -171,6 +201,64 @@ class ModelShape:
         total = embeddings + dense + moe + attention + indexer + h  # + final norm
         fp32_kept = self.moe_layers * self.experts * h + self.indexer_layers * h * self.index_heads
         return {"total": total, "trainable": total - indexer, "indexer": indexer, "fp32_kept": fp32_kept}
+
+
+def _other_model_shape(config: Any, get) -> ModelShape:
+    """:class:`ModelShape` of a causal LM other than GLM-5 (see its doc)."""
+    model_type = get("model_type")
+    layers, heads, hidden = int(get("num_hidden_layers")), int(get("num_attention_heads")), int(get("hidden_size"))
+    experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
+    intermediate = int(get("intermediate_size"))
+    if not experts:
+        dense = layers
+    elif get("first_k_dense_replace") is not None:
+        dense = min(int(get("first_k_dense_replace")), layers)
+    else:  # Qwen3-MoE: mlp_only_layers, and a MoE layer every decoder_sparse_step layers
+        only, step = set(get("mlp_only_layers") or ()), int(get("decoder_sparse_step") or 1)
+        dense = sum(1 for i in range(layers) if i in only or (i + 1) % step != 0)
+    mla = get("kv_lora_rank") is not None
+    return ModelShape(
+        vocab=int(get("vocab_size")), hidden=hidden, layers=layers, heads=heads,
+        q_lora_rank=get("q_lora_rank") if mla else None,
+        kv_lora_rank=int(get("kv_lora_rank") or 0), qk_rope_head_dim=int(get("qk_rope_head_dim") or 0),
+        qk_nope_head_dim=int(get("qk_nope_head_dim") or 0), v_head_dim=int(get("v_head_dim") or 0),
+        intermediate=intermediate, moe_intermediate=int(get("moe_intermediate_size") or intermediate),
+        experts=experts, experts_per_token=int(get("num_experts_per_tok") or 0) if experts else 0,
+        shared_experts=int(get("n_shared_experts") or 0), dense_layers=dense, indexer_layers=0, index_topk=0,
+        index_head_dim=0, index_heads=0, n_group=int(get("n_group") or 1), topk_group=int(get("topk_group") or 1),
+        attention_bias=bool(get("attention_bias", False)), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        model_type=model_type, attention_kind="mla" if mla else "gqa",
+        kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or hidden // heads),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(get("use_qk_norm", False)),
+        norms_per_layer=4 if model_type == "glm4" else 2,
+        counted=tuple(sorted(_meta_parameter_count(config).items())),
+    )
+
+
+def _meta_parameter_count(config: Any) -> dict[str, int]:
+    """Exact parameter counts of the transformers model of ``config``, built on the meta device (no
+    memory): ``total``, ``trainable`` (all of them), ``indexer`` 0 and ``fp32_kept`` (the modules
+    the model keeps in float32)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(config, dict):
+        values = {k: v for k, v in config.items() if k != "model_type"}
+        try:
+            config = AutoConfig.for_model(config["model_type"], **values)
+        except Exception as exc:
+            raise ValueError(f"{type(exc).__name__}: {exc}") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers refuses configs in many ways (assertions included)
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+    kept = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    total, fp32 = 0, 0
+    for name, parameter in model.named_parameters():
+        total += parameter.numel()
+        fp32 += parameter.numel() if any(k in name.split(".") for k in kept) else 0
+    return {"total": total, "trainable": total, "indexer": 0, "fp32_kept": fp32}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +315,7 @@ def saved_activation_terms(
     n = batch * seq
     h = shape.hidden
     heads = shape.heads
+    attention = shape.kernel(attention)
 
     def rms(d: int) -> int:
         return n * d * (4 + a) + 4 * n
@@ -241,14 +330,14 @@ def saved_activation_terms(
     qkv = n * heads * (2 * shape.qk_head_dim + shape.v_head_dim)  # query, key, value elements
     if attention == "math":  # torch's SDPA math path computes (and saves) in float32 on CPU
         scores = qkv * 4 + batch * heads * seq * seq * 4
-    elif attention == "eager":  # transformers' eager: float32 softmax, then a copy in the model dtype
-        scores = qkv * a + batch * heads * seq * seq * (a + 4)
+    elif attention == "eager":  # transformers' eager: float32 softmax, then a copy in a 16-bit model dtype
+        scores = qkv * a + batch * heads * seq * seq * (4 + (a if a != 4 else 0))
     elif attention == "fused":  # flash / memory-efficient: q, k, v, output and a float32 logsumexp
         scores = qkv * a + n * heads * shape.v_head_dim * a + batch * heads * seq * 4
     elif attention != "native":
         raise ValueError(f"attention must be native, math, eager or fused; got {attention!r}")
     rope = 2 * seq * shape.qk_rope_head_dim * a  # cos, sin halves for q and k
-    norms = 2 * rms(h)
+    norms = shape.norms_per_layer * rms(h)
     dense_mlp = n * h * a + 4 * n * shape.intermediate * a
     pairs = n * shape.experts_per_token
     e, im = shape.experts, shape.moe_intermediate
@@ -261,6 +350,8 @@ def saved_activation_terms(
     head = scored * (h * a + 8) + batch * (seq - 1) + rms(h)  # rows, targets, mask, final norm
     if attention == "native":  # glmpost's MLA over the selected keys: no [S, S] term (glmpost.memory.native)
         attention_bytes, scores_bytes = native_attention_saved_bytes(shape, batch=batch, seq=seq, dtype=dtype), 0
+    elif shape.attention_kind == "gqa":
+        attention_bytes, scores_bytes = _gqa_attention_saved(shape, batch=batch, seq=seq, a=a, attention=attention)
     else:
         attention_bytes, scores_bytes = shape.layers * (attn_layer + rope), shape.layers * scores
     return {
@@ -274,13 +365,51 @@ def saved_activation_terms(
     }
 
 
+def _gqa_attention_saved(shape: ModelShape, *, batch: int, seq: int, a: int, attention: str) -> tuple[int, int]:
+    """Grouped-query attention's saved bytes of every layer, ``(projections, kernel)``: the shared
+    q / k / v projection input, the per-head query and key norms (Qwen3, GLM-4.5), rope's cos / sin
+    (one pair for all layers); ``fused`` (SDPA's flash kernel) keeps the roped query, key and value
+    at their own head counts, the output (o_proj's input) and a float32 logsumexp ``[B, H, S]``;
+    ``eager`` / ``math`` keep the query, the key and value repeated to every head and o_proj's input,
+    and the float32 probabilities ``[B, H, S, S]`` (plus their copy in a 16-bit dtype)."""
+    n, heads, kv, d = batch * seq, shape.heads, shape.kv_heads, shape.head_dim
+    per_head_norms = (n * heads * d * (4 + a) + 4 * n * heads + n * kv * d * (4 + a) + 4 * n * kv) if shape.qk_norm else 0
+    projections = shape.layers * (n * shape.hidden * a + per_head_norms) + 2 * seq * d * a
+    if attention == "fused":
+        kernel = n * (2 * heads + 2 * kv) * d * a + batch * heads * seq * 4
+    else:
+        kernel = 3 * n * heads * d * a + batch * heads * seq * seq * (4 + (a if a != 4 else 0))
+    return projections, shape.layers * kernel
+
+
+def checkpointed_activation_terms(shape: ModelShape, *, batch: int, seq: int, dtype: str = "float32",
+                                  attention: str = "math", scored_tokens: int | None = None) -> dict[str, int]:
+    """Saved bytes of one micro-batch with activation checkpointing per decoder layer: every layer's
+    input (the residual stream, float32 over float32 masters), the activations of the one layer the
+    backward pass recomputes at a time (the largest: dense or MoE), the head's and the ids."""
+    full = saved_activation_terms(shape, batch=batch, seq=seq, dtype=dtype, attention=attention, scored_tokens=scored_tokens)
+    shared = (full["norms"] + full["attention"] + full["attention_scores"]) / shape.layers
+    mlp = max(full["dense_mlp"] / max(shape.dense_layers, 1), full["moe"] / max(shape.moe_layers, 1))
+    return {"embedding_ids": full["embedding_ids"], "layer_inputs": shape.layers * batch * seq * shape.hidden * 4,
+            "one_layer_recomputed": int(shared + mlp), "head": full["head"]}
+
+
 def saved_activation_bytes(shape: ModelShape, **kwargs: Any) -> int:
     return sum(saved_activation_terms(shape, **kwargs).values())
 
 
 def kv_cache_bytes(shape: ModelShape, *, batch: int, seq: int, dtype: str) -> int:
-    """MLA latent cache: batch * seq * layers * (kv_lora_rank + qk_rope_head_dim) * b."""
-    return batch * seq * shape.layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * dtype_bytes(dtype)
+    """GLM-5's MLA latent cache: batch * seq * layers * (kv_lora_rank + qk_rope_head_dim) * b; a
+    grouped-query model's keys and values, 2 * kv_heads * head_dim per token and layer; another MLA
+    model (DeepSeek-V3 in transformers) caches its expanded keys and values, heads * (qk_head_dim +
+    v_head_dim)."""
+    if shape.attention_kind == "gqa":
+        per_token = 2 * shape.kv_heads * shape.head_dim
+    elif shape.native_attention:
+        per_token = shape.kv_lora_rank + shape.qk_rope_head_dim
+    else:
+        per_token = shape.heads * (shape.qk_head_dim + shape.v_head_dim)
+    return batch * seq * shape.layers * per_token * dtype_bytes(dtype)
 
 
 def indexer_cache_bytes(shape: ModelShape, *, batch: int, seq: int, dtype: str) -> int:
@@ -291,7 +420,9 @@ def indexer_cache_bytes(shape: ModelShape, *, batch: int, seq: int, dtype: str) 
 def indexer_workspace_bytes(shape: ModelShape, *, batch: int, queries: int, keys: int, attention: str = "math") -> int:
     """One indexer call: float32 scores [B, Sq, H_idx, Sk], index scores [B, Sq, Sk] and the bool
     index mask [B, Sq, Sk] (transformers' indexer); the native path scores one query chunk at a time
-    (:func:`glmpost.memory.native.native_indexer_workspace_bytes`)."""
+    (:func:`glmpost.memory.native.native_indexer_workspace_bytes`). A model without an indexer: 0."""
+    if shape.indexer_layers == 0:
+        return 0
     if attention == "native":
         return native_indexer_workspace_bytes(shape, batch=batch, queries=queries, keys=keys)
     return batch * queries * keys * (shape.index_heads * 4 + 4 + 1)
@@ -310,6 +441,7 @@ def attention_workspace_bytes(shape: ModelShape, *, batch: int, seq: int, attent
                               dtype: str = "float32") -> int:
     """Transient attention scores: float32 [B, heads, S, S] (x2 in backward) on the math / eager path;
     one query chunk's selected-key gather on the native path."""
+    attention = shape.kernel(attention)
     if attention == "native":
         return native_gather_workspace_bytes(shape, batch=batch, queries=seq, keys=seq, dtype=dtype)
     if attention == "fused":

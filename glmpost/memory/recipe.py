@@ -58,6 +58,8 @@ def workload_from_recipe(values: dict[str, dict[str, Any]], settings: dict[str, 
         response_tokens=response,
         chunk_size=int(train.get("chunk_size") or 512),
         dtype=settings["dtype"],
+        precision="fp32" if train.get("precision") == "fp32" else "bf16",  # auto: an accelerator's bf16
+        activation_checkpointing=bool(train.get("activation_checkpointing")),
         zero_stage=int(train.get("zero_stage") or 0),
         ranks=settings["ranks"],
         # The training stage's --attention: native, or transformers' modules (SDPA's math path on a CPU).

@@ -17,6 +17,7 @@ from glmpost.memory.plan import (
     GIB,
     ModelShape,
     attention_workspace_bytes,
+    checkpointed_activation_terms,
     head_workspace_bytes,
     indexer_cache_bytes,
     indexer_workspace_bytes,
@@ -38,7 +39,9 @@ class Workload:
     seq: int = 576  # prompt + response tokens of one trajectory
     response_tokens: int = 64
     chunk_size: int = 512
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the checkpoint's: frozen models, the rollout, the published versions
+    precision: str = "bf16"  # training arithmetic over float32 masters: activations in bf16, or fp32
+    activation_checkpointing: bool = False
     zero_stage: int = 0
     ranks: int = 1
     attention: str = "native"  # native (glmpost), or the reference kernels: math, eager, fused
@@ -99,17 +102,20 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     def comm_buffers(train: bool) -> int:
         if not deepspeed:
             return 0
-        b = dtype_bytes(w.dtype)
+        b = 4 if train else dtype_bytes(w.dtype)  # a trained model's parameters and gradients are float32
         reduce = min(w.reduce_bucket, counts["trainable"]) * b if train else 0
         return reduce + min(w.allgather_bucket, counts["total"]) * b
 
-    # Actor: the policy being trained (train-grpo / opd-merge / qat).
-    state = model_state_bytes(shape, dtype=w.dtype, trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
-    acts = saved_activation_terms(shape, batch=w.micro_batch, seq=w.seq, dtype=w.dtype, attention=w.attention)
+    # Actor: the policy being trained (train-grpo / opd-merge / qat): float32 master weights, gradients
+    # and AdamW states whatever the checkpoint's dtype; activations in the precision's dtype.
+    state = model_state_bytes(shape, dtype="float32", trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
+    act_dtype = w.dtype if w.precision == "bf16" else "float32"
+    activations = checkpointed_activation_terms if w.activation_checkpointing else saved_activation_terms
+    acts = activations(shape, batch=w.micro_batch, seq=w.seq, dtype=act_dtype, attention=w.attention)
     ws = {
-        "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype=w.dtype, grad=True),
+        "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype="float32", grad=True),
         "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=True,
-                                               dtype=w.dtype),
+                                               dtype=act_dtype),
         "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq, attention=w.attention),
     }
     rows.append(RoleMemory(
@@ -132,9 +138,7 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
                            details={**frozen, "workspace": frozen_ws}))
     # Critic (SAO): the body plus a scalar value head instead of the LM head.
     critic_params_saved = (shape.vocab * shape.hidden - shape.hidden - 1) if not shape.tie_word_embeddings else 0
-    b = dtype_bytes(w.dtype)
-    critic_state = {k: max(v - critic_params_saved * (b if k != "optimizer" else 8 + (4 if b < 4 else 0)), 0)
-                    for k, v in state.items()}
+    critic_state = {k: max(v - critic_params_saved * (4 if k != "optimizer" else 8), 0) for k, v in state.items()}
     rows.append(RoleMemory("critic", w.critic, sum(critic_state.values()), sum(acts.values()) - acts["head"],
                            max(ws["attention"], ws["dsa_indexer"]), comm_buffers(True),
                            train_io_bytes(batch=w.micro_batch, seq=w.seq), details=critic_state))
@@ -146,7 +150,7 @@ def _rollout_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     rows: list[RoleMemory] = []
     # Rollout KV cache: the whole rollout batch at prompt + max-new-tokens.
     rollout_seq = w.rollout_prompt + w.response_tokens
-    native = w.attention == "native"
+    native = w.attention == "native" and shape.native_attention
     if native:  # LatentCache buffers: their doubled capacity, not just the tokens written
         cache = native_cache_bytes(shape, batch=w.rollout_batch, prompt=w.rollout_prompt, new_tokens=w.response_tokens,
                                    dtype=w.rollout_dtype)
