@@ -27,7 +27,10 @@ ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao"
 # ... and activation checkpointing, off by default.
 ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat")
           for name in ("precision", "activation_checkpointing")}
-ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False}
+# ... and micro-batches by a token budget, off by default.
+ADDED |= {(command, "micro_batch_tokens") for command in ("train-grpo", "opd-merge", "train-sao")}
+ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False,
+                  "micro_batch_tokens": 0}
 # Commands added since: bringing your own model (issue 31).
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).

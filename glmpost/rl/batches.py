@@ -280,6 +280,31 @@ class MicroBatch:
     later_tokens: torch.Tensor | None = None  # float64 [B]: each example's N_{>s} (CompactionRL)
 
 
+def micro_batch_plan(lengths: Sequence[int], indices: Sequence[int], *, size: int, tokens: int = 0) -> list[list[int]]:
+    """This rank's ``indices`` (into ``lengths``, each example's token count) as micro-batches.
+
+    ``tokens`` 0: ``size`` at a time, in order. ``tokens`` > 0: by a token budget, first-fit
+    decreasing: examples longest first (ties by index), each into the first micro-batch whose padded
+    cost, rows x its longest length, stays within ``tokens`` with it, else a new one (an example
+    longer than the budget goes alone). Deterministic, so every rank knows every rank's plan. The
+    loss is a sum over the global batch divided by global token counts: the split changes how the
+    work is cut, not the update."""
+    if tokens <= 0:
+        return [list(indices[start : start + size]) for start in range(0, len(indices), size)]
+    bins: list[list[int]] = []
+    longest: list[int] = []
+    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, members in enumerate(bins):
+            if (len(members) + 1) * max(longest[b], lengths[index]) <= tokens:
+                members.append(index)
+                longest[b] = max(longest[b], lengths[index])
+                break
+        else:
+            bins.append([index])
+            longest.append(lengths[index])
+    return bins
+
+
 def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torch.device) -> MicroBatch:
     length = max(len(e.input_ids) for e in examples)
     batch = len(examples)

@@ -26,6 +26,10 @@ class PolicyGradientConfig(OptimizerConfig):
     epochs: int = setting(1, "Passes over the batch (PPO epochs).", min=1)
     mini_batches: int = setting(1, "Optimizer steps per epoch (the batch is split into this many mini-batches).", min=1)
     micro_batch_size: int = setting(8, "Trajectories per forward/backward on each rank (gradient accumulation).", min=1)
+    micro_batch_tokens: int = setting(0, "When > 0: micro-batches by this token budget instead of --micro-batch-size "
+                                      "(trajectories longest first, each micro-batch's rows x longest length at most "
+                                      "this; a longer trajectory alone). The update is the same, less of it padding.",
+                                      min=0)
     eps_low: float = setting(0.2, "PPO clip below 1 (GLM-5: 0.2).")  # brief: eps_l = 0.2
     eps_high: float = setting(0.28, "PPO clip above 1 (GLM-5: 0.28).", min=0.0)  # brief: eps_h = 0.28
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",

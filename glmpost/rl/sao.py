@@ -35,7 +35,7 @@ import torch
 
 from glmpost.config import SettingError, setting
 from glmpost.rl.advantages import skip_observation_gae
-from glmpost.rl.batches import TrainExample, collate, fit
+from glmpost.rl.batches import TrainExample, collate, fit, micro_batch_plan
 from glmpost.rl.configs import PolicyGradientConfig
 from glmpost.rl.critic import DEFAULT_TRAINED, ValueModel, critic_values
 from glmpost.rl.distributed import OptimizerConfig
@@ -138,13 +138,17 @@ class CriticTrainer:
     def _batches(self, examples: Sequence[TrainExample], indices: Sequence[int], passes: int):
         """``(chunk, micro-batch)`` of ``indices``, then ``(None, examples[0])`` filler passes up to
         ``passes`` (ZeRO-3 gathers parameters in every forward: ranks run as many)."""
-        size, done = self.config.micro_batch_size, 0
-        for start in range(0, len(indices), size):
-            chunk = list(indices[start : start + size])
+        done = 0
+        for chunk in self.plan(examples, indices):
             yield chunk, collate([examples[i] for i in chunk], pad_token_id=self.pad_token_id, device=self.device)
             done += 1
         for _ in range(done, passes):
             yield None, collate([examples[0]], pad_token_id=self.pad_token_id, device=self.device)
+
+    def plan(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> list[list[int]]:
+        """``indices`` as micro-batches, as the policy's (:func:`~glmpost.rl.batches.micro_batch_plan`)."""
+        return micro_batch_plan([len(e.input_ids) for e in examples], indices, size=self.config.micro_batch_size,
+                                tokens=self.config.micro_batch_tokens)
 
     def _values(self, batch) -> torch.Tensor:
         """The critic's values of ``batch`` (:func:`~glmpost.rl.critic.critic_values`), computed in the run's precision."""
@@ -156,7 +160,7 @@ class CriticTrainer:
         """Values, skip-observation GAE advantages (into each owned example's ``gae_advantages``
         token field) and returns of this rank's examples ``mine``; statistics over every rank."""
         config, world = self.config, self.backend.world_size
-        passes = math.ceil(math.ceil(len(examples) / world) / config.micro_batch_size)
+        passes = max(len(self.plan(examples, range(rank, len(examples), world))) for rank in range(world))
         self.critic.eval()
         returns, old_values = {}, {}
         # tokens, sum A, sum A^2, sum R, sum R^2, sum V, sum (R - V), sum (R - V)^2
@@ -204,8 +208,9 @@ class CriticTrainer:
         denominator = float(self.backend.all_reduce_sum(local)[0])
         # value loss, clipped tokens, sum R, sum R^2, sum (R - V), sum (R - V)^2
         sums = torch.zeros(6, dtype=torch.float64)
+        chunks = self.plan(examples, indices)
         for micro in range(micro_steps):
-            chunk = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+            chunk = chunks[micro] if micro < len(chunks) else []
             if not chunk:  # this rank's share ran out: a zero-weighted pass keeps the reductions in step
                 batch = collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device)
                 self.backend.backward(self._values(batch).sum() * 0.0)

@@ -24,7 +24,6 @@ once per step.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
-from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit
+from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit, micro_batch_plan
 from glmpost.rl.configs import PER_STEP_MASKS, GRPOConfig
 from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
 from glmpost.rl.distributed import TorchBackend
@@ -132,10 +131,13 @@ class PolicyTrainer:
                 gather_ids=batch.token_fields[self.gather].long(),
             )
 
+    def plan(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> list[list[int]]:
+        """``indices`` as micro-batches (:func:`~glmpost.rl.batches.micro_batch_plan`: a count, or a token budget)."""
+        return micro_batch_plan([len(e.input_ids) for e in examples], indices, size=self.config.micro_batch_size,
+                                tokens=self.config.micro_batch_tokens)
+
     def _micro_batches(self, examples: Sequence[TrainExample], indices: Sequence[int]):
-        size = self.config.micro_batch_size
-        for start in range(0, len(indices), size):
-            chunk = list(indices[start : start + size])
+        for chunk in self.plan(examples, indices):
             yield chunk, collate([examples[i] for i in chunk], pad_token_id=self.pad_token_id, device=self.device)
 
     @torch.no_grad()
@@ -236,7 +238,7 @@ class PolicyTrainer:
                     continue
                 shares = [[i for i in part.tolist() if i % world == r] for r in range(world)]
                 # Every rank runs the same number of backward passes (ZeRO-2/3 reduce in each one).
-                micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
+                micro_steps = max(1, *(len(self.plan(examples, s)) for s in shares))
                 before = {} if before_step is None else before_step(shares[rank], micro_steps, int(part[0]))
                 trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(
                     examples, shares[rank], prepared.old, passes=micro_steps, filler=int(part[0]))
@@ -302,8 +304,9 @@ class PolicyTrainer:
         trusted_total, action_total, denominator = self.backend.all_reduce_sum(counts).tolist()
         sums = {name: torch.zeros((), dtype=torch.float64) for name in self.metric_names}
         used = 0  # trusted tokens the numerators summed over
+        chunks = self.plan(examples, indices)
         for micro in range(micro_steps):
-            chunk_idx = indices[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+            chunk_idx = chunks[micro] if micro < len(chunks) else []
             if not chunk_idx:
                 # This rank's share ran out: a zero-weighted pass over a real example touches the same
                 # parameters as the other ranks' passes, so the collective reductions line up.
