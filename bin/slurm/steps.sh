@@ -90,14 +90,16 @@ launch_ranks() {
     srun)
       # One Slurm task per rank (the job asked for --ntasks-per-node=NPROC --nodes=NODES). The
       # rendezvous is torch's env:// one: rank 0's node (its NodeAddr from slurm.conf, which other
-      # nodes reach it by, else its host name) and a port derived from the job id.
+      # nodes reach it by, else its host name) and a port free on it now: the batch script runs on
+      # that node (a port derived from the job id collided when two jobs, or two clusters' jobs
+      # with the same id, shared a node).
       local first
       first="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
       # (GLMPOST_MASTER_ADDR / GLMPOST_MASTER_PORT override them; a MASTER_* the submitting shell
       # exported is not trusted: it may belong to another job.)
       MASTER_ADDR="${GLMPOST_MASTER_ADDR:-$(scontrol -o show node "$first" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')}"
       MASTER_ADDR="${MASTER_ADDR:-$first}"
-      MASTER_PORT="${GLMPOST_MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
+      MASTER_PORT="${GLMPOST_MASTER_PORT:-$("$GLMPOST_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}"
       export MASTER_ADDR MASTER_PORT
       srun --nodes="$nodes" --ntasks="$world" --ntasks-per-node="$per_node" --kill-on-bad-exit=1 \
         "$GLMPOST_ROOT/bin/slurm/rank-env" "$GLMPOST_PYTHON" -m glmpost.commands.app "$@"
