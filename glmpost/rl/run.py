@@ -82,7 +82,7 @@ class RunOptions:
 
 # Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
 # says what to do when train-sao's critic root is empty).
-RERUN_IGNORED = ("config", "resume", "save_every", "init_critic")
+RERUN_IGNORED = ("config", "resume", "save_every", "init_critic", "activation_checkpointing")
 
 
 class TrainingRun:
