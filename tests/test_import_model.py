@@ -7,25 +7,17 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 from pathlib import Path
 
+from test_hardening_inputs import _llama as llama_folder
 from test_train_grpo import _judged
 
-from glmpost.checkpoints import TOKENIZER_FILES, CheckpointRoot, read_manifest
+from glmpost.checkpoints import CheckpointRoot, read_manifest
 
 
 def _llama(tiny_checkpoint: Path, tmp_path: Path) -> Path:
     """A plain ``save_pretrained`` Llama folder with the tiny model's tokenizer, its weights read-only."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path / "hf"
-    vocab = len(AutoTokenizer.from_pretrained(str(tiny_checkpoint)))
-    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (tiny_checkpoint / name).is_file():
-            shutil.copy2(tiny_checkpoint / name, folder / name)
+    folder = llama_folder(tiny_checkpoint, tmp_path)
     os.chmod(folder / "model.safetensors", 0o444)
     return folder
 
