@@ -84,7 +84,14 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     if deterministic_topk:
         install_deterministic_topk(model)
     apply_attention(model, attention)
+    if partitioned(model):  # ZeRO-3 created its parameters in place, partitioned over the ranks
+        return model.eval()
     return model.to(device).eval()
+
+
+def partitioned(model) -> bool:
+    """Whether ``model``'s parameters are partitioned by DeepSpeed ZeRO-3 (each rank holds a share)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def check_finite(model, directory: Path) -> None:
@@ -95,6 +102,7 @@ def check_finite(model, directory: Path) -> None:
 
     with torch.no_grad():
         for name, tensor in model.named_parameters():
+            tensor = getattr(tensor, "ds_tensor", tensor)  # ZeRO-3: this rank's share
             if not tensor.is_floating_point():
                 continue
             flat = tensor.detach().reshape(-1)

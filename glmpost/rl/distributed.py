@@ -317,6 +317,19 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, 
     return ds
 
 
+@contextlib.contextmanager
+def _zero3_init(ds: dict):
+    """transformers' ``from_pretrained`` partitions what it creates while this holds the config (a
+    weak reference in transformers: dropping it ends the partitioning)."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig  # needs accelerate; DeepSpeed runs only
+
+    held = HfDeepSpeedConfig(ds)
+    try:
+        yield
+    finally:
+        del held
+
+
 def _free_port() -> int:
     import socket
 
@@ -371,6 +384,18 @@ class TrainingSession:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def partitioned_loading(self, config: Any):
+        """The context to load the trained model in: under ZeRO-3, transformers' DeepSpeed integration
+        creates its parameters already partitioned over the ranks (DeepSpeed's ``zero.Init``) and
+        fills each rank's share, so no rank holds the whole model; otherwise nothing. Only the model
+        loaded inside is partitioned (a frozen reference loaded later is not)."""
+        if not self.use_deepspeed:
+            return contextlib.nullcontext()
+        ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path)
+        if ds["zero_optimization"].get("stage") != 3:
+            return contextlib.nullcontext()
+        return _zero3_init(ds)
 
     def backend(self, model: torch.nn.Module, config: Any, *, own_optimizer: bool = False):
         """The optimisation backend of ``model``; ``own_optimizer``: a second model's (SAO's critic),

@@ -83,6 +83,9 @@ def load_masters(model: torch.nn.Module, path: Path) -> None:
     it holds (tied weights), anything else is a CheckpointError."""
     from safetensors.torch import load_file
 
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        _load_partitioned(model, path)
+        return
     state = load_file(str(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     own = model.state_dict()
@@ -90,6 +93,23 @@ def load_masters(model: torch.nn.Module, path: Path) -> None:
     untied = [name for name in missing if own[name].untyped_storage().data_ptr() not in loaded]
     if unexpected or untied:
         raise CheckpointError(f"{path}: master weights do not fit the model (unexpected {unexpected[:3]}, missing {untied[:3]})")
+
+
+def _load_partitioned(model: torch.nn.Module, path: Path) -> None:
+    """:func:`load_masters` into a ZeRO-3 model: one parameter gathered at a time, rank 0 copying
+    it in, every rank keeping its share (no rank holds the whole model)."""
+    import deepspeed
+    from safetensors import safe_open
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+        for name, parameter in model.named_parameters():  # each storage once: tied weights share one name
+            if name not in names:
+                continue
+            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=0):
+                if rank == 0:
+                    parameter.data.copy_(f.get_tensor(name))
 
 
 def checkpoint_layers(model: torch.nn.Module) -> None:

@@ -48,7 +48,7 @@ from glmpost.checkpoints import (
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
-from glmpost.kernel.loading import attention_ran, load_model, saved_dtype
+from glmpost.kernel.loading import attention_ran, load_model, partitioned, saved_dtype
 from glmpost.locks import output_lock
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
@@ -178,7 +178,12 @@ class TrainingRun:
                                                        precision=o.precision)
         if self.follow and o.reset_optimizer and session.use_deepspeed:
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
-        model = self.load(self.parent, session)
+        with session.partitioned_loading(job.config):
+            model = self.load(self.parent, session)
+        if partitioned(model) and session.is_main:
+            held = sum(p.ds_tensor.numel() for p in model.parameters())
+            log(f"ZeRO-3: the model was created partitioned over {session.world_size} ranks; rank 0 holds {held:,} of "
+                f"{sum(p.ds_numel for p in model.parameters()):,} parameters")
         self.dtype = saved_dtype(self.parent) if job.publish_in_parent_dtype else "float32"
         masters = self.parent / "trainer_state" / MASTERS
         if not self.resuming and masters.is_file():  # the parent's float32 weights, before it was rounded
