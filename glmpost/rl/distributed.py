@@ -264,6 +264,15 @@ class DeepSpeedBackend:
         return int(client["step"]), list(client["history"])
 
 
+# DeepSpeed's buffers in elements. Its defaults (5e8-element reduce and all-gather buckets, up to 1e9
+# gathered ZeRO-3 parameters kept live for reuse) hold a whole model of a few hundred million
+# parameters on every rank: a 2-rank ZeRO-3 update of 252.7M float32 parameters peaked at 1.5x one
+# process (benchmarks/bench_scale.py). These bound each to 80 MB of float32.
+ZERO_BUFFERS = {"reduce_bucket_size": 20_000_000, "allgather_bucket_size": 20_000_000,
+                "stage3_prefetch_bucket_size": 20_000_000, "stage3_max_live_parameters": 20_000_000,
+                "stage3_max_reuse_distance": 20_000_000}
+
+
 def set_learning_rate(optimizer: Any, lr: float) -> None:
     """Every parameter group of ``optimizer`` (torch's, or DeepSpeed's ZeRO wrapper) steps with ``lr``."""
     for group in optimizer.param_groups:
@@ -294,6 +303,8 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, 
     if "scheduler" in ds:  # it would step after each of glmpost's, which sets every step's rate first
         raise ConfigError("{deepspeed_config} {path}: remove its scheduler section; glmpost schedules the learning rate "
                           "({lr_schedule}, {lr_warmup_steps}, {lr_decay_steps}, {min_lr_ratio})", path=path)
+    for key, value in ZERO_BUFFERS.items():  # a file's own sizes win
+        ds["zero_optimization"].setdefault(key, value)
     ds.setdefault("train_micro_batch_size_per_gpu", 1)  # glmpost feeds its own micro-batches
     ds.setdefault("gradient_accumulation_steps", 1)
     ds["managed_gradient_accumulation"] = False
