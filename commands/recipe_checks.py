@@ -19,7 +19,8 @@ from glmpost.errors import GlmpostError
 from glmpost.pipeline import load_pipeline
 from glmpost.rl.batch_rules import batch_arithmetic
 from glmpost.rl.configs import GRPOConfig, OPDConfig
-from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
+from glmpost.rl.deepspeed_settings import deepspeed_config
+from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.sao import SAOConfig
 from glmpost.rl.sft import SFTConfig
 from glmpost.toml import load_recipe

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from glmpost.rl.distributed import deepspeed_config
 from glmpost.errors import UsageError
 from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.deepspeed_settings import ZERO_BUFFERS, deepspeed_config
 
 
 def test_defaults_follow_the_trainer_options():
     ds = deepspeed_config(GRPOConfig(lr=3e-4, grad_clip=0.5, weight_decay=0.1), zero_stage=None, path=None)
-    assert ds["zero_optimization"] == {"stage": 1}
+    assert ds["zero_optimization"] == {"stage": 1, **ZERO_BUFFERS}  # glmpost's bounded buffers
     assert ds["managed_gradient_accumulation"] is False  # glmpost calls step() once per mini-batch
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.999], "weight_decay": 0.1, "torch_adam": True}
@@ -24,7 +24,7 @@ def test_user_file_wins_and_zero_stage_flag_overrides_it(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}, "gradient_clipping": 2.0,
                                 "managed_gradient_accumulation": True}))
     ds = deepspeed_config(GRPOConfig(), zero_stage=2, path=path)
-    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert ds["zero_optimization"] == {**ZERO_BUFFERS, "stage": 2, "overlap_comm": True}
     assert ds["gradient_clipping"] == 2.0 and ds["managed_gradient_accumulation"] is False
 
 
@@ -55,7 +55,7 @@ def test_bad_configs_are_usage_errors(tmp_path):
 
 
 def test_zero3_is_accepted_from_the_flag_or_a_file(tmp_path):
-    assert deepspeed_config(GRPOConfig(), zero_stage=3, path=None)["zero_optimization"] == {"stage": 3}
+    assert deepspeed_config(GRPOConfig(), zero_stage=3, path=None)["zero_optimization"] == {"stage": 3, **ZERO_BUFFERS}
     (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}))
     ds = deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z3.json")
-    assert ds["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 0}
+    assert ds["zero_optimization"] == {**ZERO_BUFFERS, "stage": 3, "stage3_prefetch_bucket_size": 0}  # the file's own wins

@@ -107,7 +107,8 @@ def test_a_float32_parent_publishes_float32_without_masters(glmpost_cli, tiny_ch
 
 def test_a_deepspeed_file_in_bf16_mode_is_refused(tmp_path):
     from glmpost.config import ConfigError
-    from glmpost.rl.distributed import OptimizerConfig, deepspeed_config
+    from glmpost.rl.deepspeed_settings import deepspeed_config
+    from glmpost.rl.distributed import OptimizerConfig
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"bf16": {"enabled": True}}))

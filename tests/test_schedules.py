@@ -11,7 +11,8 @@ import torch
 from test_train_grpo import _judged
 
 from glmpost.config import SettingError
-from glmpost.rl.distributed import OptimizerConfig, TorchBackend, deepspeed_config
+from glmpost.rl.deepspeed_settings import deepspeed_config
+from glmpost.rl.distributed import OptimizerConfig, TorchBackend
 from glmpost.rl.schedules import scheduled_lr
 
 

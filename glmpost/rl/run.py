@@ -178,7 +178,8 @@ class TrainingRun:
                                                        precision=o.precision)
         if self.follow and o.reset_optimizer and session.use_deepspeed:
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
-        with session.partitioned_loading(job.config):
+        # QAT's fake quant (adapt_model) reads whole weights: its model is loaded whole, as before.
+        with session.partitioned_loading(job.config) if job.adapt_model is None else contextlib.nullcontext():
             model = self.load(self.parent, session)
         if partitioned(model) and session.is_main:
             held = sum(p.ds_tensor.numel() for p in model.parameters())
