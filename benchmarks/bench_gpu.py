@@ -21,12 +21,12 @@ CPU, ``--size tiny`` runs the same code in seconds (the suite's smoke check).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
 
 import torch
+from reporting import emit
 
 from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.logprobs import sequence_log_probs
@@ -163,10 +163,7 @@ def main() -> None:
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "parameters": sum(p.numel() for p in build(args.size, torch.bfloat16, torch.device("meta")).parameters()),
               "train": train_sides(args, device), "rollout": rollout_sides(args, device)}
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

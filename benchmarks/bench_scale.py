@@ -16,7 +16,6 @@ the whole model).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from reporting import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 GLMPOST = [sys.executable, "-m", "glmpost.commands.app"]
@@ -118,10 +119,7 @@ def main() -> None:
               "one_process_s": round(one_s, 1), "zero3_rank_peaks_mib": [round(p / 1024, 1) for p in rank_peaks],
               "zero3_s": round(zero3_s, 1), "zero3_worst_vs_one": round(rank_peaks[-1] / 1024 / one_peak, 3),
               "published_files": sorted(p.name for p in (work / "zero3" / "v000001").glob("*.safetensors*"))}
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

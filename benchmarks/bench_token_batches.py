@@ -18,7 +18,6 @@ Goal (issue 31, with sequence packing): action tokens/s >= 2x the padded count-b
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from reporting import emit
 
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.rl.batches import TrainExample, collate, micro_batch_plan
@@ -89,10 +89,7 @@ def main() -> None:
         "speed_ratio": round(budget["action_tokens_per_s"] / count["action_tokens_per_s"], 3),
         "grad_rel_diff": float((budget["grad"] - count["grad"]).norm() / count["grad"].norm()),
     }
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
