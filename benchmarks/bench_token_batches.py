@@ -1,14 +1,17 @@
-"""Micro-batches by a token budget vs by a count of sequences (the peer: padded count-based
-micro-batches, glmpost's ``--micro-batch-size`` before the budget), one process, same examples.
+"""Micro-batches by a token budget, padded or packed, vs by a count of sequences (the peer: padded
+count-based micro-batches, glmpost's ``--micro-batch-size`` before the budget), one process, same
+examples.
 
 ``--examples`` trajectories with long-tailed lengths (lognormal, clipped to 32 .. ``--max-len``
 tokens, like agentic trajectories; the last half of each is action tokens), in a shuffled order as
 a mini-batch arrives; a random-init Qwen3 layout (hidden 256, 4 layers, vocab 512), float32. Each
 side runs forward + backward of the trainer's log-prob path
 (:func:`glmpost.kernel.logprobs.sequence_log_probs`) over every micro-batch of its plan
-(:func:`glmpost.rl.batches.micro_batch_plan`): ``--micro-batch-size`` rows, or ``--tokens`` padded
-tokens. Reported: action tokens/s, the padded share of the tokens computed, and both as ratios;
-the summed gradients of the two sides agree (the split does not change the update).
+(:func:`glmpost.rl.micro_batches.micro_batch_plan`): ``--micro-batch-size`` rows, ``--tokens``
+padded tokens, or ``--tokens`` tokens packed into one row (positions restarting per example,
+attention within each: ``--pack-sequences``). Reported: action tokens/s, the padded share of the
+tokens computed, and both as ratios; the summed gradients of the three sides agree (the split and
+the layout do not change the update).
 
 Goal (issue 31, with sequence packing): action tokens/s >= 2x the padded count-based micro-batches.
 
@@ -28,7 +31,9 @@ import torch
 from reporting import emit
 
 from glmpost.kernel.logprobs import sequence_log_probs
-from glmpost.rl.batches import TrainExample, collate, micro_batch_plan
+from glmpost.models.packed_attention import use_packed_sdpa
+from glmpost.rl.batches import TrainExample
+from glmpost.rl.micro_batches import collate, micro_batch_plan, pack
 
 
 def examples(count: int, max_len: int, seed: int) -> list[TrainExample]:
@@ -43,15 +48,16 @@ def examples(count: int, max_len: int, seed: int) -> list[TrainExample]:
     return out
 
 
-def run(model, batch: list[TrainExample], plan: list[list[int]]) -> dict:
+def run(model, batch: list[TrainExample], plan: list[list[int]], lay_out=collate) -> dict:
     model.zero_grad(set_to_none=True)
     computed = actions = 0
     started = time.perf_counter()
     for chunk in plan:
-        micro = collate([batch[i] for i in chunk], pad_token_id=0, device=torch.device("cpu"))
+        micro = lay_out([batch[i] for i in chunk], pad_token_id=0, device=torch.device("cpu"))
         computed += micro.input_ids.numel()
         actions += int(micro.action_mask.sum())
-        sequence_log_probs(model, micro.input_ids, micro.attention_mask, score_mask=micro.action_mask).log_probs.sum().backward()
+        sequence_log_probs(model, micro.input_ids, micro.attention_mask, position_ids=micro.position_ids,
+                           score_mask=micro.action_mask).log_probs.sum().backward()
     seconds = time.perf_counter() - started
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
     real = sum(len(e.input_ids) for e in batch)
@@ -75,19 +81,25 @@ def main() -> None:
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                          max_position_embeddings=args.max_len)).train()
+    use_packed_sdpa(model)  # as load_model runs it: a packed row's sequences attended one at a time
     batch = examples(args.examples, args.max_len, seed=0)
     order = list(range(len(batch)))
     random.Random(0).shuffle(order)  # as a shuffled mini-batch arrives
     lengths = [len(e.input_ids) for e in batch]
     count = run(model, batch, micro_batch_plan(lengths, order, size=args.micro_batch_size))
     budget = run(model, batch, micro_batch_plan(lengths, order, size=args.micro_batch_size, tokens=args.tokens))
+    packed = run(model, batch, micro_batch_plan(lengths, order, size=args.micro_batch_size, tokens=args.tokens, pack=True),
+                 pack)
     report = {
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "examples": args.examples,
         "tokens": sum(lengths), "lengths": {"min": min(lengths), "median": int(np.median(lengths)), "max": max(lengths)},
         **{f"{name}_{key}": round(value, 4) if isinstance(value, float) else value
-           for name, side in (("count", count), ("budget", budget)) for key, value in side.items() if key != "grad"},
+           for name, side in (("count", count), ("budget", budget), ("packed", packed))
+           for key, value in side.items() if key != "grad"},
         "speed_ratio": round(budget["action_tokens_per_s"] / count["action_tokens_per_s"], 3),
+        "packed_speed_ratio": round(packed["action_tokens_per_s"] / count["action_tokens_per_s"], 3),
         "grad_rel_diff": float((budget["grad"] - count["grad"]).norm() / count["grad"].norm()),
+        "packed_grad_rel_diff": float((packed["grad"] - count["grad"]).norm() / count["grad"].norm()),
     }
     emit(report, args.out)
 

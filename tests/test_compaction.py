@@ -23,9 +23,10 @@ from test_formats import compacted_record
 from glmpost.formats import ShardReader, context_windows, resolve_shard_paths
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.advantages import ADVANTAGE_SCALINGS, cross_segment_factor, later_trainable_tokens
-from glmpost.rl.batches import MicroBatch, prepare_batch, segment_accounting, train_examples
-from glmpost.rl.losses import LOSS_NORMALIZATIONS
+from glmpost.rl.batches import prepare_batch, segment_accounting, train_examples
 from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.losses import LOSS_NORMALIZATIONS
+from glmpost.rl.micro_batches import MicroBatch
 from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder
 

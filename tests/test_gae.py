@@ -121,7 +121,7 @@ def test_value_loss_by_hand_with_and_without_clipping():
 
 def test_the_gae_estimator_reads_the_critics_advantages():
     from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS
-    from glmpost.rl.batches import MicroBatch
+    from glmpost.rl.micro_batches import MicroBatch
 
     estimator = ADVANTAGE_ESTIMATORS["gae"]
     batch = MicroBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.ones(1, 3, dtype=torch.bool),

@@ -14,10 +14,11 @@ from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import opd_advantages
-from glmpost.rl.batches import collate, prepare_opd_batch
+from glmpost.rl.batches import prepare_opd_batch
+from glmpost.rl.configs import OPDConfig
 from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.losses import opd_pg_loss, sampled_reverse_kl, topk_reverse_kl
-from glmpost.rl.configs import OPDConfig
+from glmpost.rl.micro_batches import collate
 from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.records import RolloutPrompt, rollout_record
 

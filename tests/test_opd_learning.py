@@ -35,7 +35,8 @@ from glmpost.checkpoints import CheckpointManifest, NextVersion
 from glmpost.formats.prompts import conversation_record, encode_prompt, read_prompts
 from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.loading import load_model, load_tokenizer
-from glmpost.rl.batches import TrainExample, collate
+from glmpost.rl.batches import TrainExample
+from glmpost.rl.micro_batches import collate
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

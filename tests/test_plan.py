@@ -67,8 +67,8 @@ def test_parameter_count_at_glm5_dimensions():
 def test_model_state_of_one_train_step_is_exact():
     """Weights, gradients and AdamW moments after one micro-step of the trainer's local backend."""
     from glmpost.kernel.logprobs import sequence_log_probs
-    from glmpost.rl.distributed import TorchBackend
     from glmpost.rl.configs import GRPOConfig
+    from glmpost.rl.distributed import TorchBackend
 
     config = tiny_glm5_config()
     model = build_model(config, seed=0).train()
@@ -268,3 +268,23 @@ def test_plan_errors_are_one_line(glmpost_cli, tmp_path):
     result = glmpost_cli("plan", recipe, "--model", tmp_path / "nothing")
     assert result.exit_code == 2
     assert "--model" in result.stderr and "not a preset" in result.stderr
+
+
+def test_plan_of_token_budgets_and_packed_rows(glmpost_cli, tmp_path):
+    """A token budget of 4 x seq computes what 4 padded sequences do; packed, the same activations,
+    and the native DSA indexer scores the whole row's queries against its keys (the other sequences masked)."""
+    plans = {}
+    for name, section in (("count", "micro-batch-size = 4"), ("budget", "micro-batch-tokens = 656"),
+                          ("packed", "micro-batch-tokens = 656\npack-sequences = true")):
+        recipe = tmp_path / f"{name}.toml"
+        recipe.write_text(f'[plan]\ndtype = "float32"\nprompt-tokens = 100\n[train-grpo]\n{section}\n')
+        result = glmpost_cli("plan", recipe, "--json")
+        assert result.exit_code == 0, result.stderr
+        plans[name] = json.loads(result.stdout)
+    seq = plans["count"]["workload"]["seq"]
+    assert seq == 164 and plans["packed"]["workload"]["pack_sequences"] is True  # 656 = 4 x 164
+    actors = {name: plan["roles"]["actor"] for name, plan in plans.items()}
+    assert actors["budget"]["saved_activations"] == actors["count"]["saved_activations"] == actors["packed"]["saved_activations"]
+    assert actors["budget"]["workspace"] == actors["count"]["workspace"]
+    indexer = {name: plan["roles"]["actor"]["details"]["workspace"]["dsa_indexer"] for name, plan in plans.items()}
+    assert indexer["packed"] > indexer["count"]

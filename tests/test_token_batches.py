@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 from test_train_grpo import _judged
 
-from glmpost.rl.batches import micro_batch_plan
+from glmpost.rl.micro_batches import micro_batch_plan
 
 
 def test_first_fit_decreasing_by_hand():

@@ -11,6 +11,7 @@ from glmpost.checkpoints import MANIFEST, CheckpointError, read_manifest, resolv
 from glmpost.config import ConfigError
 from glmpost.errors import first_line
 from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
+from glmpost.models.packed_attention import use_packed_sdpa
 from glmpost.npu.topk import install_deterministic_topk
 from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state
 from glmpost.stage import log
@@ -117,10 +118,14 @@ def check_finite(model, directory: Path) -> None:
 def apply_attention(model, attention: str) -> int:
     """Run ``model``'s GLM-5 attention ``native`` or ``reference``
     (:func:`glmpost.models.native_attention.set_attention`); an unknown name is a ConfigError naming
-    the ``attention`` field. Returns the number of attention layers switched."""
+    the ``attention`` field. Returns the number of attention layers switched. Any other model on
+    transformers' SDPA runs it as :data:`~glmpost.models.packed_attention.PACKED_SDPA` (the same,
+    but a packed row's sequences attended one at a time)."""
     if attention not in ATTENTION_CHOICES:
         raise ConfigError("{attention} {value!r}: expected native or reference", value=attention)
     layers = set_attention(model, attention)
+    if layers == 0:
+        use_packed_sdpa(model)
     if layers == 0 and attention == "native" and type(model).__name__ not in _SAID_REFERENCE:
         _SAID_REFERENCE.add(type(model).__name__)  # once per architecture and process
         log(f"{type(model).__name__} has no GLM-5 attention for --attention native: its own (transformers') attention runs")

@@ -117,6 +117,7 @@ def sequence_log_probs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
+    position_ids: torch.Tensor | None = None,
     response_start: int | torch.Tensor | None = None,
     score_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
@@ -142,6 +143,11 @@ def sequence_log_probs(
         input_ids: int ``[B, L]``, ``L >= 2``.
         attention_mask: optional ``[B, L]``, 1 for real tokens; batches must be right-padded
             (each row is ones then zeros); None means no padding.
+        position_ids: optional int ``[B, L]`` for packed rows (several sequences one after
+            another, positions restarting at 0 for each, no ``attention_mask``): the body keeps
+            attention within each sequence (transformers' packed-sequence mask, glmpost's native
+            GLM-5 segments). Entries whose target starts a new sequence score nothing useful:
+            leave them out of ``score_mask``.
         response_start: optional int or int ``[B]``: index into ``input_ids`` of the first token
             to score (e.g. the prompt length); entries with ``t + 1 < response_start`` are skipped.
         score_mask: optional bool ``[B, L-1]``: entries to score (e.g. action tokens only).
@@ -169,7 +175,8 @@ def sequence_log_probs(
     check_temperature_and_chunk(temperature, chunk_size)
 
     body, head = split_causal_lm(model)
-    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   **packed_positions(position_ids, attention_mask, input_ids))
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     with torch.autocast(hidden.device.type, enabled=False):  # the head in its weight's dtype (in_head_dtype)
         return chunked_log_probs(
@@ -183,6 +190,18 @@ def sequence_log_probs(
             return_entropy=return_entropy,
             linear=(head.weight, head.bias) if plain_linear(head) else None,
         )
+
+
+def packed_positions(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                     input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The body's ``position_ids`` keyword for packed rows (checked), or nothing."""
+    if position_ids is None:
+        return {}
+    if attention_mask is not None:
+        raise ValueError("position_ids are for packed rows, which have no attention_mask (no padding)")
+    if position_ids.dim() != 2 or position_ids.shape[1] != input_ids.shape[1] or position_ids.shape[0] not in (1, input_ids.shape[0]):
+        raise ValueError(f"position_ids must be [B, L] = {tuple(input_ids.shape)}; got {tuple(position_ids.shape)}")
+    return {"position_ids": position_ids}
 
 
 def scored_entries(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, response_start: int | torch.Tensor | None,

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from glmpost.kernel.chunked import DEFAULT_CHUNK_SIZE, scatter_rows
 from glmpost.kernel.distribution import LOG_PROB_FLOOR, ScoredDistribution, scaled_logits
 from glmpost.kernel.heads import in_head_dtype, split_causal_lm, vocab_size_of
+from glmpost.kernel.logprobs import packed_positions
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ def score_tokens(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
+    position_ids: torch.Tensor | None = None,
     score_mask: torch.Tensor,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -67,7 +69,7 @@ def score_tokens(
     live tensors are ``[chunk_size, V]``. Under autograd each chunk runs in a non-reentrant
     checkpoint, as in :mod:`glmpost.kernel.logprobs`. Ties in the top-k follow ``torch.topk``.
     ``top_k`` / ``top_p`` restrict the distribution to the kept set as there (a gathered id outside
-    it reads ``LOG_PROB_FLOOR``).
+    it reads ``LOG_PROB_FLOOR``). ``position_ids``: packed rows, as there.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, L] with L >= 2; got {tuple(input_ids.shape)}")
@@ -81,7 +83,8 @@ def score_tokens(
     vocab = vocab_size_of(head)
     if topk and vocab is not None and topk > vocab:
         raise ValueError(f"top-k {topk} exceeds the vocabulary size {vocab}")
-    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   **packed_positions(position_ids, attention_mask, input_ids))
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     with torch.autocast(hidden.device.type, enabled=False):  # the head in its weight's dtype (in_head_dtype)
         return _head_scores(in_head_dtype(hidden[:, :-1], head), input_ids[:, 1:], scored, gather_ids, vocab,

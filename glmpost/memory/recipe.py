@@ -54,6 +54,8 @@ def workload_from_recipe(values: dict[str, dict[str, Any]], settings: dict[str, 
     response = int(rollout.get("max_new_tokens") or 64)
     w = Workload(
         micro_batch=int(train.get("micro_batch_size") or 8),
+        micro_batch_tokens=int(train.get("micro_batch_tokens") or 0),
+        pack_sequences=bool(train.get("pack_sequences")),
         seq=settings["prompt_tokens"] + response,
         response_tokens=response,
         chunk_size=int(train.get("chunk_size") or 512),

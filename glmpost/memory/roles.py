@@ -61,6 +61,20 @@ class Workload:
     reduce_bucket: int = DEFAULT_REDUCE_BUCKET
     allgather_bucket: int = DEFAULT_ALLGATHER_BUCKET
     margin: float = 0.0
+    micro_batch_tokens: int = 0  # a token budget instead of micro_batch sequences
+    pack_sequences: bool = False
+
+    def micro_rows(self) -> int:
+        """Trajectories of ``seq`` tokens in a training micro-batch: ``micro_batch``, or as many as
+        the token budget holds (padded: rows x ``seq``; packed: the row's tokens, the same count)."""
+        return max(1, self.micro_batch_tokens // self.seq) if self.micro_batch_tokens > 0 else self.micro_batch
+
+    def indexer_geometry(self) -> dict[str, int]:
+        """The DSA indexer's scores in training: each row's queries against its keys (a packed row's
+        every query against the whole row, the other sequences masked)."""
+        if self.pack_sequences:
+            return {"batch": 1, "queries": self.micro_rows() * self.seq, "keys": self.micro_rows() * self.seq}
+        return {"batch": self.micro_rows(), "queries": self.seq, "keys": self.seq}
 
 
 @dataclass
@@ -111,29 +125,29 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     state = model_state_bytes(shape, dtype="float32", trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
     act_dtype = w.dtype if w.precision == "bf16" else "float32"
     activations = checkpointed_activation_terms if w.activation_checkpointing else saved_activation_terms
-    acts = activations(shape, batch=w.micro_batch, seq=w.seq, dtype=act_dtype, attention=w.attention)
+    acts = activations(shape, batch=w.micro_rows(), seq=w.seq, dtype=act_dtype, attention=w.attention)
     ws = {
         "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype="float32", grad=True),
-        "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=True,
+        "attention": attention_workspace_bytes(shape, batch=w.micro_rows(), seq=w.seq, attention=w.attention, grad=True,
                                                dtype=act_dtype),
-        "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq, attention=w.attention),
+        "dsa_indexer": indexer_workspace_bytes(shape, **w.indexer_geometry(), attention=w.attention),
     }
     rows.append(RoleMemory(
         "actor", w.training, sum(state.values()), sum(acts.values()), max(ws.values()), comm_buffers(True),
-        train_io_bytes(batch=w.micro_batch, seq=w.seq), details={**state, "activations": acts, "workspace": ws},
+        train_io_bytes(batch=w.micro_rows(), seq=w.seq), details={**state, "activations": acts, "workspace": ws},
     ))
     # Reference and teacher: frozen forward passes without autograd.
     frozen = model_state_bytes(shape, dtype=w.dtype, trainable=False)
     frozen_ws = {
         "logprob_head": head_workspace_bytes(shape, chunk=w.chunk_size, dtype=w.dtype, grad=False),
-        "attention": attention_workspace_bytes(shape, batch=w.micro_batch, seq=w.seq, attention=w.attention, grad=False,
+        "attention": attention_workspace_bytes(shape, batch=w.micro_rows(), seq=w.seq, attention=w.attention, grad=False,
                                                dtype=w.dtype),
-        "dsa_indexer": indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq, attention=w.attention),
+        "dsa_indexer": indexer_workspace_bytes(shape, **w.indexer_geometry(), attention=w.attention),
     }
-    io = train_io_bytes(batch=w.micro_batch, seq=w.seq)
+    io = train_io_bytes(batch=w.micro_rows(), seq=w.seq)
     rows.append(RoleMemory("reference", w.reference, sum(frozen.values()), 0, max(frozen_ws.values()),
                            comm_buffers(False) if w.reference else 0, io, details={**frozen, "workspace": frozen_ws}))
-    payload_micro = teacher_payload_bytes(records=w.micro_batch, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
+    payload_micro = teacher_payload_bytes(records=w.micro_rows(), tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
     rows.append(RoleMemory("teacher", w.teacher, sum(frozen.values()), 0, max(frozen_ws.values()), 0, io + payload_micro,
                            details={**frozen, "workspace": frozen_ws}))
     # Critic (SAO): the body plus a scalar value head instead of the LM head.
@@ -141,7 +155,7 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     critic_state = {k: max(v - critic_params_saved * (4 if k != "optimizer" else 8), 0) for k, v in state.items()}
     rows.append(RoleMemory("critic", w.critic, sum(critic_state.values()), sum(acts.values()) - acts["head"],
                            max(ws["attention"], ws["dsa_indexer"]), comm_buffers(True),
-                           train_io_bytes(batch=w.micro_batch, seq=w.seq), details=critic_state))
+                           train_io_bytes(batch=w.micro_rows(), seq=w.seq), details=critic_state))
     return rows
 
 
@@ -171,8 +185,8 @@ def _rollout_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
         "dsa_index", w.rollout or w.training, 0, index_cache,
         max(indexer_workspace_bytes(shape, batch=w.rollout_batch, queries=w.rollout_prompt, keys=w.rollout_prompt,
                                     attention=w.attention),
-            indexer_workspace_bytes(shape, batch=w.micro_batch, queries=w.seq, keys=w.seq, attention=w.attention)),
-        0, 2 * w.micro_batch * w.seq * topk * 4,  # int32 top-k of this layer and the previous one
+            indexer_workspace_bytes(shape, **w.indexer_geometry(), attention=w.attention)),
+        0, 2 * w.micro_rows() * w.seq * topk * 4,  # int32 top-k of this layer and the previous one
         details={"rollout_key_cache": index_cache, **({"rollout_gather_workspace": native_gather_workspace_bytes(
             shape, batch=w.rollout_batch, queries=w.rollout_prompt, keys=w.rollout_prompt, dtype=w.rollout_dtype)}
             if native else {})},

@@ -48,10 +48,36 @@ INDEXER_CHUNK_ELEMENTS = 1 << 20
 class KeyMask:
     """Which keys a forward's queries may read: ``valid`` bool ``[B, T]`` (real tokens, the cache's
     and the new ones) and ``past`` (cached tokens before this forward); query ``s`` sits at cache
-    position ``past + s`` and reads key ``j`` iff ``valid[b, j]`` and ``j <= past + s``."""
+    position ``past + s`` and reads key ``j`` iff ``valid[b, j]`` and ``j <= past + s`` and, for
+    packed rows (``segments`` int ``[B, T]``, which sequence each position belongs to), the two
+    are of the same sequence."""
 
     valid: torch.Tensor
     past: int
+    segments: torch.Tensor | None = None
+
+    def same_sequence(self, keys: torch.Tensor, queries: slice) -> torch.Tensor | bool:
+        """Bool ``[B, C, K]``: key positions ``keys`` (``[K]``, or ``[B, C, K]`` per query) of queries
+        ``queries`` in their sequence; True when the rows are not packed."""
+        if self.segments is None:
+            return True
+        mine = self.segments[:, queries][:, :, None]
+        if keys.dim() == 1:
+            return self.segments[:, None, keys] == mine
+        return self.segments.gather(1, keys.flatten(1)).view(keys.shape) == mine
+
+
+def packed_segments(position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Which sequence each position of packed rows belongs to (``[B, T]``: a new one wherever the
+    position is not the previous one's + 1), or None when no row restarts (transformers' rule,
+    ``masking_utils.find_packed_sequence_indices``)."""
+    if position_ids is None or position_ids.shape[1] < 2:
+        return None
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(restarts.any()):
+        return None
+    segments = torch.cat([torch.zeros_like(position_ids[:, :1]), restarts.long().cumsum(-1)], dim=1)
+    return segments.expand(batch, -1)
 
 
 class LatentCache:
@@ -251,6 +277,7 @@ def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
         if self.indexer is not None:
             width = min(total, max(past + stop, k))  # causality hides every later key; -inf fill-ins up to k
             allowed = attention_mask.valid[:, None, :width] & (key_positions[None, None, :width] <= query_positions[None, :, None])
+            allowed = allowed & attention_mask.same_sequence(key_positions[:width], slice(start, stop))
             with torch.no_grad():
                 scores = index_scores(self.indexer, index_q[:, start:stop], index_w[:, start:stop],
                                       stored["index"][:, :width], allowed)
@@ -260,6 +287,7 @@ def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
         selections.append(selected)
         index = selected.long()
         readable = attention_mask.valid.gather(1, index.flatten(1)).view(index.shape) & (index <= query_positions[None, :, None])
+        readable = readable & attention_mask.same_sequence(index, slice(start, stop))
         keys_latent = stored["latent"][rows, index]  # [B, C, k, c]
         keys_rot = stored["rot"][rows, index]  # [B, C, k, r]
         logits = (torch.matmul(q_latent[:, start:stop], keys_latent.transpose(-1, -2))
@@ -297,6 +325,8 @@ def native_model_forward(self, input_ids=None, attention_mask=None, position_ids
     if position_ids is None:
         position_ids = torch.arange(past, past + seq, device=embeds.device).unsqueeze(0)
     keys = key_mask(attention_mask, batch, past + seq, past, embeds.device)
+    if attention_mask is None and past == 0:
+        keys.segments = packed_segments(position_ids, batch)
     position_embeddings = self.rotary_emb(embeds, position_ids=position_ids)
     hidden, topk_indices = embeds, None
     for layer in self.layers[: self.config.num_hidden_layers]:

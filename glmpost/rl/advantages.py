@@ -209,10 +209,12 @@ def cross_segment_factor(later_tokens: torch.Tensor, gamma_lambda: float) -> tor
 @register_advantage_scaling("cross_segment")
 def cross_segment_scaling(batch, advantages: torch.Tensor, config) -> torch.Tensor:
     """Each example's (context window's) advantages times :func:`cross_segment_factor` of its
-    ``N_{>s}`` (``batch.later_tokens``) with base ``config.segment_decay_base()``; examples of
+    ``N_{>s}`` (``batch.later_tokens``: per row, or per entry in packed rows) with base ``config.segment_decay_base()``; examples of
     uncompacted trajectories (``N_{>s}`` 0) are unchanged."""
     base = config.segment_decay_base()
     if base == 1.0 or batch.later_tokens is None or not bool((batch.later_tokens > 0).any()):
         return advantages
     factor = cross_segment_factor(batch.later_tokens, base).to(advantages.device)
-    return (advantages.double() * factor.view(-1, *([1] * (advantages.dim() - 1)))).to(advantages.dtype)
+    if factor.dim() == 1:  # one per row; a packed batch has one per entry already
+        factor = factor.view(-1, *([1] * (advantages.dim() - 1)))
+    return (advantages.double() * factor).to(advantages.dtype)

@@ -1,12 +1,11 @@
-"""Records as training examples, and examples as padded micro-batches.
+"""Records as training examples.
 
 A record becomes a :class:`TrainExample` per context window (prompt + response ids, the action
 tokens it optimises, its rollout log-probs and its advantage; a record that CompactionRL compacted
 has several windows, each scored on exactly the rebuilt context the engine saw, formats/windows.py);
 failed rollouts, NaN rewards (when the update uses
-rewards) and records without an action token are excluded and counted. :func:`collate` lays a
-list of examples out right-padded, with every per-token field shifted so entry ``t`` scores
-``input_ids[t + 1]``.
+rewards) and records without an action token are excluded and counted. Examples become
+micro-batches in :mod:`glmpost.rl.micro_batches`.
 """
 
 from __future__ import annotations
@@ -269,72 +268,6 @@ def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1
     return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)), sizes, failure_counts(records))
 
 
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # [B, L] right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    action_mask: torch.Tensor  # bool [B, L-1]: entry t scores input_ids[t+1], a response action
-    rollout_log_probs: torch.Tensor  # float32 [B, L-1], NaN off actions
-    advantages: torch.Tensor  # float32 [B, 1]
-    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, L-1, ...]: NaN / 0 off responses
-    later_tokens: torch.Tensor | None = None  # float64 [B]: each example's N_{>s} (CompactionRL)
-
-
-def micro_batch_plan(lengths: Sequence[int], indices: Sequence[int], *, size: int, tokens: int = 0) -> list[list[int]]:
-    """This rank's ``indices`` (into ``lengths``, each example's token count) as micro-batches.
-
-    ``tokens`` 0: ``size`` at a time, in order. ``tokens`` > 0: by a token budget, first-fit
-    decreasing: examples longest first (ties by index), each into the first micro-batch whose padded
-    cost, rows x its longest length, stays within ``tokens`` with it, else a new one (an example
-    longer than the budget goes alone). Deterministic, so every rank knows every rank's plan. The
-    loss is a sum over the global batch divided by global token counts: the split changes how the
-    work is cut, not the update."""
-    if tokens <= 0:
-        return [list(indices[start : start + size]) for start in range(0, len(indices), size)]
-    bins: list[list[int]] = []
-    longest: list[int] = []
-    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
-        for b, members in enumerate(bins):
-            if (len(members) + 1) * max(longest[b], lengths[index]) <= tokens:
-                members.append(index)
-                longest[b] = max(longest[b], lengths[index])
-                break
-        else:
-            bins.append([index])
-            longest.append(lengths[index])
-    return bins
-
-
-def collate(examples: Sequence[TrainExample], *, pad_token_id: int, device: torch.device) -> MicroBatch:
-    length = max(len(e.input_ids) for e in examples)
-    batch = len(examples)
-    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
-    actions = torch.zeros((batch, length - 1), dtype=torch.bool)
-    rollout = torch.full((batch, length - 1), float("nan"), dtype=torch.float32)
-    for row, e in enumerate(examples):
-        n, p = len(e.input_ids), e.prompt_length
-        input_ids[row, :n] = torch.tensor(e.input_ids)
-        attention[row, :n] = 1
-        # Response token j sits at input position p + j and is predicted by entry p + j - 1.
-        actions[row, p - 1 : n - 1] = torch.from_numpy(e.action_mask)
-        rollout[row, p - 1 : n - 1] = torch.from_numpy(e.rollout_log_probs.astype(np.float32))
-    advantages = torch.tensor([[e.advantage] for e in examples], dtype=torch.float32)
-    fields = {}
-    for name in examples[0].token_fields:
-        first = examples[0].token_fields[name]
-        fill = float("nan") if first.dtype.kind == "f" else 0
-        laid = torch.full((batch, length - 1, *first.shape[1:]), fill, dtype=torch.from_numpy(first[:0]).dtype)
-        for row, e in enumerate(examples):
-            p, n = e.prompt_length, len(e.input_ids)
-            laid[row, p - 1 : n - 1] = torch.from_numpy(np.ascontiguousarray(e.token_fields[name]))
-        fields[name] = laid.to(device)
-    later = torch.tensor([float(e.later_tokens) for e in examples], dtype=torch.float64)
-    return MicroBatch(input_ids.to(device), attention.to(device), actions.to(device), rollout.to(device), advantages.to(device),
-                      fields, later.to(device))
-
-
-
 def prepare_opd_batch(
     records: Sequence[dict[str, Any]], *, loss: str = "sampled", task_advantage_weight: float = 0.0, advantage_eps: float = 1e-6
 ) -> PreparedBatch:
@@ -360,12 +293,3 @@ def prepare_opd_batch(
                                 token_fields={name: r[name] for name in fields})
     ]
     return PreparedBatch(examples, rewards, excluded, len(zero_groups), len(set(groups)))
-
-
-
-def fit(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad or cut a per-example ``[L_i - 1]`` tensor to the micro-batch width."""
-    if values.shape[0] >= width:
-        return values[:width]
-    pad = torch.zeros(width - values.shape[0], dtype=values.dtype)
-    return torch.cat([values, pad])

@@ -30,6 +30,11 @@ class PolicyGradientConfig(OptimizerConfig):
                                       "(trajectories longest first, each micro-batch's rows x longest length at most "
                                       "this; a longer trajectory alone). The update is the same, less of it padding.",
                                       min=0)
+    pack_sequences: bool = setting(
+        False, "Pack each micro-batch's trajectories into one row, positions restarting at 0 for each and attention kept "
+        "within each (no padding); with --micro-batch-tokens the budget is the row's total tokens. The update is the "
+        "padded one's. train-sao packs the policy's micro-batches, not the critic's.",
+        flag="--pack-sequences/--no-pack-sequences")
     eps_low: float = setting(0.2, "PPO clip below 1 (GLM-5: 0.2).")  # brief: eps_l = 0.2
     eps_high: float = setting(0.28, "PPO clip above 1 (GLM-5: 0.28).", min=0.0)  # brief: eps_h = 0.28
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",

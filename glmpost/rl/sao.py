@@ -35,11 +35,12 @@ import torch
 
 from glmpost.config import SettingError, setting
 from glmpost.rl.advantages import skip_observation_gae
-from glmpost.rl.batches import TrainExample, collate, fit, micro_batch_plan
+from glmpost.rl.batches import TrainExample
 from glmpost.rl.configs import PolicyGradientConfig
 from glmpost.rl.critic import DEFAULT_TRAINED, ValueModel, critic_values
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import masked_sum_over, value_loss
+from glmpost.rl.micro_batches import collate, fit, micro_batch_plan
 from glmpost.rl.trainer import PolicyTrainer, PreparedUpdate
 
 OPTIONAL_CRITIC_GROUPS = ("attention",)
@@ -146,7 +147,8 @@ class CriticTrainer:
             yield None, collate([examples[0]], pad_token_id=self.pad_token_id, device=self.device)
 
     def plan(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> list[list[int]]:
-        """``indices`` as micro-batches, as the policy's (:func:`~glmpost.rl.batches.micro_batch_plan`)."""
+        """``indices`` as padded micro-batches (:func:`~glmpost.rl.micro_batches.micro_batch_plan`; the
+        critic's GAE runs along each row, so its rows are never packed, even when the policy's are)."""
         return micro_batch_plan([len(e.input_ids) for e in examples], indices, size=self.config.micro_batch_size,
                                 tokens=self.config.micro_batch_tokens)
 
@@ -190,10 +192,13 @@ class CriticTrainer:
                    "sao/explained_variance_before": explained_variance(n, r, r2, e, e2)}
         return CriticTargets(returns, old_values, metrics)
 
-    def train_steps(self, examples: Sequence[TrainExample], targets: CriticTargets, share: list[int], micro_steps: int,
+    def train_steps(self, examples: Sequence[TrainExample], targets: CriticTargets, shares: list[list[int]],
                     filler: int) -> dict[str, float]:
-        """The K critic optimizer steps before a policy step on this rank's ``share`` of its mini-batch."""
+        """The K critic optimizer steps before a policy step, on this rank's share of its mini-batch
+        (``shares``: every rank's; each rank runs as many micro-batches as the busiest)."""
         started = time.perf_counter()
+        share = shares[self.backend.rank]
+        micro_steps = max(1, *(len(self.plan(examples, s)) for s in shares))
         losses = [self._step(examples, targets, share, micro_steps, filler) for _ in range(self.config.critic_steps)]
         last = losses[-1]
         return {**last, "sao/value_loss_first": losses[0]["sao/value_loss"],
@@ -266,5 +271,5 @@ class SAOTrainer:
                 on_step(step, metrics)
 
         return self.actor.train(prepared.update, start_step=start_step, on_step=counted,
-                                before_step=lambda share, micro_steps, filler: self.critic.train_steps(
-                                    examples, prepared.targets, share, micro_steps, filler))
+                                before_step=lambda shares, filler: self.critic.train_steps(
+                                    examples, prepared.targets, shares, filler))

@@ -23,8 +23,9 @@ import torch
 
 from glmpost.config import setting
 from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
-from glmpost.rl.batches import TrainExample, collate, train_examples
+from glmpost.rl.batches import TrainExample, train_examples
 from glmpost.rl.distributed import OptimizerConfig, TorchBackend
+from glmpost.rl.micro_batches import collate
 
 
 @dataclass

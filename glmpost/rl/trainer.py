@@ -35,12 +35,13 @@ import torch
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
-from glmpost.rl.batches import MicroBatch, TrainExample, collate, fit, micro_batch_plan
+from glmpost.rl.batches import TrainExample
 from glmpost.rl.configs import PER_STEP_MASKS, GRPOConfig
 from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
 from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.losses import LOSS_NORMALIZATIONS, LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
 from glmpost.rl.masks import TRUST_MASKS
+from glmpost.rl.micro_batches import MicroBatch, collate, micro_batch_plan, pack
 
 
 @dataclass
@@ -110,6 +111,7 @@ class PolicyTrainer:
             model,
             batch.input_ids,
             batch.attention_mask,
+            position_ids=batch.position_ids,
             score_mask=batch.action_mask,
             temperature=self.config.temperature,
             top_k=self.config.top_k,
@@ -125,20 +127,26 @@ class PolicyTrainer:
             return self._log_probs(self.model, batch, entropy=True)
         with self.backend.compute():
             return score_tokens(
-                self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
-                temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
+                self.model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids,
+                score_mask=batch.action_mask, temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
                 chunk_size=self.config.chunk_size, return_entropy=True,
                 gather_ids=batch.token_fields[self.gather].long(),
             )
 
     def plan(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> list[list[int]]:
-        """``indices`` as micro-batches (:func:`~glmpost.rl.batches.micro_batch_plan`: a count, or a token budget)."""
+        """``indices`` as micro-batches (:func:`~glmpost.rl.micro_batches.micro_batch_plan`: a count, or a
+        token budget, padded or packed)."""
         return micro_batch_plan([len(e.input_ids) for e in examples], indices, size=self.config.micro_batch_size,
-                                tokens=self.config.micro_batch_tokens)
+                                tokens=self.config.micro_batch_tokens, pack=self.config.pack_sequences)
+
+    def micro_batch(self, examples: Sequence[TrainExample]) -> MicroBatch:
+        """``examples`` laid out as the config says: packed into one row, or one right-padded row each."""
+        lay_out = pack if self.config.pack_sequences else collate
+        return lay_out(examples, pad_token_id=self.pad_token_id, device=self.device)
 
     def _micro_batches(self, examples: Sequence[TrainExample], indices: Sequence[int]):
         for chunk in self.plan(examples, indices):
-            yield chunk, collate([examples[i] for i in chunk], pad_token_id=self.pad_token_id, device=self.device)
+            yield chunk, self.micro_batch([examples[i] for i in chunk])
 
     @torch.no_grad()
     def old_policy(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> OldPolicyStats:
@@ -152,9 +160,9 @@ class PolicyTrainer:
             for trust_mask in self.masks:
                 mask &= trust_mask(result.log_probs, batch.rollout_log_probs, self.config)[0]
             stepped = self._with_step_masks(mask, result.log_probs, batch)
-            for row, index in enumerate(chunk):
-                old[index] = result.log_probs[row].cpu()
-                trust[index], base[index] = stepped[row].cpu(), mask[row].cpu()
+            for index, log_probs, final, start in zip(chunk, batch.per_example(result.log_probs),
+                                                      batch.per_example(stepped), batch.per_example(mask)):
+                old[index], trust[index], base[index] = log_probs.cpu(), final.cpu(), start.cpu()
         return OldPolicyStats(old, trust, base)
 
     def _with_step_masks(self, mask: torch.Tensor, log_probs: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
@@ -173,9 +181,9 @@ class PolicyTrainer:
         self.model.eval()
         trust, done = {}, 0
         for chunk, batch in self._micro_batches(examples, indices):
-            base = torch.stack([fit(old.base_trust[i], batch.action_mask.shape[1]) for i in chunk]).to(self.device)
+            base = batch.lay([old.base_trust[i] for i in chunk], fill=False)
             stepped = self._with_step_masks(base, self._log_probs(self.model, batch).log_probs, batch)
-            trust.update({index: stepped[row].cpu() for row, index in enumerate(chunk)})
+            trust.update({index: values.cpu() for index, values in zip(chunk, batch.per_example(stepped))})
             done += 1
         for _ in range(done, passes):
             self._log_probs(self.model, collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device))
@@ -187,7 +195,7 @@ class PolicyTrainer:
         out = {}
         for chunk, batch in self._micro_batches(examples, indices):
             result = self._log_probs(self.reference, batch)
-            out.update({index: result.log_probs[row].cpu() for row, index in enumerate(chunk)})
+            out.update({index: values.cpu() for index, values in zip(chunk, batch.per_example(result.log_probs))})
         return out
 
     def prepare(self, examples: Sequence[TrainExample]) -> PreparedUpdate:
@@ -210,7 +218,7 @@ class PolicyTrainer:
         *,
         start_step: int = 0,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
-        before_step: Callable[[list[int], int, int], dict[str, float]] | None = None,
+        before_step: Callable[[list[list[int]], int], dict[str, float]] | None = None,
     ) -> list[dict[str, float]]:
         """Update the policy on the global batch; returns one metrics dict per optimizer step.
 
@@ -218,8 +226,8 @@ class PolicyTrainer:
         the examples it owns (global index ``i`` with ``i % world_size == rank``), so any number of
         ranks sees the same mini-batches. Steps before ``start_step`` (a resumed run) are skipped;
         pass the :meth:`prepare` result made before the resumed weights were loaded.
-        ``before_step(share, micro_steps, filler)`` runs before each policy step on this rank's share
-        of its mini-batch (SAO's critic steps); its metrics join the step's.
+        ``before_step(shares, filler)`` runs before each policy step on its mini-batch, given every
+        rank's share of it (SAO's critic steps); its metrics join the step's.
         """
         prepared = examples if isinstance(examples, PreparedUpdate) else self.prepare(examples)
         examples = prepared.examples
@@ -239,7 +247,7 @@ class PolicyTrainer:
                 shares = [[i for i in part.tolist() if i % world == r] for r in range(world)]
                 # Every rank runs the same number of backward passes (ZeRO-2/3 reduce in each one).
                 micro_steps = max(1, *(len(self.plan(examples, s)) for s in shares))
-                before = {} if before_step is None else before_step(shares[rank], micro_steps, int(part[0]))
+                before = {} if before_step is None else before_step(shares, int(part[0]))
                 trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(
                     examples, shares[rank], prepared.old, passes=micro_steps, filler=int(part[0]))
                 metrics = before | self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old,
@@ -264,7 +272,7 @@ class PolicyTrainer:
     def _micro_loss(self, batch: MicroBatch, old_lp: torch.Tensor, trust: torch.Tensor, ref_lp, denominator: float,
                     sums: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
         """The composed loss of one micro-batch; its named metric sums are added to ``sums``.
-        ``weights`` ``[B]``: each example's weight under the loss normalisation (None: all 1)."""
+        ``weights`` ``[B, L-1]``: each example's weight under the loss normalisation over its entries (None: all 1)."""
         forward = self._train_forward(batch)
         advantages, _ = self.estimator(batch, old_lp, self.config)
         for scaling in self.scalings:
@@ -274,7 +282,7 @@ class PolicyTrainer:
         for term in self.terms:
             values, metrics = term.fn(inputs)
             if weights is not None:
-                values = values * weights.to(values.dtype).view(-1, 1)
+                values = values * weights.to(values.dtype)
             contribution = masked_sum_over(values, trust, denominator)
             coefficient = term.coefficient(self.config)
             if coefficient != 1.0:
@@ -313,14 +321,12 @@ class PolicyTrainer:
                 batch = collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device)
                 self.backend.backward(self._log_probs(self.model, batch).log_probs.sum() * 0.0)
                 continue
-            batch = collate([examples[i] for i in chunk_idx], pad_token_id=self.pad_token_id, device=self.device)
-            width = batch.action_mask.shape[1]
-            old_lp = torch.stack([fit(old.old_log_probs[i], width) for i in chunk_idx]).to(self.device)
-            trust = torch.stack([fit(trust_of[i], width) for i in chunk_idx]).to(self.device)
+            batch = self.micro_batch([examples[i] for i in chunk_idx])
+            old_lp = batch.lay([old.old_log_probs[i] for i in chunk_idx])
+            trust = batch.lay([trust_of[i] for i in chunk_idx], fill=False)
             used += int(trust.sum())
-            ref_lp = None if ref is None else torch.stack([fit(ref[i], width) for i in chunk_idx]).to(self.device)
-            weights = None if weight_of is None else torch.tensor([weight_of[i] for i in chunk_idx], dtype=torch.float64,
-                                                                  device=self.device)
+            ref_lp = None if ref is None else batch.lay([ref[i] for i in chunk_idx])
+            weights = None if weight_of is None else batch.spread([weight_of[i] for i in chunk_idx], dtype=torch.float64)
             self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums, weights))
         if used != local_trusted:  # numerator and denominator must count the same final mask (ROLL#444, verl#4852)
             raise RuntimeError(f"the loss summed {used} trusted tokens but its denominator counted {local_trusted}")
