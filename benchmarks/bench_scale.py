@@ -6,9 +6,10 @@ size-bounded safetensors shards. 16 trajectories (rollout + judge with
 ``recipes/tiny-reasoning-rl.toml``), then one ``train-grpo`` update (``--epochs 1 --mini-batches 1``)
 as one process and as ``torchrun --nproc_per_node 2 ... --zero-stage 3``. Each process's peak RSS
 (``VmHWM``, loading and saving included) is read from its ``/proc/PID/status`` while it runs; the
-worst rank is reported, and its ratio to the one process (goal <= 0.6) and to the full float32
-model (goal during loading <= 0.55: ZeRO-3 creates the parameters partitioned, so no rank loads
-the whole model).
+worst rank is reported, and its ratio to the one process (goal <= 0.6); rank 0's peak when loading
+is done (the stage logs it) above what the interpreter holds with torch, transformers and DeepSpeed
+imported, against the full float32 model (goal <= 0.55: ZeRO-3 creates the parameters partitioned
+and reads them one at a time, so no rank loads the whole model).
 
     .venv/bin/python benchmarks/bench_scale.py --out runs/bench_scale.json
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,8 +48,8 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def run_watched(command: list[str], env: dict) -> dict[int, int]:
-    """Run ``command``; the peak RSS (KiB) of it and every process under it, by pid."""
+def run_watched(command: list[str], env: dict) -> tuple[dict[int, int], str]:
+    """Run ``command``; the peak RSS (KiB) of it and every process under it, by pid, and its stderr."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     peaks: dict[int, int] = {}
     done = threading.Event()
@@ -68,7 +70,7 @@ def run_watched(command: list[str], env: dict) -> dict[int, int]:
     watcher.join()
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{err[-3000:]}")
-    return peaks
+    return peaks, err
 
 
 def build(work: Path, hidden: int, layers: int) -> tuple[Path, int]:
@@ -106,18 +108,23 @@ def main() -> None:
                    check=True, capture_output=True, env=env, cwd=ROOT)
     train = ["train-grpo", str(work / "judged"), *common, "--checkpoint", str(model), "--epochs", "1", "--mini-batches", "1"]
     started = time.perf_counter()
-    one = run_watched([*GLMPOST, *train, "--out", str(work / "one")], env)
+    imports, _ = run_watched([sys.executable, "-c", "import deepspeed, transformers, glmpost.rl.run"], env)
+    one, _ = run_watched([*GLMPOST, *train, "--out", str(work / "one")], env)
     one_s = time.perf_counter() - started
     started = time.perf_counter()
-    ranks = run_watched([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+    ranks, err = run_watched([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
                          "-m", "glmpost.commands.app", *train, "--out", str(work / "zero3"), "--zero-stage", "3"], env)
     zero3_s = time.perf_counter() - started
     one_peak = max(one.values()) / 1024
     rank_peaks = sorted(ranks.values())[-2:]  # the two ranks (the launcher itself is small)
     full_fp32 = parameters * 4 / 2**20
+    interpreter = max(imports.values()) / 1024  # python, torch, transformers, DeepSpeed: before any model
+    loading = float(re.search(r"peak resident memory so far: ([\d,]+) MiB", err).group(1).replace(",", ""))
     report = {"parameters": parameters, "full_fp32_mib": round(full_fp32, 1), "one_process_peak_mib": round(one_peak, 1),
               "one_process_s": round(one_s, 1), "zero3_rank_peaks_mib": [round(p / 1024, 1) for p in rank_peaks],
               "zero3_s": round(zero3_s, 1), "zero3_worst_vs_one": round(rank_peaks[-1] / 1024 / one_peak, 3),
+              "interpreter_mib": round(interpreter, 1), "zero3_rank0_loading_peak_mib": loading,
+              "zero3_loading_above_interpreter_vs_full_fp32": round((loading - interpreter) / full_fp32, 3),
               "published_files": sorted(p.name for p in (work / "zero3" / "v000001").glob("*.safetensors*"))}
     emit(report, args.out)
 

@@ -10,6 +10,7 @@ from typing import Any
 from glmpost.checkpoints import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint, tokenizer_revision
 from glmpost.config import ConfigError
 from glmpost.errors import first_line
+from glmpost.kernel.partitioned_loading import load_partitioned
 from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
 from glmpost.models.packed_attention import use_packed_sdpa
 from glmpost.npu.topk import install_deterministic_topk
@@ -73,6 +74,8 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
             model, info = model_class.from_pretrained(
                 None, config=config, state_dict=state, dtype=dtype or "auto", output_loading_info=True
             )
+        elif zero3_partitioning() and (model := load_partitioned(directory, dtype)) is not None:
+            info = {}
         else:
             model, info = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto", output_loading_info=True)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
@@ -88,6 +91,15 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     if partitioned(model):  # ZeRO-3 created its parameters in place, partitioned over the ranks
         return model.eval()
     return model.to(device).eval()
+
+
+def zero3_partitioning() -> bool:
+    """Whether models are being created partitioned (a ZeRO-3 config is active for transformers)."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return False
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def partitioned(model) -> bool:

@@ -16,7 +16,7 @@ from glmpost.config import ConfigError
 # process (benchmarks/bench_scale.py). These bound each to 80 MB of float32.
 ZERO_BUFFERS = {"reduce_bucket_size": 20_000_000, "allgather_bucket_size": 20_000_000,
                 "stage3_prefetch_bucket_size": 20_000_000, "stage3_max_live_parameters": 20_000_000,
-                "stage3_max_reuse_distance": 20_000_000}
+                "stage3_max_reuse_distance": 20_000_000, "sub_group_size": 20_000_000}
 
 
 def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, own_optimizer: bool = False) -> dict:
@@ -79,3 +79,30 @@ def zero3_init(ds: dict):
         yield
     finally:
         del held
+
+
+def share_master_partitions(optimizer: Any) -> int:
+    """Let DeepSpeed ZeRO-3's optimizer update the parameters' own float32 partitions instead of a
+    second float32 copy of them; returns the elements no longer copied.
+
+    ZeRO-3 keeps each rank's share of the parameters in flat buffers and, for the optimizer, a
+    float32 master copy of each. When the parameters are float32 already (glmpost trains float32
+    masters, autocast computing in bf16) DeepSpeed means to reuse them, but its check compares a
+    ``torch.device`` with a device name string, which is never equal, so every rank holds its share
+    twice. Shared here only while nothing has stepped (no optimizer state), without offload, and for
+    buffers of the same dtype, device and size: the step then writes the parameters in place and
+    its copy back to them is a copy onto itself."""
+    low = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    high = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if not low or not high or len(low) != len(high) or getattr(optimizer, "offload_optimizer", False) \
+            or getattr(optimizer, "swap_optimizer", False) or inner is None or any(inner.state.values()):
+        return 0
+    shared = 0
+    for params, masters in zip(low, high):
+        if params is None or params is masters or params.data_ptr() == masters.data_ptr():
+            continue
+        if params.dtype == masters.dtype and params.device == masters.device and params.shape == masters.shape:
+            masters.data = params.data
+            shared += params.numel()
+    return shared

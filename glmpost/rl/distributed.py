@@ -23,10 +23,12 @@ import torch
 
 from glmpost.config import ConfigError, SettingError, setting
 from glmpost.errors import GlmpostError
+from glmpost.memory.process import release_freed_memory, trim_heap
 from glmpost.npu import distributed_backend, resolve_device, set_deterministic
-from glmpost.rl.deepspeed_settings import deepspeed_config, zero3_init
+from glmpost.rl.deepspeed_settings import deepspeed_config, share_master_partitions, zero3_init
 from glmpost.rl.precision import compute_context, resolve_precision, save_weights
 from glmpost.rl.schedules import LR_SCHEDULES, scheduled_lr
+from glmpost.rl.sharded_save import DEFAULT_SHARD_BYTES, save_partitioned
 
 
 @dataclass
@@ -100,6 +102,7 @@ class TorchBackend:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return 0.0
+        trim_heap()  # what the forward and backward passes freed, before AdamW's states
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         set_learning_rate(self.optimizer, self.config.learning_rate(self.optimizer_steps()))
@@ -119,10 +122,11 @@ class TorchBackend:
         """Steps AdamW has taken, from its state (carried over with a loaded optimizer state)."""
         return max((int(state["step"]) for state in self.optimizer.state.values() if "step" in state), default=0)
 
-    def save_model(self, directory: Path, *, dtype: torch.dtype | None = None, masters: Path | None = None) -> None:
-        """The model's Hugging Face files in ``dtype`` (None: as they are), and with ``masters`` its
-        float32 master weights there too (:func:`save_masters`)."""
-        save_weights(self.model, directory, None, dtype=dtype, masters=masters)
+    def save_model(self, directory: Path, *, dtype: torch.dtype | None = None, masters: Path | None = None,
+                   shard_bytes: int | None = None) -> None:
+        """The model's Hugging Face files in ``dtype`` (None: as they are) in shards of at most
+        ``shard_bytes``, and with ``masters`` its float32 master weights there too (:func:`save_masters`)."""
+        save_weights(self.model, directory, None, dtype=dtype, masters=masters, shard_bytes=shard_bytes)
 
     def save_optimizer(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +177,8 @@ class DeepSpeedBackend:
         trainable = [p for p in model.parameters() if p.requires_grad]
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints op builds; stdout is for results
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+        if self.zero_stage == 3:
+            share_master_partitions(self.engine.optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The trainer runs the module itself, not ``engine(...)``, whose forward starts each micro-
@@ -192,6 +198,7 @@ class DeepSpeedBackend:
         return compute_context(self.precision, next(self.model.parameters()).device)
 
     def step(self) -> float:
+        trim_heap()  # what the forward and backward passes freed, before the optimizer's states
         set_learning_rate(self.engine.optimizer, self.config.learning_rate(self.optimizer_steps()))
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
@@ -214,15 +221,19 @@ class DeepSpeedBackend:
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         return reduced.cpu()
 
-    def save_model(self, directory: Path, *, dtype: torch.dtype | None = None, masters: Path | None = None) -> None:
-        """Full weights on rank 0 (ZeRO-3 parameters are gathered first), in ``dtype``, with
-        ``masters`` the float32 master weights too (see :class:`TorchBackend`)."""
-        if self.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()
-        else:
-            state = None
+    def save_model(self, directory: Path, *, dtype: torch.dtype | None = None, masters: Path | None = None,
+                   shard_bytes: int | None = None) -> None:
+        """The weights as :class:`TorchBackend` saves them, written by rank 0; under ZeRO-3 gathered
+        a parameter at a time, rank 0 holding at most a shard (:func:`save_partitioned`)."""
+        from transformers import PreTrainedModel  # a critic (ValueModel) writes its own files
+
+        if self.zero_stage == 3 and isinstance(self.model, PreTrainedModel):
+            save_partitioned(self.model, directory, dtype=dtype, masters=masters, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+                             rank=self.rank)
+            return
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.zero_stage == 3 else None
         if self.rank == 0:
-            save_weights(self.model, directory, state, dtype=dtype, masters=masters)
+            save_weights(self.model, directory, state, dtype=dtype, masters=masters, shard_bytes=shard_bytes)
 
     def save_optimizer(self, path: Path) -> None:
         self.engine.save_checkpoint(str(path.parent / "deepspeed"), tag="optimizer", client_state={"world_size": self.world_size})
@@ -296,6 +307,7 @@ class TrainingSession:
     @classmethod
     def start(cls, *, device: str, deterministic: bool, zero_stage: int | None, deepspeed_config: Path | None,
               precision: str = "fp32") -> "TrainingSession":
+        release_freed_memory()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

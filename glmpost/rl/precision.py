@@ -18,6 +18,7 @@ import torch
 
 from glmpost.checkpoints import CheckpointError
 from glmpost.config import ConfigError
+from glmpost.rl.sharded_save import master_files
 
 PRECISIONS = ("auto", "bf16", "fp32")
 MASTERS = "masters.safetensors"  # a version's float32 weights when it is published in a lower dtype
@@ -43,18 +44,19 @@ def compute_context(precision: str, device: torch.device):
 
 
 def save_weights(model: torch.nn.Module, directory: Path, state: dict[str, torch.Tensor] | None, *,
-                 dtype: torch.dtype | None, masters: Path | None) -> None:
+                 dtype: torch.dtype | None, masters: Path | None, shard_bytes: int | None = None) -> None:
     """``model.save_pretrained`` of ``state`` (None: the model's own) with its floating tensors in
-    ``dtype`` and ``config.json`` saying so; ``masters``: ``state`` as it is (the float32 masters) to
-    that file as well."""
+    ``dtype`` and ``config.json`` saying so, in shards of at most ``shard_bytes`` (None:
+    transformers' bound); ``masters``: ``state`` as it is (the float32 masters) to that file as well."""
     if masters is not None:
         save_masters(model.state_dict() if state is None else state, masters)
+    shards = {} if shard_bytes is None else {"max_shard_size": shard_bytes}
     if dtype is None or dtype == model.dtype:
-        model.save_pretrained(directory, state_dict=state)
+        model.save_pretrained(directory, state_dict=state, **shards)
         return
     state = model.state_dict() if state is None else state
     model.save_pretrained(directory, state_dict={name: t.detach().to(dtype) if t.is_floating_point() else t
-                                                 for name, t in state.items()})
+                                                 for name, t in state.items()}, **shards)
     config_path = Path(directory) / "config.json"  # save_pretrained writes the parameters' dtype, not the tensors'
     config = json.loads(config_path.read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
@@ -79,14 +81,17 @@ def save_masters(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def load_masters(model: torch.nn.Module, path: Path) -> None:
-    """Load :func:`save_masters` output into ``model``; a tensor it lacks must share storage with one
-    it holds (tied weights), anything else is a CheckpointError."""
+    """Load :func:`save_masters` output (or a ZeRO-3 version's sharded masters,
+    :func:`~glmpost.rl.sharded_save.master_files`) into ``model``; a tensor it lacks must share
+    storage with one it holds (tied weights), anything else is a CheckpointError."""
     from safetensors.torch import load_file
 
+    files = master_files(path)
     if any(hasattr(p, "ds_id") for p in model.parameters()):
-        _load_partitioned(model, path)
+        for file in files:
+            _load_partitioned(model, file)
         return
-    state = load_file(str(path))
+    state = {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     own = model.state_dict()
     loaded = {own[name].untyped_storage().data_ptr() for name in state if name in own}

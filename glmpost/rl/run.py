@@ -50,9 +50,11 @@ from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
 from glmpost.kernel.loading import attention_ran, load_model, partitioned, saved_dtype
 from glmpost.locks import output_lock
+from glmpost.memory.process import peak_rss_mib
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
 from glmpost.rl.precision import MASTERS, checkpoint_layers, load_masters
+from glmpost.rl.sharded_save import master_files, source_shard_bytes
 from glmpost.stage import check_same_options, log, write_stage_json
 
 
@@ -183,11 +185,13 @@ class TrainingRun:
             model = self.load(self.parent, session)
         if partitioned(model) and session.is_main:
             held = sum(p.ds_tensor.numel() for p in model.parameters())
+            peak = peak_rss_mib()
             log(f"ZeRO-3: the model was created partitioned over {session.world_size} ranks; rank 0 holds {held:,} of "
-                f"{sum(p.ds_numel for p in model.parameters()):,} parameters")
+                f"{sum(p.ds_numel for p in model.parameters()):,} parameters"
+                + (f" (its peak resident memory so far: {peak:,.0f} MiB)" if peak is not None else ""))
         self.dtype = saved_dtype(self.parent) if job.publish_in_parent_dtype else "float32"
         masters = self.parent / "trainer_state" / MASTERS
-        if not self.resuming and masters.is_file():  # the parent's float32 weights, before it was rounded
+        if not self.resuming and master_files(masters):  # the parent's float32 weights, before it was rounded
             load_masters(model, masters)
         if o.activation_checkpointing:
             checkpoint_layers(model)
@@ -275,7 +279,7 @@ class TrainingRun:
         staging = plan.staging
         rounded = self.dtype != "float32"
         try:
-            self.backend.save_model(staging, dtype=getattr(torch, self.dtype),
+            self.backend.save_model(staging, dtype=getattr(torch, self.dtype), shard_bytes=source_shard_bytes(self.parent),
                                     masters=staging / "trainer_state" / MASTERS if rounded and job.keep_optimizer_state else None)
             if job.keep_optimizer_state:
                 self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
