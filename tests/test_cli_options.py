@@ -28,7 +28,7 @@ ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao"
 ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat")
           for name in ("precision", "activation_checkpointing")}
 # ... and micro-batches by a token budget, off by default.
-ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao")
+ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat")
           for name in ("micro_batch_tokens", "pack_sequences")}
 ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False,
                   "micro_batch_tokens": 0, "pack_sequences": False}

@@ -152,3 +152,25 @@ def test_train_sao_packs_the_policy_and_equals_padded(glmpost_cli, tiny_checkpoi
         one, two = (load_file(tmp_path / name / part / "v000001" / "model.safetensors") for name in ("padded", "packed"))
         for key in one:
             np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=f"{part} {key}")
+
+
+def test_qat_packed_by_a_token_budget_equals_padded(glmpost_cli, tiny_checkpoint, tmp_path):
+    """The SFT loss of QAT (int4 fake quant) packs the same way: the same losses, eval and weights."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "recipes" / "data"
+    common = ["qat", data / "sft-train.jsonl", "--checkpoint", tiny_checkpoint, "--scheme", "w4a16", "--group-size", "16",
+              "--lr", "3e-3", "--batch-size", "16", "--eval", data / "sft-heldout.jsonl", "--json"]
+    padded = glmpost_cli(*common, "--out", tmp_path / "padded", "--micro-batch-size", "4")
+    packed = glmpost_cli(*common, "--out", tmp_path / "packed", "--micro-batch-tokens", "120", "--pack-sequences")
+    assert padded.exit_code == 0 and packed.exit_code == 0, (padded.stderr, packed.stderr)
+    before, after = json.loads(padded.stdout), json.loads(packed.stdout)
+    for key in ("eval_loss_before", "eval_loss_after"):
+        assert after[key] == pytest.approx(before[key], rel=1e-5), key
+    for one, two in zip(_steps(tmp_path, "padded"), _steps(tmp_path, "packed"), strict=True):
+        if "sft/loss" in one:
+            assert two["sft/loss"] == pytest.approx(one["sft/loss"], rel=1e-5)
+            assert two["sft/grad_norm"] == pytest.approx(one["sft/grad_norm"], rel=1e-4)
+    one, two = (load_file(tmp_path / name / "v000001" / "model.safetensors") for name in ("padded", "packed"))
+    for key in one:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)

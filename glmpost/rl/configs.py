@@ -12,6 +12,7 @@ from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
 from glmpost.rl.masks import TRUST_MASKS
+from glmpost.rl.micro_batches import micro_batch_tokens_setting, pack_sequences_setting
 
 LOSS_DENOMINATORS = ("trusted", "action")
 PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not once before the update
@@ -26,15 +27,8 @@ class PolicyGradientConfig(OptimizerConfig):
     epochs: int = setting(1, "Passes over the batch (PPO epochs).", min=1)
     mini_batches: int = setting(1, "Optimizer steps per epoch (the batch is split into this many mini-batches).", min=1)
     micro_batch_size: int = setting(8, "Trajectories per forward/backward on each rank (gradient accumulation).", min=1)
-    micro_batch_tokens: int = setting(0, "When > 0: micro-batches by this token budget instead of --micro-batch-size "
-                                      "(trajectories longest first, each micro-batch's rows x longest length at most "
-                                      "this; a longer trajectory alone). The update is the same, less of it padding.",
-                                      min=0)
-    pack_sequences: bool = setting(
-        False, "Pack each micro-batch's trajectories into one row, positions restarting at 0 for each and attention kept "
-        "within each (no padding); with --micro-batch-tokens the budget is the row's total tokens. The update is the "
-        "padded one's. train-sao packs the policy's micro-batches, not the critic's.",
-        flag="--pack-sequences/--no-pack-sequences")
+    micro_batch_tokens: int = micro_batch_tokens_setting()
+    pack_sequences: bool = pack_sequences_setting()
     eps_low: float = setting(0.2, "PPO clip below 1 (GLM-5: 0.2).")  # brief: eps_l = 0.2
     eps_high: float = setting(0.28, "PPO clip above 1 (GLM-5: 0.28).", min=0.0)  # brief: eps_h = 0.28
     icepop: bool = setting(True, "Mask tokens whose train/infer probability ratio leaves [1/beta, beta].",

@@ -20,7 +20,23 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from glmpost.config import setting
 from glmpost.rl.batches import TrainExample
+
+
+def micro_batch_tokens_setting():
+    """The ``micro_batch_tokens`` setting of every training stage that cuts micro-batches."""
+    return setting(0, "When > 0: micro-batches by this token budget instead of --micro-batch-size (trajectories longest "
+                   "first, each micro-batch's rows x longest length at most this; a longer trajectory alone). The update "
+                   "is the same, less of it padding.", min=0)
+
+
+def pack_sequences_setting():
+    """The ``pack_sequences`` setting of every training stage that cuts micro-batches."""
+    return setting(False, "Pack each micro-batch's trajectories into one row, positions restarting at 0 for each and "
+                   "attention kept within each (no padding); with --micro-batch-tokens the budget is the row's total "
+                   "tokens. The update is the padded one's. train-sao packs the policy's micro-batches, not the "
+                   "critic's.", flag="--pack-sequences/--no-pack-sequences")
 
 
 @dataclass

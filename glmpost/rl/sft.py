@@ -25,7 +25,7 @@ from glmpost.config import setting
 from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.rl.batches import TrainExample, train_examples
 from glmpost.rl.distributed import OptimizerConfig, TorchBackend
-from glmpost.rl.micro_batches import collate
+from glmpost.rl.micro_batches import collate, micro_batch_plan, micro_batch_tokens_setting, pack, pack_sequences_setting
 
 
 @dataclass
@@ -34,6 +34,8 @@ class SFTConfig(OptimizerConfig):
     epochs: int = setting(1, "Passes over the data.", min=1)
     batch_size: int = setting(32, "Trajectories per optimizer step (over all ranks).", min=1)
     micro_batch_size: int = setting(8, "Trajectories per forward/backward on each rank.", min=1)
+    micro_batch_tokens: int = micro_batch_tokens_setting()
+    pack_sequences: bool = pack_sequences_setting()
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation.", min=1)
     seed: int = setting(0, "Seed of the data shuffling.")
 
@@ -73,11 +75,17 @@ class SFTTrainer:
     def steps(self, examples: Sequence[TrainExample]) -> int:
         return self.total_steps(len(examples))
 
+    def plan(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> list[list[int]]:
+        """``indices`` as micro-batches (:func:`~glmpost.rl.micro_batches.micro_batch_plan`), as the policy trainer's."""
+        return micro_batch_plan([len(e.input_ids) for e in examples], indices, size=self.config.micro_batch_size,
+                                tokens=self.config.micro_batch_tokens, pack=self.config.pack_sequences)
+
     def _nll_sum(self, examples: Sequence[TrainExample]) -> tuple[torch.Tensor, int]:
-        batch = collate(examples, pad_token_id=self.pad_token_id, device=self.device)
+        lay_out = pack if self.config.pack_sequences else collate
+        batch = lay_out(examples, pad_token_id=self.pad_token_id, device=self.device)
         with self.backend.compute():
-            result = sequence_log_probs(self.model, batch.input_ids, batch.attention_mask, score_mask=batch.action_mask,
-                                        chunk_size=self.config.chunk_size)
+            result = sequence_log_probs(self.model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids,
+                                        score_mask=batch.action_mask, chunk_size=self.config.chunk_size)
         return -result.log_probs.sum(), int(batch.action_mask.sum())
 
     @torch.no_grad()
@@ -85,8 +93,8 @@ class SFTTrainer:
         """Mean negative log-likelihood per loss token (this rank's examples, summed over ranks)."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64)
-        for start in range(0, len(examples), self.config.micro_batch_size):
-            nll, tokens = self._nll_sum(examples[start : start + self.config.micro_batch_size])
+        for chunk in self.plan(examples, range(len(examples))):
+            nll, tokens = self._nll_sum([examples[i] for i in chunk])
             sums += torch.tensor([float(nll), tokens], dtype=torch.float64)
         total = self.backend.all_reduce_sum(sums).tolist()
         return total[0] / max(total[1], 1.0)
@@ -114,17 +122,17 @@ class SFTTrainer:
         return history
 
     def _step(self, examples, part: list[int], rank: int, world: int) -> dict[str, float]:
-        config = self.config
         self.model.train()
         started = time.perf_counter()
         shares = [[i for i in part if i % world == r] for r in range(world)]
         mine = shares[rank]
         local_tokens = sum(int(examples[i].action_mask.sum()) for i in mine)
         total_tokens = float(self.backend.all_reduce_sum(torch.tensor([float(local_tokens)], dtype=torch.float64))[0])
-        micro_steps = max(1, math.ceil(max(len(s) for s in shares) / config.micro_batch_size))
+        chunks = self.plan(examples, mine)
+        micro_steps = max(1, *(len(self.plan(examples, s)) for s in shares))
         loss_sum = 0.0
         for micro in range(micro_steps):
-            chunk = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+            chunk = chunks[micro] if micro < len(chunks) else []
             if not chunk:  # keep every rank's backward count equal (see PolicyTrainer)
                 nll, _ = self._nll_sum([examples[part[0]]])
                 self.backend.backward(nll * 0.0)
