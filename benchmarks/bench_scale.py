@@ -7,9 +7,10 @@ size-bounded safetensors shards. 16 trajectories (rollout + judge with
 as one process and as ``torchrun --nproc_per_node 2 ... --zero-stage 3``. Each process's peak RSS
 (``VmHWM``, loading and saving included) is read from its ``/proc/PID/status`` while it runs; the
 worst rank is reported, and its ratio to the one process (goal <= 0.6); rank 0's peak when loading
-is done (the stage logs it) above what the interpreter holds with torch, transformers and DeepSpeed
-imported, against the full float32 model (goal <= 0.55: ZeRO-3 creates the parameters partitioned
-and reads them one at a time, so no rank loads the whole model).
+is done (the stage logs it, with its resident memory before loading) against the full float32
+model, as what loading added and above what the interpreter holds with torch, transformers and
+DeepSpeed imported (goal <= 0.55: ZeRO-3 creates the parameters partitioned and each rank reads
+its share, so no rank loads the whole model).
 
     .venv/bin/python benchmarks/bench_scale.py --out runs/bench_scale.json
 """
@@ -119,12 +120,15 @@ def main() -> None:
     rank_peaks = sorted(ranks.values())[-2:]  # the two ranks (the launcher itself is small)
     full_fp32 = parameters * 4 / 2**20
     interpreter = max(imports.values()) / 1024  # python, torch, transformers, DeepSpeed: before any model
-    loading = float(re.search(r"peak resident memory so far: ([\d,]+) MiB", err).group(1).replace(",", ""))
+    found = re.search(r"resident before loading: ([\d,]+) MiB; peak so far: ([\d,]+) MiB", err)
+    before, loading = (float(found.group(i).replace(",", "")) for i in (1, 2))
     report = {"parameters": parameters, "full_fp32_mib": round(full_fp32, 1), "one_process_peak_mib": round(one_peak, 1),
               "one_process_s": round(one_s, 1), "zero3_rank_peaks_mib": [round(p / 1024, 1) for p in rank_peaks],
               "zero3_s": round(zero3_s, 1), "zero3_worst_vs_one": round(rank_peaks[-1] / 1024 / one_peak, 3),
               "interpreter_mib": round(interpreter, 1), "zero3_rank0_loading_peak_mib": loading,
               "zero3_loading_above_interpreter_vs_full_fp32": round((loading - interpreter) / full_fp32, 3),
+              "zero3_rank0_before_loading_mib": before,
+              "zero3_loading_added_vs_full_fp32": round((loading - before) / full_fp32, 3),
               "published_files": sorted(p.name for p in (work / "zero3" / "v000001").glob("*.safetensors*"))}
     emit(report, args.out)
 

@@ -60,15 +60,10 @@ def test_train_grpo_with_checkpointing_publishes_the_same_weights(glmpost_cli, t
 
 
 def test_train_sao_checkpoints_the_critic_too_and_publishes_the_same_weights(glmpost_cli, tiny_checkpoint, tmp_path):
-    from test_train_sao import _sao
+    from test_train_sao import sao_variants
 
-    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
-    for name, extra in (("plain", []), ("checkpointed", ["--activation-checkpointing"])):
-        critic = tmp_path / name / "critic"
-        assert glmpost_cli("init-critic", "--from", tiny_checkpoint, "--out", critic).exit_code == 0
-        result = _sao(glmpost_cli, judged, tiny_checkpoint, critic, tmp_path / name / "policy", *extra)
-        assert result.exit_code == 0, result.stderr
-    for part in ("policy", "critic"):
-        plain, checkpointed = (load_file(tmp_path / name / part / "v000001" / "model.safetensors") for name in ("plain", "checkpointed"))
+    weights = sao_variants(glmpost_cli, tiny_checkpoint, tmp_path, {"plain": [], "checkpointed": ["--activation-checkpointing"]})
+    for part, plain in weights["plain"].items():
         for key in plain:
-            torch.testing.assert_close(checkpointed[key], plain[key], rtol=1e-5, atol=1e-7, msg=f"{part} {key}")
+            torch.testing.assert_close(torch.from_numpy(weights["checkpointed"][part][key]), torch.from_numpy(plain[key]),
+                                       rtol=1e-5, atol=1e-7, msg=f"{part} {key}")

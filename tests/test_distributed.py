@@ -59,3 +59,14 @@ def test_zero3_is_accepted_from_the_flag_or_a_file(tmp_path):
     (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}))
     ds = deepspeed_config(GRPOConfig(), zero_stage=None, path=tmp_path / "z3.json")
     assert ds["zero_optimization"] == {**ZERO_BUFFERS, "stage": 3, "stage3_prefetch_bucket_size": 0}  # the file's own wins
+
+
+def test_buffers_are_two_percent_of_the_model_within_bounds():
+    from glmpost.memory.buckets import zero_bucket_elements
+
+    assert zero_bucket_elements(252_742_656) == 5_054_853  # the 252.7M scale benchmark: 2 %
+    assert zero_bucket_elements(10_000_000) == 1_000_000  # at least 1e6
+    assert zero_bucket_elements(30_000_000_000) == 20_000_000  # at most the cap
+    assert zero_bucket_elements(None) == 20_000_000
+    ds = deepspeed_config(GRPOConfig(), zero_stage=3, path=None, parameters=252_742_656)["zero_optimization"]
+    assert ds == {"stage": 3, **{key: 5_054_853 for key in ZERO_BUFFERS}}

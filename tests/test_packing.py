@@ -140,18 +140,13 @@ def test_train_grpo_packed_equals_padded(glmpost_cli, tiny_checkpoint, tmp_path)
 
 
 def test_train_sao_packs_the_policy_and_equals_padded(glmpost_cli, tiny_checkpoint, tmp_path):
-    from test_train_sao import _sao
+    from test_train_sao import sao_variants
 
-    judged = _judged(glmpost_cli, tiny_checkpoint, tmp_path)
-    for name, extra in (("padded", []), ("packed", ["--pack-sequences", "--micro-batch-tokens", "50"])):
-        critic = tmp_path / name / "critic"
-        assert glmpost_cli("init-critic", "--from", tiny_checkpoint, "--out", critic).exit_code == 0
-        result = _sao(glmpost_cli, judged, tiny_checkpoint, critic, tmp_path / name / "policy", *extra)
-        assert result.exit_code == 0, result.stderr
-    for part in ("policy", "critic"):
-        one, two = (load_file(tmp_path / name / part / "v000001" / "model.safetensors") for name in ("padded", "packed"))
+    weights = sao_variants(glmpost_cli, tiny_checkpoint, tmp_path,
+                           {"padded": [], "packed": ["--pack-sequences", "--micro-batch-tokens", "50"]})
+    for part, one in weights["padded"].items():
         for key in one:
-            np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=f"{part} {key}")
+            np.testing.assert_allclose(weights["packed"][part][key], one[key], rtol=1e-4, atol=1e-5, err_msg=f"{part} {key}")
 
 
 def test_qat_packed_by_a_token_budget_equals_padded(glmpost_cli, tiny_checkpoint, tmp_path):

@@ -31,6 +31,20 @@ def _sao(glmpost_cli, judged, checkpoint, critic, out, *args):
                        "--critic-lr", "1e-3", *args)
 
 
+def sao_variants(glmpost_cli, checkpoint, tmp_path, variants: dict[str, list]) -> dict[str, dict[str, dict]]:
+    """train-sao once per variant (name -> extra options), each with a fresh critic from
+    ``checkpoint``; the published weights by variant, then by part (policy, critic)."""
+    judged = _judged(glmpost_cli, checkpoint, tmp_path)
+    weights = {}
+    for name, extra in variants.items():
+        critic = tmp_path / name / "critic"
+        assert glmpost_cli("init-critic", "--from", checkpoint, "--out", critic).exit_code == 0
+        result = _sao(glmpost_cli, judged, checkpoint, critic, tmp_path / name / "policy", *extra)
+        assert result.exit_code == 0, result.stderr
+        weights[name] = {part: load_file(tmp_path / name / part / "v000001" / "model.safetensors") for part in ("policy", "critic")}
+    return weights
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

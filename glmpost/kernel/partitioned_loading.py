@@ -4,8 +4,8 @@ files alone: no rank ever holds more than its share and one parameter.
 transformers' own ZeRO-3 loading reads every shard whole on rank 0 before it scatters the values
 (a 252.7M-parameter model: rank 0 peaked at 1.5 GiB above its start, 1.6x the float32 model). Here
 the model is built by transformers under ``zero.Init`` (its parameters partitioned as they are
-made), then each parameter is gathered alone, rank 0 reading just that tensor from its file
-(``safe_open`` maps one file at a time), and partitioned again. This needs the checkpoint's tensor names to be
+made), then each rank reads its own share of each parameter from the file's bytes: no gathering,
+no communication, nothing read twice. This needs the checkpoint's tensor names and shapes to be
 the model's own (dense models: Llama, Qwen3, GLM-4); a checkpoint stored in another layout (fused
 MoE experts on disk per expert) returns None and transformers loads it its way.
 """
@@ -19,24 +19,56 @@ from typing import Any
 
 def checkpoint_tensors(directory: Path) -> dict[str, Path]:
     """Each tensor name of a safetensors checkpoint and the file holding it (its index, or its files)."""
-    from safetensors import safe_open
-
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    found = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            found.update({name: path for name in f.keys()})
-    return found
+    return {name: path for path in sorted(directory.glob("*.safetensors")) for name in TensorFile(path).header}
+
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class TensorFile:
+    """One safetensors file read by byte range: the header (the format's 8-byte length and JSON:
+    each tensor's dtype, shape and data offsets), then any flat range of a tensor with plain reads.
+    safetensors' own reader maps the file, and every page read stays in the process's resident set
+    while it is open; a rank reading its share of each tensor needs neither."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            self.header = json.loads(f.read(length))
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + length
+
+    def numel(self, name: str) -> int:
+        count = 1
+        for size in self.header[name]["shape"]:
+            count *= size
+        return count
+
+    def read_flat(self, name: str, start: int, count: int):
+        """Elements ``[start, start + count)`` of tensor ``name`` flattened (a 1-D torch tensor in its file dtype)."""
+        import torch
+
+        entry = self.header[name]
+        dtype = getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]])
+        size = torch.empty(0, dtype=dtype).element_size()
+        out = torch.empty(count, dtype=dtype)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + entry["data_offsets"][0] + start * size)
+            f.readinto(memoryview(out.view(torch.uint8).numpy()))
+        return out
 
 
 def load_partitioned(directory: Path, dtype: Any) -> Any:
-    """The model of ``directory`` created partitioned and filled a parameter at a time (every rank
-    calls it, under an active ZeRO-3 config); None when the checkpoint's names are not the model's."""
-    import deepspeed
+    """The model of ``directory`` created partitioned, each rank filling its own share of every
+    parameter from the files (ZeRO-3 keeps elements ``[rank * n, (rank + 1) * n)`` of a flattened
+    parameter on rank ``rank``, the last share zero-padded); every rank calls it under an active
+    ZeRO-3 config. None when the checkpoint's names are not the model's."""
     import torch
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     files = checkpoint_tensors(directory)
@@ -47,25 +79,25 @@ def load_partitioned(directory: Path, dtype: Any) -> Any:
     buffers = [(name, b) for name, b in model.named_buffers() if name in persistent]
     if any(name not in files for name, _ in parameters + buffers):
         return None
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    opened: dict[Path, Any] = {}
-    try:
-        def read(name: str):
-            path = files[name]
-            if path not in opened:  # one file mapped at a time: the pages read of the others are let go
-                opened.clear()
-                opened[path] = safe_open(str(path), "pt")
-            return opened[path].get_tensor(name)
+    readers = {path: TensorFile(path) for path in set(files.values())}
 
-        with torch.no_grad():
-            for name, parameter in parameters:
-                with deepspeed.zero.GatheredParameters([parameter], modifier_rank=0):
-                    if rank == 0:
-                        parameter.data.copy_(read(name))
-            for name, buffer in buffers:  # not partitioned: every rank reads its own copy
-                buffer.copy_(read(name))
-    finally:
-        opened.clear()
+    def reader(name: str) -> TensorFile:
+        return readers[files[name]]
+
+    if any(reader(name).numel(name) != getattr(p, "ds_numel", p.numel()) for name, p in parameters + buffers):
+        return None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with torch.no_grad():
+        for name, parameter in parameters:
+            share = parameter.ds_tensor
+            file = reader(name)
+            start = rank * share.numel()
+            count = max(0, min(share.numel(), parameter.ds_numel - start))
+            share.zero_()
+            if count:
+                share[:count].copy_(file.read_flat(name, start, count))
+        for name, buffer in buffers:  # not partitioned: every rank reads its own copy
+            buffer.copy_(reader(name).read_flat(name, 0, buffer.numel()).view(buffer.shape))
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     return model

@@ -57,9 +57,6 @@ GIB = 2**30
 COMPONENTS = ("model_state", "saved_activations", "workspace", "communication", "live_io")
 ROLES = ("actor", "reference", "teacher", "critic", "rollout_kv", "dsa_index", "teacher_payload", "weight_sync")
 
-# glmpost's DeepSpeed buckets (glmpost.rl.deepspeed_settings.ZERO_BUFFERS; DeepSpeed's own are 5e8): elements.
-DEFAULT_REDUCE_BUCKET = 20_000_000
-DEFAULT_ALLGATHER_BUCKET = 20_000_000
 
 
 GLM5_MODEL_TYPE = "glm_moe_dsa"

@@ -36,13 +36,22 @@ def trim_heap() -> None:
         pass
 
 
-def peak_rss_mib() -> float | None:
-    """This process's peak resident set (``VmHWM``) in MiB; None where /proc does not say."""
+def _status_mib(field: str) -> float | None:
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident set (``VmHWM``) in MiB; None where /proc does not say."""
+    return _status_mib("VmHWM")
+
+
+def resident_mib() -> float | None:
+    """This process's resident set now (``VmRSS``) in MiB; None where /proc does not say."""
+    return _status_mib("VmRSS")

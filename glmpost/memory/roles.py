@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from glmpost.memory.buckets import DEFAULT_ALLGATHER_BUCKET, DEFAULT_REDUCE_BUCKET, zero_bucket_elements
 from glmpost.memory.native import native_cache_bytes, native_gather_workspace_bytes
 from glmpost.memory.plan import (
     COMPONENTS,
-    DEFAULT_ALLGATHER_BUCKET,
-    DEFAULT_REDUCE_BUCKET,
     GIB,
     ModelShape,
     attention_workspace_bytes,
@@ -117,8 +116,8 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
         if not deepspeed:
             return 0
         b = 4 if train else dtype_bytes(w.dtype)  # a trained model's parameters and gradients are float32
-        reduce = min(w.reduce_bucket, counts["trainable"]) * b if train else 0
-        return reduce + min(w.allgather_bucket, counts["total"]) * b
+        reduce = min(zero_bucket_elements(counts["total"], w.reduce_bucket), counts["trainable"]) * b if train else 0
+        return reduce + min(zero_bucket_elements(counts["total"], w.allgather_bucket), counts["total"]) * b
 
     # Actor: the policy being trained (train-grpo / opd-merge / qat): float32 master weights, gradients
     # and AdamW states whatever the checkpoint's dtype; activations in the precision's dtype.

@@ -9,19 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from glmpost.config import ConfigError
+from glmpost.memory.buckets import zero_bucket_elements
 
 # DeepSpeed's buffers in elements. Its defaults (5e8-element reduce and all-gather buckets, up to 1e9
 # gathered ZeRO-3 parameters kept live for reuse) hold a whole model of a few hundred million
 # parameters on every rank: a 2-rank ZeRO-3 update of 252.7M float32 parameters peaked at 1.5x one
-# process (benchmarks/bench_scale.py). These bound each to 80 MB of float32.
+# process (benchmarks/bench_scale.py). These are the caps (80 MB of float32); a model gets 2 % of
+# its size, at least 1e6 elements (glmpost.memory.buckets.zero_bucket_elements).
 ZERO_BUFFERS = {"reduce_bucket_size": 20_000_000, "allgather_bucket_size": 20_000_000,
                 "stage3_prefetch_bucket_size": 20_000_000, "stage3_max_live_parameters": 20_000_000,
                 "stage3_max_reuse_distance": 20_000_000, "sub_group_size": 20_000_000}
 
 
-def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, own_optimizer: bool = False) -> dict:
+def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, own_optimizer: bool = False,
+                     parameters: int | None = None) -> dict:
     """The DeepSpeed config: the user's file if given, completed with the trainer's settings
-    (``own_optimizer``: ``config``'s learning rate, weight decay and clipping win over the file's)."""
+    (``own_optimizer``: ``config``'s learning rate, weight decay and clipping win over the file's)
+    and :data:`ZERO_BUFFERS` sized for a model of ``parameters`` (:func:`zero_bucket_elements`)."""
     ds: dict[str, Any] = {}
     if path is not None:
         try:
@@ -44,7 +48,7 @@ def deepspeed_config(config: Any, *, zero_stage: int | None, path: Path | None, 
         raise ConfigError("{deepspeed_config} {path}: remove its scheduler section; glmpost schedules the learning rate "
                           "({lr_schedule}, {lr_warmup_steps}, {lr_decay_steps}, {min_lr_ratio})", path=path)
     for key, value in ZERO_BUFFERS.items():  # a file's own sizes win
-        ds["zero_optimization"].setdefault(key, value)
+        ds["zero_optimization"].setdefault(key, zero_bucket_elements(parameters, value))
     ds.setdefault("train_micro_batch_size_per_gpu", 1)  # glmpost feeds its own micro-batches
     ds.setdefault("gradient_accumulation_steps", 1)
     ds["managed_gradient_accumulation"] = False

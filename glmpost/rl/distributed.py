@@ -355,7 +355,9 @@ class TrainingSession:
         whose learning rate, weight decay and clipping are ``config``'s whatever a --deepspeed file says."""
         if not self.use_deepspeed:
             return TorchBackend(model, config, precision=self.precision)
-        ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path, own_optimizer=own_optimizer)
+        parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path, own_optimizer=own_optimizer,
+                              parameters=parameters)
         return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank,
                                 precision=self.precision)
 

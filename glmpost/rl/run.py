@@ -50,7 +50,7 @@ from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
 from glmpost.kernel.loading import attention_ran, load_model, partitioned, saved_dtype
 from glmpost.locks import output_lock
-from glmpost.memory.process import peak_rss_mib
+from glmpost.memory.process import peak_rss_mib, resident_mib, trim_heap
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
 from glmpost.rl.precision import MASTERS, checkpoint_layers, load_masters
@@ -181,14 +181,16 @@ class TrainingRun:
         if self.follow and o.reset_optimizer and session.use_deepspeed:
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         # QAT's fake quant (adapt_model) reads whole weights: its model is loaded whole, as before.
+        before = resident_mib()
         with session.partitioned_loading(job.config) if job.adapt_model is None else contextlib.nullcontext():
             model = self.load(self.parent, session)
+        trim_heap()  # what building and filling the model freed
         if partitioned(model) and session.is_main:
             held = sum(p.ds_tensor.numel() for p in model.parameters())
             peak = peak_rss_mib()
             log(f"ZeRO-3: the model was created partitioned over {session.world_size} ranks; rank 0 holds {held:,} of "
                 f"{sum(p.ds_numel for p in model.parameters()):,} parameters"
-                + (f" (its peak resident memory so far: {peak:,.0f} MiB)" if peak is not None else ""))
+                + (f" (resident before loading: {before:,.0f} MiB; peak so far: {peak:,.0f} MiB)" if peak is not None else ""))
         self.dtype = saved_dtype(self.parent) if job.publish_in_parent_dtype else "float32"
         masters = self.parent / "trainer_state" / MASTERS
         if not self.resuming and master_files(masters):  # the parent's float32 weights, before it was rounded

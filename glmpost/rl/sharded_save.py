@@ -5,18 +5,22 @@ Every rank takes part in gathering each parameter (DeepSpeed's ``GatheredParamet
 parameter whole at a time); rank 0 keeps a copy in the published dtype until its decoder layer is
 complete, maps it back to the on-disk names and layout the checkpoint was loaded from
 (transformers' ``revert_weight_conversion``: fused MoE experts back to per-expert tensors), and
-writes a shard whenever the next layer would take it over the bound. The float32 masters go the
-same way into ``trainer_state`` under the model's own names (what :func:`load_masters` reads).
+writes each tensor into its place in files planned beforehand (:class:`PlannedShards`). The
+float32 masters go the same way into ``trainer_state`` under the model's own names (what
+:func:`load_masters` reads).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
 
 import torch
+
+from glmpost.memory.process import trim_heap
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 << 30  # transformers writes up to 50 GB; a smaller bound keeps rank 0 small
@@ -31,51 +35,75 @@ def source_shard_bytes(checkpoint: Path) -> int:
     return min(max(sizes), DEFAULT_SHARD_BYTES) if sizes else DEFAULT_SHARD_BYTES
 
 
-class ShardWriter:
-    """Tensors into ``{prefix}-NNNNN-of-MMMMM.safetensors`` files of at most ``bound`` bytes each
-    (a single larger group alone), then the index (one file: ``{prefix}.safetensors``, no index)."""
+SAFETENSORS_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                     torch.bool: "BOOL"}
 
-    def __init__(self, directory: Path, prefix: str, bound: int):
-        self.directory, self.prefix, self.bound = Path(directory), prefix, bound
-        self.pending: dict[str, torch.Tensor] = {}
-        self.files: list[tuple[Path, list[str]]] = []
-        self.total = 0
+
+class PlannedShards:
+    """Safetensors files written a tensor at a time: every tensor's name, shape and dtype are known
+    before any value is (``plan``: in order, cut into ``{prefix}-NNNNN-of-MMMMM.safetensors`` files of
+    at most ``bound`` bytes, a larger tensor alone; one file: ``{prefix}.safetensors``, no index), so
+    each file's header is written first and each value goes to its place as it arrives. safetensors'
+    own writer takes a whole file's tensors at once: rank 0 would hold a shard of values."""
+
+    def __init__(self, directory: Path, prefix: str, bound: int, plan: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        files: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+        held = 0
+        for name, shape, dtype in plan:
+            size = math.prod(shape) * dtype.itemsize
+            if files[-1] and held + size > bound:
+                files.append([])
+                held = 0
+            files[-1].append((name, shape, dtype))
+            held += size
+        count = len(files)
+        self.names = [self.directory / (f"{prefix}.safetensors" if count == 1 else
+                                        f"{prefix}-{number:05d}-of-{count:05d}.safetensors") for number in range(1, count + 1)]
+        self.place: dict[str, tuple[int, int, int]] = {}  # name -> (file, absolute offset, bytes)
+        weight_map, total = {}, 0
+        for number, (path, entries) in enumerate(zip(self.names, files)):
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name, shape, dtype in entries:
+                size = math.prod(shape) * dtype.itemsize
+                header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+                offset += size
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+            with open(path.with_name("." + path.name + ".partial"), "wb") as f:
+                f.write(len(text).to_bytes(8, "little") + text)
+            for name, _, _ in entries:
+                first, last = header[name]["data_offsets"]
+                self.place[name] = (number, 8 + len(text) + first, last - first)
+                weight_map[name] = path.name
+            total += offset
+        self.index = None if count == 1 else {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        self.index_path = self.directory / f"{prefix}.safetensors.index.json"
 
-    def add(self, group: dict[str, torch.Tensor]) -> None:
-        size = sum(t.numel() * t.element_size() for t in group.values())
-        held = sum(t.numel() * t.element_size() for t in self.pending.values())
-        if self.pending and held + size > self.bound:
-            self._flush()
-        self.pending.update(group)
-        self.total += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        path = self.directory / f".{self.prefix}-{len(self.files) + 1:05d}.partial"
-        save_file({name: t.contiguous() for name, t in self.pending.items()}, str(path), metadata={"format": "pt"})
-        self.files.append((path, list(self.pending)))
-        self.pending = {}
+    def write(self, values: dict[str, torch.Tensor]) -> None:
+        """Each value into its planned place (its size checked against the plan)."""
+        for name, value in values.items():
+            number, offset, size = self.place.pop(name)
+            path = self.names[number]
+            data = value.detach().contiguous().view(torch.uint8).numpy()
+            if data.nbytes != size:
+                raise RuntimeError(f"sharded save: {name} is {data.nbytes} bytes, planned {size}")
+            with open(path.with_name("." + path.name + ".partial"), "r+b") as f:
+                f.seek(offset)
+                f.write(memoryview(data))
 
     def finish(self) -> list[Path]:
-        """Write what is pending; name the files and write the index. Returns the files."""
-        if self.pending or not self.files:
-            self._flush()
-        count = len(self.files)
-        if count == 1:
-            final = self.directory / f"{self.prefix}.safetensors"
-            os.replace(self.files[0][0], final)
-            return [final]
-        weight_map, finals = {}, []
-        for number, (path, names) in enumerate(self.files, start=1):
-            final = self.directory / f"{self.prefix}-{number:05d}-of-{count:05d}.safetensors"
-            os.replace(path, final)
-            finals.append(final)
-            weight_map.update({name: final.name for name in names})
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.directory / f"{self.prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return finals
+        """Name the files and write the index; every planned tensor must have been written."""
+        if self.place:
+            missing = sorted(self.place)
+            raise RuntimeError(f"sharded save: {len(missing)} planned tensor(s) never written, e.g. {missing[0]}")
+        for path in self.names:
+            os.replace(path.with_name("." + path.name + ".partial"), path)
+        if self.index is not None:
+            self.index_path.write_text(json.dumps(self.index, indent=2) + "\n")
+        return self.names
 
 
 def _layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
@@ -96,37 +124,49 @@ def _layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Param
 def save_partitioned(model: torch.nn.Module, directory: Path, *, dtype: torch.dtype | None, masters: Path | None,
                      shard_bytes: int, rank: int) -> None:
     """Publish a ZeRO-3 model (every rank calls this): weights and config into ``directory`` as the
-    module doc says; with ``masters`` (``trainer_state/masters.safetensors``) the float32 masters too."""
+    module doc says; with ``masters`` (``trainer_state/masters.safetensors``) the float32 masters too.
+    The files are planned first (transformers' conversion run on shapes alone, meta tensors), then
+    filled a layer at a time: rank 0 holds one layer's values, never a shard's."""
     import deepspeed
     from transformers.core_model_loading import revert_weight_conversion
 
     main = rank == 0
-    weights = ShardWriter(directory, "model", shard_bytes) if main else None
-    master_writer = ShardWriter(masters.parent, masters.name.removesuffix(".safetensors"), shard_bytes) \
-        if main and masters is not None else None
-    for group in _layer_groups(model):
-        published, kept = {}, {}
+    groups = _layer_groups(model)
+    persistent = set(model.state_dict())
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if name in persistent}
+
+    def published_dtype(t_dtype: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
+
+    if main:
+        meta = [{name: torch.empty(p.ds_shape, dtype=published_dtype(p.dtype), device="meta") for name, p in group}
+                for group in groups] + ([{name: torch.empty(b.shape, dtype=published_dtype(b.dtype), device="meta")
+                                          for name, b in buffers.items()}] if buffers else [])
+        plan = [(name, tuple(t.shape), t.dtype) for group in meta for name, t in revert_weight_conversion(model, group).items()]
+        weights = PlannedShards(directory, "model", shard_bytes, plan)
+        kept = None if masters is None else PlannedShards(
+            masters.parent, masters.name.removesuffix(".safetensors"), shard_bytes,
+            [(name, tuple(p.ds_shape), p.dtype) for group in groups for name, p in group])
+    for group in groups:
+        published = {}
         for name, parameter in group:
             with deepspeed.zero.GatheredParameters([parameter]):
                 if main:
                     value = parameter.data.detach()
-                    published[name] = value.to(dtype, copy=True) if dtype is not None and value.is_floating_point() \
-                        else value.clone()
-                    if master_writer is not None:
-                        kept[name] = value.clone()
+                    if kept is not None:
+                        kept.write({name: value})
+                    published[name] = value.to(published_dtype(value.dtype), copy=True)
         if main:
-            weights.add(revert_weight_conversion(model, published))
-            if master_writer is not None:
-                master_writer.add(kept)
+            weights.write(revert_weight_conversion(model, published))
+        del published
+        trim_heap()  # the gathers' small allocations
     if not main:
         return
-    persistent = set(model.state_dict())
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if name in persistent}
     if buffers:
-        weights.add(revert_weight_conversion(model, buffers))
+        weights.write(revert_weight_conversion(model, {n: b.to(published_dtype(b.dtype)) for n, b in buffers.items()}))
     weights.finish()
-    if master_writer is not None:
-        master_writer.finish()
+    if kept is not None:
+        kept.finish()
     _save_config(model, directory, dtype)
 
 
