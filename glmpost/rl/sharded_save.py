@@ -22,7 +22,6 @@ import torch
 
 from glmpost.memory.process import trim_heap
 
-WEIGHTS_INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 << 30  # transformers writes up to 50 GB; a smaller bound keeps rank 0 small
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
