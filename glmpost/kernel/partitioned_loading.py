@@ -63,17 +63,37 @@ class TensorFile:
         return out
 
 
+def _partitioned_skeleton(config: Any, dtype: Any) -> Any:
+    """The model of ``config`` created under ``zero.Init`` in the context ``from_pretrained`` uses
+    (transformers' ``get_init_context``: its weights not initialised, since every one is read next),
+    not ``from_config``'s, which initialises every module again, gathered, and held each gathered
+    module beside the rank's share."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils.generic import ContextManagers
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        torch_dtype = getattr(torch, str(config.dtype).removeprefix("torch.")) if config.dtype else torch.float32
+    with ContextManagers(model_class.get_init_context(torch_dtype, False, False, None)):
+        model = model_class(config)
+        patch_output_recorders(model)
+    return model
+
+
 def load_partitioned(directory: Path, dtype: Any) -> Any:
     """The model of ``directory`` created partitioned, each rank filling its own share of every
     parameter from the files (ZeRO-3 keeps elements ``[rank * n, (rank + 1) * n)`` of a flattened
     parameter on rank ``rank``, the last share zero-padded); every rank calls it under an active
     ZeRO-3 config. None when the checkpoint's names are not the model's."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     files = checkpoint_tensors(directory)
     config = AutoConfig.from_pretrained(str(directory))
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype if dtype not in (None, "auto") else config.dtype)
+    model = _partitioned_skeleton(config, dtype)
     parameters = list(model.named_parameters())
     persistent = set(model.state_dict())
     buffers = [(name, b) for name, b in model.named_buffers() if name in persistent]

@@ -181,8 +181,8 @@ class TrainingRun:
         if self.follow and o.reset_optimizer and session.use_deepspeed:
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         # QAT's fake quant (adapt_model) reads whole weights: its model is loaded whole, as before.
-        before = resident_mib()
         with session.partitioned_loading(job.config) if job.adapt_model is None else contextlib.nullcontext():
+            before = resident_mib()  # DeepSpeed and transformers' integration imported: what the model adds
             model = self.load(self.parent, session)
         trim_heap()  # what building and filling the model freed
         if partitioned(model) and session.is_main:
