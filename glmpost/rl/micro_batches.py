@@ -4,8 +4,9 @@
 or a packed one); :func:`collate` lays a micro-batch out one example per row, right-padded;
 :func:`pack` concatenates its examples into one row with the positions restarting at 0 for each, so
 the model keeps attention within each example (transformers builds a block-diagonal mask from
-restarting ``position_ids``, or runs variable-length flash attention on CUDA; glmpost's native GLM-5
-attention masks by segment). Either way entry ``t`` of every per-token field scores ``input_ids[t +
+restarting ``position_ids``, or runs variable-length flash attention on CUDA; on SDPA glmpost attends
+each sequence alone, :mod:`glmpost.models.packed_attention`; glmpost's native GLM-5 attention masks
+by segment). Either way entry ``t`` of every per-token field scores ``input_ids[t +
 1]``; an example's entries are where :attr:`MicroBatch.places` says, and
 :meth:`MicroBatch.lay` / :meth:`MicroBatch.per_example` move per-example values in and out of the
 layout, so the trainer never depends on which one ran. Packing changes where a token sits, not what
