@@ -63,6 +63,27 @@ class TensorFile:
         return out
 
 
+def fill_shares(parameters: list[tuple[str, Any]], files: dict[str, Path],
+                readers: dict[Path, TensorFile] | None = None) -> None:
+    """Each ZeRO-3 partitioned parameter's share on this rank read from the file ``files`` names for
+    it (ZeRO-3 keeps elements ``[rank * n, (rank + 1) * n)`` of a flattened parameter on rank
+    ``rank``, the last share zero-padded): no gathering, no communication."""
+    import torch
+
+    readers = {} if readers is None else readers
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with torch.no_grad():
+        for name, parameter in parameters:
+            if files[name] not in readers:
+                readers[files[name]] = TensorFile(files[name])
+            share = parameter.ds_tensor
+            start = rank * share.numel()
+            count = max(0, min(share.numel(), parameter.ds_numel - start))
+            share.zero_()
+            if count:
+                share[:count].copy_(readers[files[name]].read_flat(name, start, count))
+
+
 def _partitioned_skeleton(config: Any, dtype: Any) -> Any:
     """The model of ``config`` created under ``zero.Init`` in the context ``from_pretrained`` uses
     (transformers' ``get_init_context``: its weights not initialised, since every one is read next),
@@ -85,9 +106,8 @@ def _partitioned_skeleton(config: Any, dtype: Any) -> Any:
 
 def load_partitioned(directory: Path, dtype: Any) -> Any:
     """The model of ``directory`` created partitioned, each rank filling its own share of every
-    parameter from the files (ZeRO-3 keeps elements ``[rank * n, (rank + 1) * n)`` of a flattened
-    parameter on rank ``rank``, the last share zero-padded); every rank calls it under an active
-    ZeRO-3 config. None when the checkpoint's names are not the model's."""
+    parameter from the files (:func:`fill_shares`); every rank calls it under an active ZeRO-3
+    config. None when the checkpoint's names or sizes are not the model's."""
     import torch
     from transformers import AutoConfig, GenerationConfig
 
@@ -100,24 +120,12 @@ def load_partitioned(directory: Path, dtype: Any) -> Any:
     if any(name not in files for name, _ in parameters + buffers):
         return None
     readers = {path: TensorFile(path) for path in set(files.values())}
-
-    def reader(name: str) -> TensorFile:
-        return readers[files[name]]
-
-    if any(reader(name).numel(name) != getattr(p, "ds_numel", p.numel()) for name, p in parameters + buffers):
+    if any(readers[files[name]].numel(name) != getattr(p, "ds_numel", p.numel()) for name, p in parameters + buffers):
         return None
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    fill_shares(parameters, files, readers)
     with torch.no_grad():
-        for name, parameter in parameters:
-            share = parameter.ds_tensor
-            file = reader(name)
-            start = rank * share.numel()
-            count = max(0, min(share.numel(), parameter.ds_numel - start))
-            share.zero_()
-            if count:
-                share[:count].copy_(file.read_flat(name, start, count))
         for name, buffer in buffers:  # not partitioned: every rank reads its own copy
-            buffer.copy_(reader(name).read_flat(name, 0, buffer.numel()).view(buffer.shape))
+            buffer.copy_(readers[files[name]].read_flat(name, 0, buffer.numel()).view(buffer.shape))
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     return model

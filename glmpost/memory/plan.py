@@ -32,9 +32,9 @@ Estimated terms (within the tolerance stated in ``tests/test_plan.py``):
   head (glmpost/kernel/logprobs.py checkpoints each chunk, so ``[T, V]`` logits are never saved);
 - workspace: the largest transient of one operator (the chunked head's ``[C, V]`` float32 buffers,
   attention scores, the DSA indexer's ``[B, S, H_idx, S]`` float32 scores), not their sum;
-- communication buffers: DeepSpeed's reduce and all-gather buckets (2e7 elements each, glmpost's
-  default, unless the DeepSpeed config says otherwise), capped at the model size; the weight-sync buffer holds a full
-  copy of the weights in the rollout format;
+- communication buffers: DeepSpeed's reduce and all-gather buckets (glmpost's: 2 % of the model,
+  1e6 to 2e7 elements, :mod:`glmpost.memory.buckets`, unless the DeepSpeed config says otherwise);
+  the weight-sync buffer holds a full copy of the weights in the rollout format;
 - live IO: the micro-batch tensors the trainer builds (ids, masks, rollout / old log-probs) and
   the teacher payload (sampled log-prob, or top-k ids + log-probs per token).
 """
@@ -56,7 +56,6 @@ GIB = 2**30
 
 COMPONENTS = ("model_state", "saved_activations", "workspace", "communication", "live_io")
 ROLES = ("actor", "reference", "teacher", "critic", "rollout_kv", "dsa_index", "teacher_payload", "weight_sync")
-
 
 
 GLM5_MODEL_TYPE = "glm_moe_dsa"

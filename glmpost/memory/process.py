@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from 1 MiB up are mmapped, and unmapped when freed
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def release_freed_memory() -> bool:
     """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (which also stops its dynamic
     growth), so freed tensors leave the resident set; False where the C library is not glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+        return bool(_libc().mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     except (OSError, AttributeError):
         return False
 
@@ -31,7 +36,7 @@ def trim_heap() -> None:
     backward pass freed in blocks below the mmap threshold, before the optimizer allocates its
     states (measured: 322 MiB of a ZeRO-3 rank's 1.76 GiB). Nothing where the C library is not glibc."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 

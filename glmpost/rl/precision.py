@@ -18,6 +18,8 @@ import torch
 
 from glmpost.checkpoints import CheckpointError
 from glmpost.config import ConfigError
+from glmpost.kernel.loading import partitioned
+from glmpost.kernel.partitioned_loading import TensorFile, fill_shares
 from glmpost.rl.sharded_save import master_files
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -87,9 +89,8 @@ def load_masters(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import load_file
 
     files = master_files(path)
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        for file in files:
-            _load_partitioned(model, file)
+    if partitioned(model):
+        _load_partitioned(model, files)
         return
     state = {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -100,21 +101,12 @@ def load_masters(model: torch.nn.Module, path: Path) -> None:
         raise CheckpointError(f"{path}: master weights do not fit the model (unexpected {unexpected[:3]}, missing {untied[:3]})")
 
 
-def _load_partitioned(model: torch.nn.Module, path: Path) -> None:
-    """:func:`load_masters` into a ZeRO-3 model: one parameter gathered at a time, rank 0 copying
-    it in, every rank keeping its share (no rank holds the whole model)."""
-    import deepspeed
-    from safetensors import safe_open
-
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    with safe_open(str(path), "pt") as f:
-        names = set(f.keys())
-        for name, parameter in model.named_parameters():  # each storage once: tied weights share one name
-            if name not in names:
-                continue
-            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=0):
-                if rank == 0:
-                    parameter.data.copy_(f.get_tensor(name))
+def _load_partitioned(model: torch.nn.Module, files: list[Path]) -> None:
+    """:func:`load_masters` into a ZeRO-3 model: each rank reads its own share of every parameter
+    the files hold (:func:`~glmpost.kernel.partitioned_loading.fill_shares`; no rank holds the whole
+    model); a parameter the files lack keeps its values."""
+    held = {name: path for path in files for name in TensorFile(path).header}
+    fill_shares([(name, p) for name, p in model.named_parameters() if name in held], held)
 
 
 def checkpoint_layers(model: torch.nn.Module) -> None:
