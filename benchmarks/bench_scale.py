@@ -98,9 +98,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as work:  # several GiB of checkpoints: gone afterwards
+        emit(measure(Path(work), args.hidden, args.layers), args.out)
+
+
+def measure(work: Path, hidden: int, layers: int) -> dict:
     env = {**os.environ, "TQDM_DISABLE": "1", "DS_ACCELERATOR": "cpu"}
-    model, parameters = build(work, args.hidden, args.layers)
+    model, parameters = build(work, hidden, layers)
     common = ["--config", str(RECIPE)]
     subprocess.run([*GLMPOST, "rollout", str(ROOT / "recipes" / "data" / "count-train.jsonl"), *common, "--checkpoint", str(model),
                     "--out", str(work / "rollout"), "--limit", "4", "--group-size", "4", "--max-new-tokens", "16", "--seed", "3"],
@@ -130,7 +134,7 @@ def main() -> None:
               "zero3_rank0_before_loading_mib": before,
               "zero3_loading_added_vs_full_fp32": round((loading - before) / full_fp32, 3),
               "published_files": sorted(p.name for p in (work / "zero3" / "v000001").glob("*.safetensors*"))}
-    emit(report, args.out)
+    return report
 
 
 if __name__ == "__main__":

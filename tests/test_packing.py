@@ -101,6 +101,29 @@ def test_packed_rows_give_the_padded_log_probs_and_gradients(name, tiny_checkpoi
     assert float((packed_grads - padded_grads).norm() / padded_grads.norm()) <= 1e-6
 
 
+def test_native_indexer_scores_only_each_chunks_own_sequences(tiny_checkpoint, monkeypatch):
+    """Variable length on the native GLM-5 path: in query chunks of 5, a chunk's indexer scores only
+    keys from its first query's sequence on (not the row's earlier sequences), and the result is still
+    the padded one."""
+    from glmpost.models import native_attention
+
+    model = load_model(tiny_checkpoint, dtype="float32").train()
+    set_attention(model, "native")
+    heads = next(m for m in model.modules() if hasattr(m, "index_topk")).n_heads
+    monkeypatch.setattr(native_attention, "INDEXER_CHUNK_ELEMENTS", 5 * heads * 67)  # 67 tokens packed, 5 queries a chunk
+    scored, index_scores = [], native_attention.index_scores
+    monkeypatch.setattr(native_attention, "index_scores",
+                        lambda indexer, q, w, keys, allowed: scored.append(keys.shape[1]) or index_scores(indexer, q, w, keys, allowed))
+    (padded, padded_grads), (packed, packed_grads) = _packed_vs_padded(model)
+    for a, b in zip(padded, packed, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=2e-6)
+    assert float((packed_grads - padded_grads).norm() / padded_grads.norm()) <= 1e-6
+    # Sequences at 0, 23, 32, 63 of 67 tokens, top-8: chunk i (queries 5i..5i+4) scores keys from its
+    # first query's sequence start up to its last query (at least 8: -inf fill-ins for the top-k).
+    # Chunk 5 (queries 25..29, sequence from 23): keys 22..29; chunk 12 (60..64, from 32): 32..64.
+    assert scored[-14:] == [8, 10, 15, 20, 25, 8, 12, 8, 13, 18, 23, 28, 33, 8]  # the whole row: 8, 10, 15, ..., 65, 67
+
+
 def test_packing_is_not_attention_across_examples(tiny_checkpoint):
     """The packed mask is load-bearing: the second example's log-probs do not change with the first's tokens."""
     model = load_model(tiny_checkpoint, dtype="float32").eval()

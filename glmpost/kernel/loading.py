@@ -93,6 +93,18 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     return model.to(device).eval()
 
 
+def import_architecture(checkpoint: Path | str) -> None:
+    """Import the transformers module of ``checkpoint``'s architecture (tens of MiB of code, the same
+    for any size), so that memory measured after it is what the model itself adds. Nothing when the
+    config does not resolve: :func:`load_model` reports that."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(resolve_checkpoint(checkpoint))))]
+    except (OSError, ValueError, KeyError, CheckpointError):
+        return
+
+
 def zero3_partitioning() -> bool:
     """Whether models are being created partitioned (a ZeRO-3 config is active for transformers)."""
     try:

@@ -66,6 +66,13 @@ class KeyMask:
             return self.segments[:, None, keys] == mine
         return self.segments.gather(1, keys.flatten(1)).view(keys.shape) == mine
 
+    def first_key(self, query: int) -> int:
+        """The first key position query ``query`` of any row may read: where its sequence starts in
+        a packed row (the keys before are other sequences'), else 0."""
+        if self.segments is None or self.past:
+            return 0
+        return int((self.segments < self.segments[:, query:query + 1]).sum(-1).min())
+
 
 def packed_segments(position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     """Which sequence each position of packed rows belongs to (``[B, T]``: a new one wherever the
@@ -268,6 +275,7 @@ def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
         raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
     k = min(self.indexer.index_topk, total) if self.indexer is not None else prev_topk_indices.shape[-1]
     chunk = _query_chunk(self.indexer, batch, total, seq)
+    observed = bool(getattr(self.indexer, "_glmpost_topk_observers", None))  # they see scores over every key
     rows = torch.arange(batch, device=hidden_states.device)[:, None, None]
     key_positions = torch.arange(total, device=hidden_states.device)
     outputs, selections = [], []
@@ -276,12 +284,15 @@ def native_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
         query_positions = past + torch.arange(start, stop, device=hidden_states.device)
         if self.indexer is not None:
             width = min(total, max(past + stop, k))  # causality hides every later key; -inf fill-ins up to k
-            allowed = attention_mask.valid[:, None, :width] & (key_positions[None, None, :width] <= query_positions[None, :, None])
-            allowed = allowed & attention_mask.same_sequence(key_positions[:width], slice(start, stop))
+            # Packed rows: keys before the chunk's first sequence are scored by no query (variable length).
+            low = 0 if observed else max(0, min(attention_mask.first_key(start), width - k))
+            window = key_positions[low:width]
+            allowed = attention_mask.valid[:, None, low:width] & (window[None, None, :] <= query_positions[None, :, None])
+            allowed = allowed & attention_mask.same_sequence(window, slice(start, stop))
             with torch.no_grad():
                 scores = index_scores(self.indexer, index_q[:, start:stop], index_w[:, start:stop],
-                                      stored["index"][:, :width], allowed)
-                selected = select_topk(self.indexer, scores, k)
+                                      stored["index"][:, low:width], allowed)
+                selected = select_topk(self.indexer, scores, k) + low
         else:
             selected = prev_topk_indices[:, start:stop]
         selections.append(selected)

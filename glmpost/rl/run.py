@@ -48,7 +48,7 @@ from glmpost.checkpoints import (
 from glmpost.config import ConfigError, setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
-from glmpost.kernel.loading import attention_ran, load_model, partitioned, saved_dtype
+from glmpost.kernel.loading import attention_ran, import_architecture, load_model, partitioned, saved_dtype
 from glmpost.locks import output_lock
 from glmpost.memory.process import peak_rss_mib, resident_mib, trim_heap
 from glmpost.rl.distributed import TrainingSession
@@ -181,8 +181,9 @@ class TrainingRun:
         if self.follow and o.reset_optimizer and session.use_deepspeed:
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         # QAT's fake quant (adapt_model) reads whole weights: its model is loaded whole, as before.
+        import_architecture(self.parent)
         with session.partitioned_loading(job.config) if job.adapt_model is None else contextlib.nullcontext():
-            before = resident_mib()  # DeepSpeed and transformers' integration imported: what the model adds
+            before = resident_mib()  # DeepSpeed, transformers' integration and the model's code imported: what the model adds
             model = self.load(self.parent, session)
         trim_heap()  # what building and filling the model freed
         if partitioned(model) and session.is_main:
