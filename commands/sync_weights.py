@@ -39,6 +39,7 @@ def sync_weights(
 ) -> None:
     api_key = ctx.params["api_key"]
     check_api_key(api_key)  # before anything is published
+    check_api_key(ctx.params.get("admin_api_key"), "admin_api_key")
     summary = sync_weights_run(config_from(ctx, SyncConfig), without_api_key(effective_options(ctx)))
     print_summary(summary, as_json=as_json, human=sync_report(summary))
     error = failed_servers_error(summary)

@@ -12,6 +12,7 @@ from pathlib import Path
 from cli_options import options_table
 
 from glmpost.config import setting_of
+from glmpost.server.http import ServeConfig
 from glmpost.spool.settings import FollowSettings
 
 STORED = Path(__file__).parent / "data" / "cli_options.json"
@@ -41,6 +42,11 @@ HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge
 # stages and the trainers: the trainers' --consumer, --poll-s and --lease-s say the shared words.
 CONSUMER_HELP = {(command, name) for command in ("train-grpo", "opd-merge", "train-sao") for name in ("consumer", "poll_s")}
 CONSUMER_HELP |= {(command, "lease_s") for command in ("train-grpo", "opd-merge", "train-sao", "judge", "score-teacher")}
+# SGLang at its current release (issue 32): the admin key, unversioned servers, continued aborts,
+# aborting running requests on a switch; serve returns SGLang's log-prob kind by default.
+ADDED_32 = {("rollout", "admin_api_key"): None, ("rollout", "unversioned_server"): "refuse",
+            ("rollout", "max_continuations"): 3, ("serve", "admin_api_key"): None, ("sync-weights", "admin_api_key"): None,
+            ("sync-weights", "abort_in_flight"): True}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -60,6 +66,7 @@ def _expected(stored: dict) -> dict:
         table[command][name]["help"] = setting_of(FollowSettings, name)[1]["help"]
     for (command, name), bounds in BOUNDS.items():
         table[command][name].update(bounds)
+    table["serve"]["log_prob_kind"].update(default="tempered", help=setting_of(ServeConfig, "log_prob_kind")[1]["help"])
     return table
 
 
@@ -72,7 +79,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for command in expected:
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
-            if (command, name) in ADDED or (command, name) in ADDED_LIMITS:
+            if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32:
                 continue
             if (command, name) in {(c, new) for (c, _), new in RENAMED.items()}:
                 before = {k: v for k, v in before.items() if k != "help"}
@@ -80,6 +87,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             if before != after:
                 changed[f"{command} {name}"] = (before, after)
     assert changed == {}
+    for (command, name), default in ADDED_32.items():
+        assert now[command][name]["default"] == default and now[command][name]["help"]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED:

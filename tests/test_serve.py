@@ -51,8 +51,8 @@ def test_generate_answers_as_sglang_shapes_them(server, engine):
     answer = client.generate(prompt, {"max_new_tokens": 4, "temperature": 0.8, "top_k": 50, "ignore_eos": True,
                                       "sampling_seed": seed}, logprob_start_len=2, top_logprobs_num=3)
     meta = answer["meta_info"]
-    local = engine.generate([prompt], None, SamplingParams(temperature=0.8, top_k=50, max_new_tokens=4), seeds=[seed],
-                            top_logprobs_num=3)[0]
+    local = engine.generate([prompt], None, SamplingParams(temperature=0.8, top_k=50, max_new_tokens=4,  # serve's default kind
+                                                           log_prob_kind="tempered"), seeds=[seed], top_logprobs_num=3)[0]
     assert answer["output_ids"] == local.token_ids and len(local.token_ids) == 4
     assert meta["output_token_logprobs"] == [[lp, t, None] for lp, t in zip(local.log_probs, local.token_ids)]
     assert meta["finish_reason"] == {"type": "length", "length": 4}
@@ -205,14 +205,20 @@ def test_client_retries_then_fails_and_the_pool_fails_over(server):
     assert versions == ["0"] * 4  # requests meant for the dead server went to the live one
 
 
-def test_rollout_through_the_server_equals_the_local_engine(glmpost_cli, server, tiny_checkpoint, tmp_path):
+def test_rollout_through_the_server_equals_the_local_engine(glmpost_cli, tiny_checkpoint, tmp_path):
+    """A server returning the local engine's kind (serve --log-prob-kind sampled; SGLang's own,
+    tempered, is serve's default) gives the local engine's records bit for bit."""
     prompts = _prompts(tmp_path)
     common = [prompts, "--checkpoint", tiny_checkpoint, "--group-size", "3", "--max-new-tokens", "6", "--seed", "11",
               "--batch-size", "5", "--prompts-per-shard", "3", "--temperature", "0.9", "--top-p", "0.95"]
     local = glmpost_cli("rollout", *common, "--out", tmp_path / "local")
     assert local.exit_code == 0, local.stderr
-    remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", server,
-                         "--concurrency", "3", "--json")
+    proc, server = start_server(tiny_checkpoint, "--batch-size", "8", "--log-prob-kind", "sampled")
+    try:
+        remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", server,
+                             "--concurrency", "3", "--json")
+    finally:
+        stop_server(proc)
     assert remote.exit_code == 0, remote.stderr
     assert json.loads(remote.stdout)["aborted"] == 0
     a, b = _records(tmp_path / "local"), _records(tmp_path / "remote")

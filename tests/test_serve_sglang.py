@@ -140,11 +140,11 @@ def test_server_info_is_get_server_info_with_the_settings_clients_read(server):
     current, older = client.request("GET", "/server_info"), client.request("GET", "/get_server_info")
     assert current == older
     assert current["enable_deterministic_inference"] is True and current["version"] == __version__
-    assert current["log_prob_kind"] == "sampled" and current["weight_version"] == "0" and "stats" in current
+    assert current["log_prob_kind"] == "tempered" and current["weight_version"] == "0" and "stats" in current
     assert current["attention"] == "native"  # glmpost serve's default GLM-5 attention path
     assert not any("key" in name for name in current)
     settings = client.settings()
-    assert settings["log_prob_kind"] == "sampled" and client.settings() is settings  # read once per client
+    assert settings["log_prob_kind"] == "tempered" and client.settings() is settings  # read once per client
 
 
 def test_generate_echoes_rid_and_returns_token_texts(server, tiny_checkpoint):
@@ -248,12 +248,21 @@ def test_rejected_field_tells_a_refused_field_from_other_failures():
     assert rejected_field(ServerError("POST http://x/generate: connection refused", url="http://x"), fields) is None
 
 
+# The sampling keys of an SGLang from before v0.5.3 (no sampling_seed, stop_regex, structural_tag,
+# logit_bias).
+_OLD_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+             "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf", "ignore_eos", "skip_special_tokens",
+             "spaces_between_special_tokens", "no_stop_trim", "stop", "stop_token_ids", "custom_params", "stream_interval"}
+
+
 class _OldSGLang(BaseHTTPRequestHandler):
-    """An SGLang build from before ``sampling_seed`` and ``/server_info``, which cannot run here: a
-    fake that answers as it does (``/get_server_info`` only; ``/generate`` refuses the field with
-    HTTP 400 naming it, as its ``SamplingParams`` TypeError says it). The one fake server of this file."""
+    """An SGLang build from before ``sampling_seed``, ``/server_info`` and ``weight_version``, which
+    cannot run here: a fake that answers as it does (``/get_server_info`` only; ``/generate`` with a
+    key its ``SamplingParams`` lacks is a TypeError, which /generate does not map: a bare HTTP 500
+    that names nothing; otherwise one token). The one fake server of this file."""
 
     seen: list = []
+    bodies: list = []
 
     def log_message(self, *args):
         pass
@@ -278,12 +287,18 @@ class _OldSGLang(BaseHTTPRequestHandler):
     def do_POST(self):
         self.seen.append(self.path)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
         sampling = body.get("sampling_params") or {}
-        if any("sampling_seed" in sp for sp in (sampling if isinstance(sampling, list) else [sampling])):
-            self._answer(400, {"error": {"message": "SamplingParams.__init__() got an unexpected keyword argument "
-                                                    "'sampling_seed'"}})
-        else:
-            self._answer(500, {"error": {"message": "not what this fake answers"}})
+        if any(set(sp) - _OLD_KEYS for sp in (sampling if isinstance(sampling, list) else [sampling])):
+            text = b"Internal Server Error"
+            self.send_response(500)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+            return
+        self._answer(200, {"text": "", "output_ids": [5], "meta_info": {
+            "id": "x", "finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-1.0, 5, None]]}})
 
 
 @pytest.fixture
@@ -291,7 +306,7 @@ def old_sglang():
     import threading
     from http.server import ThreadingHTTPServer
 
-    _OldSGLang.seen = []
+    _OldSGLang.seen, _OldSGLang.bodies = [], []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _OldSGLang)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -301,18 +316,27 @@ def old_sglang():
 
 
 def test_an_sglang_without_sampling_seed_is_one_error_before_any_record(glmpost_cli, old_sglang, tiny_checkpoint, tmp_path):
+    """An old SGLang answers the unknown key with a bare 500: rollout finds the key with 1-token
+    requests (never retried as transient, never a batch) and names it, with the release that brought it."""
     client = SGLangClient(old_sglang, retries=0)
     assert client.settings() == {"version": "0.4.0", "random_seed": 1} and client.settings() is client.settings()
     assert _OldSGLang.seen == ["/server_info", "/get_server_info"]  # /server_info, then the old name; once
     _OldSGLang.seen.clear()
     out = tmp_path / "o"
-    result = glmpost_cli("rollout", _prompts(tmp_path, 4), "--checkpoint", tiny_checkpoint, "--out", out, "--group-size", "4",
-                         "--engine", "sglang", "--server", old_sglang, "--server-log-prob-kind", "tempered", "--retries", "0")
+    args = ["rollout", _prompts(tmp_path, 4), "--checkpoint", tiny_checkpoint, "--group-size", "4", "--engine", "sglang",
+            "--server", old_sglang, "--server-log-prob-kind", "tempered", "--retries", "0"]
+    unversioned = glmpost_cli(*args, "--out", out)
+    assert unversioned.exit_code == 1 and "reports weight_version None, not a policy version" in unversioned.stderr
+    assert "--unversioned-server unknown" in unversioned.stderr and "/generate" not in _OldSGLang.seen
+    result = glmpost_cli(*args, "--out", out, "--unversioned-server", "unknown")
     *warnings, error = result.stderr.splitlines()  # no tokenizer revision, no deterministic inference; the error
     assert result.exit_code == 1 and len(warnings) == 2 and "Traceback" not in result.stderr, result.stderr
     assert "does not say enable_deterministic_inference" in warnings[1] and error.startswith("glmpost: error: ")
-    assert f"--server {old_sglang} rejects sampling_params.sampling_seed" in error and "upgrade the server" in error
-    assert _OldSGLang.seen.count("/generate") == 1  # one request, not one per batch
+    assert (f"--server {old_sglang} refuses sampling_params.sampling_seed came with SGLang v0.5.3 (#10645): this server "
+            "is older; upgrade it (HTTP 500)") in error
+    assert all(b["sampling_params"]["max_new_tokens"] == 1 and not isinstance(b["input_ids"][0], list)
+               for b in _OldSGLang.bodies)  # 1-token checks only, no batch
+    assert [b for b in _OldSGLang.bodies if set(b["sampling_params"]) == {"max_new_tokens", "sampling_seed"}]
     assert not list(out.glob("*.msgpack.zst")) if out.exists() else True
 
 
@@ -320,7 +344,7 @@ def test_the_probe_finds_the_default_servers_kind(server, tiny_checkpoint):
     from glmpost.kernel.loading import load_tokenizer
     from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts
 
-    assert probe_log_prob_kind(SGLangClient(server, retries=0), probe_prompts(load_tokenizer(tiny_checkpoint)[0])) == "sampled"
+    assert probe_log_prob_kind(SGLangClient(server, retries=0), probe_prompts(load_tokenizer(tiny_checkpoint)[0])) == "tempered"
 
 
 @pytest.mark.parametrize("kind", ["tempered", "raw", "top_p_renormalized"])

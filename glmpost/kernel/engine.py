@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -104,7 +104,7 @@ class Completion:
 
     token_ids: list[int]
     log_probs: list[float]
-    finish_reason: str  # "stop" (a stop token, included) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (a stop token, included), "length" (max_new_tokens) or "abort" (stopped early)
     # With ``top_logprobs_num`` k > 0: per sampled position, the k most likely token ids of the
     # sampling distribution and their log-probs (ties to the lower id).
     top_ids: list[list[int]] | None = None
@@ -112,6 +112,9 @@ class Completion:
     # Read from a trajectory's KV cache: the oldest policy version whose keys and values it attended
     # to (None: its prompt was prefilled by the weights that sampled it, or no version is known).
     cache_version: int | None = None
+    # The policy version of each token's weights where they differ within the completion (a
+    # server's aborted sequence continued after a weight switch); None: one version for all.
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -167,8 +170,12 @@ class LocalEngine:
         top_logprobs_num: int = 0,
         sessions: Sequence[str] | None = None,
         caches: TurnCaches | None = None,
+        abort: Callable[[int], bool] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt, in batches of ``batch_size``.
+
+        ``abort(i)``, asked after every decode step, stops prompt ``i`` there: its completion keeps
+        the tokens sampled so far, ``finish_reason`` ``abort`` (a server's ``/abort_request``).
 
         Each sequence's generator is seeded with ``seeds[i]`` when given, else with
         ``sequence_seed(params.seed, keys[i])`` (``keys`` unique per sequence).
@@ -195,9 +202,10 @@ class LocalEngine:
         results: list[Completion | None] = [None] * len(prompts)
         for cached, indices, rows in plan:
             batch_prompts = [prompts[i] for i in indices]
+            stop_rows = None if abort is None else (lambda indices=indices: [abort(i) for i in indices])
             completions, state = self._generate_batch(batch_prompts, [seeds[i] for i in indices], params,
                                                       top_logprobs_num, cached=cached, rows=rows,
-                                                      keep_cache=caches is not None)
+                                                      keep_cache=caches is not None, abort=stop_rows)
             if caches is not None:
                 caches.keep(CachedBatch([sessions[i] if sessions is not None else "" for i in indices], *state))
             for index, completion in zip(indices, completions):
@@ -266,9 +274,9 @@ class LocalEngine:
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams,
                         top_logprobs_num: int = 0, *, cached: CachedBatch | None = None, rows: Sequence[int] = (),
-                        keep_cache: bool = False) -> tuple[list[Completion], tuple]:
+                        keep_cache: bool = False, abort: Callable[[], list[bool]] | None = None) -> tuple[list[Completion], tuple]:
         """Sample one batch; with ``keep_cache`` also returns ``(ids, cache, attention)``: what its
-        cache covers per row (else ``()``)."""
+        cache covers per row (else ``()``); ``abort()``: the rows to stop after each step."""
         device = self.device
         batch = len(prompts)
         if cached is None:
@@ -287,6 +295,7 @@ class LocalEngine:
 
         chosen_steps, log_prob_steps, top_steps = [], [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        aborted = torch.zeros(batch, dtype=torch.bool, device=device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
         for step in range(params.max_new_tokens):
             outputs = self.model(
@@ -304,6 +313,10 @@ class LocalEngine:
             chosen_steps.append(torch.where(finished, -1, chosen))
             log_prob_steps.append(chosen_log_probs)
             finished |= torch.isin(chosen, stops)
+            if abort is not None:
+                stopped = torch.tensor(abort(), dtype=torch.bool, device=device) & ~finished
+                aborted |= stopped
+                finished |= stopped
             if bool(finished.all()) or step + 1 == params.max_new_tokens:
                 break
             step_ids = chosen.unsqueeze(-1)
@@ -311,6 +324,8 @@ class LocalEngine:
             positions = positions[:, -1:] + 1
         recorded = torch.stack(chosen_steps, dim=1)
         results = _completions(recorded, log_prob_steps, top_steps if top_logprobs_num > 0 else None, params)
+        for row in aborted.nonzero().flatten().tolist():
+            results[row].finish_reason = "abort"
         if not keep_cache:
             return results, ()
         # The cache holds every token fed after the first forward (all chosen ones but the last); a

@@ -28,6 +28,7 @@ gives about 0.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class ServerSettings:
 
     url: str
     info: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)  # its /model_info answer, where read
 
     @classmethod
     def read(cls, client) -> "ServerSettings":
@@ -65,6 +67,33 @@ class ServerSettings:
         """True only when the server says ``enable_deterministic_inference``: then a sequence's
         samples are a function of its ``sampling_seed``."""
         return self.info.get("enable_deterministic_inference") is True
+
+    @property
+    def version(self) -> str | None:
+        """The server's release (SGLang's ``version``; ``glmpost serve`` reports glmpost's)."""
+        version = self.info.get("version")
+        return None if version is None else str(version)
+
+    @property
+    def engine(self) -> str:
+        """``glmpost-serve`` for ``glmpost serve`` (its /model_info says so), else ``sglang``."""
+        return str(self.model.get("engine") or "sglang")
+
+    @property
+    def preferred_sampling_params(self) -> dict:
+        """SGLang's ``--preferred-sampling-params`` (/model_info, else /server_info; a JSON string
+        there), ``{}`` for none."""
+        value = self.model.get("preferred_sampling_params", self.info.get("preferred_sampling_params"))
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return {"<unreadable>": value}
+        return value if isinstance(value, dict) else {}
+
+    def facts(self) -> dict:
+        """What a stage records of the server: its URL, engine and release."""
+        return {"url": self.url, "engine": self.engine, "version": self.version}
 
     @property
     def log_prob_kind(self) -> str | None:

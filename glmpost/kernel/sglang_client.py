@@ -18,7 +18,10 @@ first entry's logprob is ``None``; ``finish_reason`` is ``{"type": "stop", "matc
 ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
 
 An ``api_key`` is sent as ``Authorization: Bearer KEY`` (SGLang's ``--api-key``) and never appears in
-a message. Failures: connection errors, timeouts and HTTP 5xx are retried ``retries`` times with
+a message; an ``admin_api_key`` (SGLang's ``--admin-api-key``, 2026-01, #15908) goes instead with the
+control routes (:data:`ADMIN_ROUTES`), which then take only that key (SGLang's ``utils/auth.py``
+``decide_request_auth``: ``ADMIN_OPTIONAL`` routes want the admin key when one is set, else the API
+key; the other routes want the API key). Failures: connection errors, timeouts and HTTP 5xx are retried ``retries`` times with
 exponential backoff (``backoff * 2**attempt`` seconds); HTTP 4xx is not retried (a 401 says whether
 a key was sent). A request that finally fails
 raises :class:`ServerError` (a :class:`~glmpost.errors.GlmpostError`, so a CLI prints one line).
@@ -34,13 +37,13 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 
-__all__ = ["SGLangClient", "ServerError", "check_api_key", "parse_server_urls", "without_api_key"]
+__all__ = ["ADMIN_ROUTES", "SGLangClient", "ServerError", "check_api_key", "parse_server_urls", "without_api_key"]
 
 
 class ServerError(GlmpostError):
@@ -78,23 +81,26 @@ def parse_server_urls(value: str | Sequence[str]) -> list[str]:
     return urls
 
 
-def check_api_key(key: str | None) -> str | None:
+def check_api_key(key: str | None, field: str = "api_key") -> str | None:
     """``key`` when it can go in an HTTP header (printable ASCII, no spaces), None for none or "".
 
-    Raises :class:`~glmpost.config.ConfigError` naming the ``api_key`` setting (every config that
-    holds a key calls it so) and never repeating the key."""
+    Raises :class:`~glmpost.config.ConfigError` naming the setting ``field`` that holds it (every
+    config that holds a key calls it so) and never repeating the key."""
     if key is None or key == "":
         return None
     if not all("!" <= ch <= "~" for ch in key):
-
-        raise ConfigError("{api_key}: an API key must be printable ASCII without spaces")
+        raise ConfigError("{%s}: an API key must be printable ASCII without spaces" % field)
     return key
 
 
 def without_api_key(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` without ``api_key``: what stage.json, shard headers and logs may record."""
-    return {name: value for name, value in options.items() if name != "api_key"}
+    """``options`` without ``api_key`` and ``admin_api_key``: what stage.json, shard headers and logs may record."""
+    return {name: value for name, value in options.items() if name not in ("api_key", "admin_api_key")}
 
+
+# SGLang's ADMIN_OPTIONAL routes (entrypoints/http_server.py ``@auth_level``) that glmpost calls.
+ADMIN_ROUTES = frozenset({"/update_weights_from_disk", "/abort_request", "/flush_cache", "/pause_generation",
+                          "/continue_generation", "/update_weight_version"})
 
 _RETRYABLE_EXCEPTIONS = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
                          http.client.HTTPException, OSError)
@@ -109,27 +115,37 @@ class SGLangClient:
         retries: extra attempts after a connection error, timeout or 5xx (0 = try once).
         backoff: seconds before the first retry; doubled before each further one.
         api_key: sent as ``Authorization: Bearer KEY`` with every request (None: no header).
+        admin_api_key: sent instead of ``api_key`` with the control routes (:data:`ADMIN_ROUTES`).
     """
 
     def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
-                 api_key: str | None = None):
+                 api_key: str | None = None, admin_api_key: str | None = None):
         self.url = parse_server_urls(url)[0]
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self.api_key = check_api_key(api_key)
+        self.admin_api_key = check_api_key(admin_api_key, "admin_api_key")
         self._settings: dict | None = None
+
+    def copy(self, **changes: Any) -> "SGLangClient":
+        """The same server and keys with other ``timeout`` / ``retries`` / ``backoff``."""
+        settings = {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, **changes}
+        return type(self)(self.url, api_key=self.api_key, admin_api_key=self.admin_api_key, **settings)
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
 
     # ------------------------------------------------------------------ transport
 
-    def request(self, method: str, path: str, body: Any = None, *, ok_statuses: Iterable[int] = ()) -> Any:
+    def request(self, method: str, path: str, body: Any = None, *, ok_statuses: Iterable[int] = (),
+                before_retry: Callable[[ServerError], None] | None = None) -> Any:
         """One JSON request with retries; returns the decoded JSON answer (None for an empty body).
 
         ``ok_statuses`` are non-2xx statuses whose JSON body is returned instead of raising (SGLang
         answers a refused weight update with HTTP 400 and ``{"success": false, ...}``).
+        ``before_retry(error)`` runs before each retry of a request that got no answer (a timeout or
+        a dropped connection: the server may still be working on it), e.g. to abort it there first.
         """
         ok = set(ok_statuses)
         data = None if body is None else json.dumps(body).encode()
@@ -137,6 +153,8 @@ class SGLangClient:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
+                if before_retry is not None and last is not None and last.status is None:
+                    before_retry(last)
             try:
                 return self._once(method, path, data, ok)
             except ServerError as exc:
@@ -146,14 +164,29 @@ class SGLangClient:
         assert last is not None
         raise ServerError(f"{last} (after {self.retries + 1} attempts)", url=self.url, status=last.status, retryable=True)
 
-    def _headers(self, data: bytes | None) -> dict[str, str]:
+    def _headers(self, data: bytes | None, path: str) -> dict[str, str]:
+        """JSON, and the key the route takes: the admin key on a control route when one is given, else the API key."""
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        if self.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        admin = self.admin_api_key is not None and path.split("?", 1)[0] in ADMIN_ROUTES
+        key = self.admin_api_key if admin else self.api_key
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
         return headers
 
+    def _refused_key(self, path: str) -> str:
+        """What an HTTP 401 on ``path`` means, naming the key that was (or was not) sent."""
+        admin = path.split("?", 1)[0] in ADMIN_ROUTES
+        if admin and self.admin_api_key is not None:
+            return "the server refused the admin API key"
+        if admin:
+            return ("the server refused the API key on a control route (a server launched with --admin-api-key takes "
+                    "only that key there: pass admin_api_key)" if self.api_key is not None
+                    else "the server wants a key on this control route and none was given (api_key, or admin_api_key "
+                    "for a server launched with --admin-api-key)")
+        return "the server refused the API key" if self.api_key is not None else "the server wants an API key and none was given"
+
     def _once(self, method: str, path: str, data: bytes | None, ok: set[int]) -> Any:
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data))
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data, path))
         where = f"{method} {self.url}{path}"
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:
@@ -163,9 +196,8 @@ class SGLangClient:
             if exc.code in ok:
                 return _decode(raw, where, self.url)
             detail = _error_detail(raw) or exc.reason
-            if exc.code == 401:
-                detail = (f"{detail}: the server refused the API key" if self.api_key is not None
-                          else f"{detail}: the server wants an API key and none was given")
+            if exc.code in (401, 403):
+                detail = f"{detail}: {self._refused_key(path)}"
             raise ServerError(f"{where}: HTTP {exc.code}: {detail}", url=self.url, status=exc.code,
                               retryable=exc.code >= 500) from None
         except _RETRYABLE_EXCEPTIONS as exc:
@@ -269,12 +301,36 @@ class SGLangClient:
                            "output_top_logprobs": [[[lp, id, None], ...], ...], "input_top_logprobs": [None, [...], ...]}}
 
         ``logprob_start_len`` -1 asks for no input log-probs (``input_token_logprobs`` empty). Further
-        ``fields`` (``rid``, ``return_text_in_logprobs``) go into the body as they are.
+        ``fields`` (``return_text_in_logprobs``, ...) go into the body as they are. With ``rid`` (a
+        string, or one per sequence of a batch) a request that times out or loses its connection is
+        aborted on the server (``/abort_request``) before it is sent again, so the server never
+        generates the same sequences twice.
         """
         body = {"input_ids": [list(map(int, x)) for x in input_ids] if _is_batch(input_ids) else list(map(int, input_ids)),
                 "sampling_params": sampling_params, "return_logprob": return_logprob,
                 "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num, **fields}
-        return self.request("POST", "/generate", body)
+        rids = fields.get("rid")
+        if rids is None:
+            return self.request("POST", "/generate", body)
+        rids = [rids] if isinstance(rids, str) else list(rids)
+        return self.request("POST", "/generate", body, before_retry=lambda _: self.abort_quietly(rids))
+
+    def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> Any:
+        """``POST /abort_request``: stop request ``rid`` (or every request, ``abort_all``); SGLang answers
+        the aborted requests themselves with ``finish_reason`` ``abort`` and their partial output."""
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        return self.request("POST", "/abort_request", body)
+
+    def abort_quietly(self, rids: Sequence[str]) -> None:
+        """Abort ``rids`` once each where the server answers (if not, the retry fails on its own)."""
+        once = self.copy(retries=0, timeout=min(self.timeout, 30.0))
+        for rid in rids:
+            try:
+                once.abort_request(rid)
+            except ServerError:
+                return
 
     def score(self, input_ids: Sequence[int], logprob_start_len: int, top_logprobs_num: int = 0) -> dict:
         """Log-probs of the given tokens ``input_ids[logprob_start_len:]``, each under its own prefix.

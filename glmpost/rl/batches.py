@@ -20,6 +20,7 @@ import torch
 from glmpost.config import ConfigError
 from glmpost.formats.windows import context_windows, window_inputs
 from glmpost.rl.advantages import cross_segment_factor, group_advantages, later_trainable_tokens
+from glmpost.stage import log
 
 TRAINABLE_STATUSES = ("completed", "truncated")
 
@@ -79,14 +80,16 @@ def usable_records(records: Sequence[dict[str, Any]], *, need_reward: bool) -> t
 def version_lag(record: dict[str, Any], version: int) -> int | None:
     """How many policy versions before ``version`` the record's oldest action token was sampled
     (``version - min(policy_versions[actions])``; negative: sampled by a newer policy); None for a
-    record without ``policy_versions`` or without an action token (imported data)."""
+    record without ``policy_versions`` or without an action token (imported data), or with an
+    action token of unknown version (-1: a server that reported no policy version)."""
     versions = record.get("policy_versions")
     if versions is None:
         return None
     actions = np.asarray(record["action_mask"], dtype=bool) & ~np.asarray(record["observation_mask"], dtype=bool)
     if not actions.any():
         return None
-    return int(version - np.asarray(versions)[actions].min())
+    oldest = int(np.asarray(versions)[actions].min())
+    return None if oldest < 0 else version - oldest
 
 
 def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_lag: int, stage: str,
@@ -110,6 +113,10 @@ def check_version_lags(records: Sequence[dict[str, Any]], version: int, *, max_l
                               version=version)
         key = "unknown" if lag is None else str(lag)
         counts[key] = counts.get(key, 0) + 1
+    if counts.get("unknown"):
+        log(f"{stage}: {counts['unknown']} of {len(records)} records carry no policy version for their action tokens "
+            "(imported data, or a server that reported none): their staleness cannot be checked, nor IcePop's same-weights "
+            "assumption")
     return counts
 
 

@@ -203,7 +203,7 @@ class _FollowLoop:
         self.versions.append(version)
         depth = spool.depth()
         self.metrics.write(**{"follow/policy_version": version, "follow/updates": counts["updates"],
-                              **{f"follow/version_lag/{lag}": n for lag, n in sorted(lags.items(), key=lambda kv: int(kv[0]))},
+                              **{f"follow/version_lag/{lag}": n for lag, n in sorted(lags.items(), key=lambda kv: (kv[0] == "unknown", 0 if kv[0] == "unknown" else int(kv[0])))},
                               "follow/records": counts["records"], "follow/trained_records": counts["trained_records"],
                               "follow/shards": len(self.pending_claims), "follow/queue_ready": depth.ready,
                               "follow/queue_claimed": depth.claimed, "follow/dropped_records": self.dropped,

@@ -252,6 +252,10 @@ def _sample(generate: GenerateFn, trajectories: list[Trajectory], keys: Sequence
         turn = Turn(completion, server=served(key), version=version, kind="summary" if summary else "action",
                     context=trajectory.next_context, sampled_on=len(prompt))
         trajectory.next_context = None
+        if completion.finish_reason == "abort":  # the server stopped it: its partial turn is kept, the trajectory ends
+            trajectory.turns.append(turn)
+            trajectory.status, trajectory.reason = "aborted", reason
+            continue
         delivered.append((index, turn, version))
     return delivered
 

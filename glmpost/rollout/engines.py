@@ -9,6 +9,7 @@ never a lost prompt, unless every request would fail alike (a refused key or fie
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
@@ -21,17 +22,24 @@ from glmpost.config import ConfigError
 from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.kernel.loading import load_model, load_tokenizer
-from glmpost.kernel.server_settings import ServerSettings, probe_log_prob_kind, probe_prompts, rejected_field
+from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts, rejected_field
 from glmpost.kernel.sglang_client import ServerError
-from glmpost.kernel.sglang_pool import SGLangPool
-from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
+from glmpost.kernel.sglang_sampling import FIELD_SINCE, refused_message
+from glmpost.rollout.records import as_version, completion_from_sglang, sglang_sampling_params
+from glmpost.rollout.servers import (
+    Outcome,
+    api_key_error,
+    checked_sampling,
+    connect_servers,
+    continued,
+    one_by_one,
+    version_stamp,
+)
 from glmpost.stage import log
 
 if TYPE_CHECKING:
     from glmpost.rollout.settings import RolloutConfig
 
-# What an engine returns per sequence: (completion | None, weight_version, abort_reason).
-Outcome = tuple[Optional[Completion], Any, Optional[str]]
 
 
 def eos_id_list(default_stops: int | list[int] | None) -> list[int]:
@@ -152,11 +160,16 @@ class SGLangBackend:
     Each server's settings are read once (``settings``, in pool order): records say
     ``seed_reproducible`` only when every server does, and carry the servers' log-prob kind
     (``kind_setting``, or with ``auto`` the one they report, else the one
-    :func:`~glmpost.kernel.server_settings.probe_log_prob_kind` finds on ``probe_prompts``).
+    :func:`~glmpost.kernel.server_settings.probe_log_prob_kind` finds on ``probe_prompts``), and each
+    token the version of the weights that sampled it (``stamp``: :func:`~glmpost.rollout.servers.version_stamp`).
+    Every sequence is sent with its own ``rid``, so a request that timed out is aborted on the
+    server before it is sent again; a sequence the server aborted (a weight switch, ``/abort_request``)
+    is continued from its partial output with the rest of its budget, ``max_continuations`` times.
     """
 
     def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int,
-                 settings: Sequence[Any] = (), kind_setting: str = "auto", probe_prompts: Sequence[list[int]] = ()):
+                 settings: Sequence[Any] = (), kind_setting: str = "auto", probe_prompts: Sequence[list[int]] = (),
+                 stamp: Any = None, max_continuations: int = 3):
         self.pool = pool
         self.model_config = model_config
         self.default_stops = default_stops
@@ -165,9 +178,12 @@ class SGLangBackend:
         self.kind_setting = kind_setting
         self.probe_prompts = list(probe_prompts)
         self.seed_reproducible = bool(self.settings) and all(s.seed_reproducible for s in self.settings)
+        self.stamp = stamp or (lambda version: as_version(version))
+        self.max_continuations = max_continuations
         self.params: SamplingParams | None = None
         self.sglang_params: dict[str, Any] = {}
         self._served: dict[str, str] = {}
+        self._run_id = uuid.uuid4().hex[:12]
 
     @classmethod
     def open(cls, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any = None) -> "SGLangBackend":
@@ -182,21 +198,28 @@ class SGLangBackend:
         except OSError:
             default_stops = model_config.eos_token_id
         pool, settings = connect_servers(config, revision=checkpoint.revision, version_dir=checkpoint.version_dir)
+        stamps = [version_stamp(s, config.engine.unversioned_server, checkpoint.policy_version) for s in settings]
         return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size,
                    settings=settings, kind_setting=config.engine.server_log_prob_kind,
-                   probe_prompts=probe_prompts(checkpoint.tokenizer))
+                   probe_prompts=probe_prompts(checkpoint.tokenizer), stamp=stamps[0],
+                   max_continuations=config.engine.max_continuations)
+
+    def server_facts(self) -> list[dict]:
+        """Each server's URL, engine and release, as stage.json records them."""
+        return [s.facts() for s in self.settings]
 
     def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
         """Translate ``params`` to SGLang's sampling params (refused when SGLang cannot express them),
-        check that every server takes them (one 1-token request each), and set
-        ``params.log_prob_kind`` to the kind the servers' log-probs are of, which records carry."""
+        check that every server takes them as they are (:func:`~glmpost.rollout.servers.checked_sampling`),
+        and set ``params.log_prob_kind`` to the kind the servers' log-probs are of, which records carry."""
         try:
             self.sglang_params = sglang_sampling_params(params, eos_ids)
         except ValueError as exc:
             raise ConfigError("{engine_name} sglang {stop_token_ids}: {reason}", reason=exc) from None
         self.params = params
-        for client in self.pool.clients:
-            self._check_fields(client)
+        probe = self.probe_prompts[0] if self.probe_prompts else [0]
+        for client, settings in zip(self.pool.clients, self.settings):
+            self.sglang_params = checked_sampling(client, settings, self.sglang_params, probe, self._run_error)
         kinds = {client.url: self._server_kind(client, settings) for client, settings in zip(self.pool.clients, self.settings)}
         if len(set(kinds.values())) > 1:
             shown = ", ".join(f"{url} {kind}" for url, kind in kinds.items())
@@ -204,20 +227,6 @@ class SGLangBackend:
                               shown=shown, exit_code=1)
         if kinds:
             params.log_prob_kind = next(iter(kinds.values()))
-
-    def _check_fields(self, client: Any) -> None:
-        """One 1-token request with the run's sampling params: a server that refuses one of its
-        fields, or the API key, fails the whole run here, before any shard."""
-
-        prompt = self.probe_prompts[0] if self.probe_prompts else [0]
-        try:
-            client.generate(prompt, {**self.sglang_params, "max_new_tokens": 1, "sampling_seed": 0}, return_logprob=True)
-        except ServerError as exc:
-            fatal = self._run_error(exc)
-            if fatal is not None:
-                raise fatal from None
-            raise ConfigError("{server} {url} refused this rollout's sampling settings ({reason})", url=client.url,
-                              reason=exc, exit_code=1) from None
 
     def _server_kind(self, client: Any, settings: Any) -> str:
         """The log-prob kind of one server: the setting (which must not contradict what the server
@@ -246,15 +255,14 @@ class SGLangBackend:
         """The one error for the whole run that a failed request is when every request would fail
         alike (the API key refused, a sampling field rejected), else None (the request is aborted)."""
 
-        if exc.status == 401:
+        if exc.status in (401, 403):
             return api_key_error(exc)
         field_name = rejected_field(exc, [*self.sglang_params, "sampling_seed"])
         if field_name is None:
             return None
-        hint = ("; SGLang builds without sampling_seed cannot reproduce a sequence from its seed: upgrade the server"
-                if field_name == "sampling_seed" else "")
         return ConfigError("{server} {url} rejects sampling_params.{field} ({reason}){hint}", url=exc.url,
-                           field=field_name, reason=exc, hint=hint, exit_code=1)
+                           field=field_name, reason=exc, hint=f"; {refused_message(field_name)}"
+                           if field_name in FIELD_SINCE else "", exit_code=1)
 
     def engine_name(self) -> str:
         """The name stamped in each record's engine map."""
@@ -263,16 +271,36 @@ class SGLangBackend:
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
                  homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None,
                  max_new_tokens: Optional[int] = None) -> list[Outcome]:
-        """One /generate batch request per ``batch_size`` chunk (the local engine's batches), in
-        parallel (``max_new_tokens``: this call's, overriding the run's); a chunk whose request finally failed comes back aborted with the reason, unless
-        every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run).
+        """Every sequence sampled (``max_new_tokens``: this call's budget, overriding the run's); an
+        aborted one continued from its partial output (:meth:`_requests`), at most
+        ``max_continuations`` times, its tokens then stamped each with its weights' version.
 
         ``homes`` (a server index per sequence) keeps every turn of a multi-turn trajectory on its
-        server, whose prefix cache holds its history (the brief's DP-aware routing): chunks never
-        mix homes and go to their home first, failing over to the next server only when it fails;
-        :meth:`served` says which server answered each key. ``sessions``: the server's prefix cache
-        finds each trajectory's history by its ids, nothing to name."""
+        server, whose prefix cache holds its history (the brief's DP-aware routing). ``sessions``:
+        the server's prefix cache finds each trajectory's history by its ids, nothing to name."""
 
+        budget = self.params.max_new_tokens if max_new_tokens is None else max_new_tokens
+        outcomes = self._requests(sequences, keys, [budget] * len(sequences), homes, attempt=0)
+        for attempt in range(1, self.max_continuations + 1):
+            todo = [i for i, (c, _, _) in enumerate(outcomes) if c is not None and c.finish_reason == "abort"
+                    and len(c.token_ids) < budget]
+            if not todo:
+                break
+            more = self._requests([sequences[i] + outcomes[i][0].token_ids for i in todo], [keys[i] for i in todo],
+                                  [budget - len(outcomes[i][0].token_ids) for i in todo],
+                                  None if homes is None else [homes[i] for i in todo], attempt=attempt)
+            for i, then in zip(todo, more):
+                outcomes[i] = continued(outcomes[i], then)
+        progress.update(len(sequences))
+        return outcomes
+
+    def _requests(self, sequences: list[list[int]], keys: list[str], budgets: list[int], homes: Optional[list[int]],
+                  *, attempt: int) -> list[Outcome]:
+        """One /generate batch request per ``batch_size`` chunk (the local engine's batches), in
+        parallel; a chunk whose request finally failed comes back aborted with the reason, unless
+        every request would fail alike (:meth:`_run_error`: then one ConfigError ends the run).
+        Chunks never mix homes and go to their home first, failing over to the next server only
+        when it fails; :meth:`served` says which server answered each key."""
         everything = list(range(len(sequences)))
         groups = [everything] if homes is None else [[i for i in everything if homes[i] == h] for h in sorted(set(homes))]
         futures = []
@@ -280,7 +308,7 @@ class SGLangBackend:
             for part in _chunks(len(group), self.batch_size):
                 chunk = [group[j] for j in part]
                 index = len(futures) if homes is None else homes[chunk[0]]
-                futures.append((chunk, self._submit(index, chunk, sequences, keys, max_new_tokens)))
+                futures.append((chunk, self._submit(index, chunk, sequences, keys, budgets, attempt)))
         outcomes: list[Optional[Outcome]] = [None] * len(sequences)
         for chunk, future in futures:
             try:
@@ -293,29 +321,40 @@ class SGLangBackend:
                     raise fatal from None
                 for i in chunk:
                     outcomes[i] = (None, None, str(exc))
-            progress.update(len(chunk))
         return outcomes  # type: ignore[return-value]
 
     def served(self, key: str) -> Optional[str]:
         """The URL of the server that answered sequence ``key`` (None before it was sampled)."""
         return self._served.get(key)
 
-    def _submit(self, number: int, chunk: list[int], sequences: list[list[int]], keys: list[str],
-                max_new_tokens: Optional[int] = None) -> Any:
+    def _submit(self, number: int, chunk: list[int], sequences: list[list[int]], keys: list[str], budgets: list[int],
+                attempt: int) -> Any:
         """Queue the request of one chunk on server ``number`` (mod n), each sequence with its own
-        ``sampling_seed``; the future gives ``(url of the server that answered, answers)``."""
-        params = self.sglang_params if max_new_tokens is None else {**self.sglang_params, "max_new_tokens": max_new_tokens}
-        per_seq = [{**params, "sampling_seed": sequence_seed(self.params.seed, keys[i])} for i in chunk]
+        ``sampling_seed`` (a continuation's: another), budget and ``rid``; the future gives ``(url of
+        the server that answered, answers)``. A chunk the server refuses whole (HTTP 4xx: one
+        sequence too long, say) is sent again a sequence at a time, so only that one fails."""
+        params = self.params
+        suffix = "" if attempt == 0 else f"#continued{attempt}"
+        per_seq = [{**self.sglang_params, "max_new_tokens": budgets[i],
+                    "sampling_seed": sequence_seed(params.seed, keys[i] + suffix)} for i in chunk]
         ids = [sequences[i] for i in chunk]
-        return self.pool.submit(number, lambda c, ids=ids, sp=per_seq: (c.url, c.generate(ids, sp, return_logprob=True)))
+        rids = [f"glmpost-{self._run_id}-{keys[i]}{suffix}" for i in chunk]
+        return self.pool.submit(number, lambda c: (c.url, one_by_one(c, ids, per_seq, rids)))
 
     def _answers(self, answers: Any, expected: int) -> list[Outcome]:
-        """A chunk's answers as outcomes; the wrong number of answers is a failed request."""
+        """A chunk's answers as outcomes, each version stamped; the wrong number of answers is a failed request."""
 
         if not isinstance(answers, list) or len(answers) != expected:
             raise ServerError(f"{len(answers) if isinstance(answers, list) else 'no'} answers for {expected} sequences",
                               url="?")
-        return [completion_from_sglang(a, self.params.stop_token_ids) for a in answers]
+        outcomes = []
+        for answer in answers:
+            if isinstance(answer, ServerError):
+                outcomes.append((None, None, str(answer)))
+                continue
+            completion, version, reason = completion_from_sglang(answer, self.params.stop_token_ids)
+            outcomes.append((completion, self.stamp(version), reason))
+        return outcomes
 
     def close(self) -> None:
         """Stop the pool's request threads."""
@@ -326,54 +365,6 @@ def _chunks(count: int, size: int) -> Iterator[list[int]]:
     """The indices ``0 .. count-1`` in consecutive chunks of ``size``."""
     for start in range(0, count, size):
         yield list(range(start, min(start + size, count)))
-
-
-def api_key_error(exc: Any) -> ConfigError:
-    """A server's HTTP 401 as the run's one error (the message never holds the key)."""
-    return ConfigError("{server} {url} refused the API key (HTTP 401): pass {api_key}", url=exc.url, exit_code=1)
-
-
-def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) -> tuple[Any, list[Any]]:
-    """A pool over the ``server`` URLs, each checked (reachable, serving our tokenizer revision, taking
-    our API key), and each server's settings, in pool order."""
-
-    try:
-        e = config.engine
-        pool = SGLangPool(e.server, concurrency=e.concurrency, timeout=e.timeout, retries=e.retries, api_key=e.api_key)
-    except ValueError as exc:
-        raise ConfigError("{server} {value!r}: {reason}", value=config.engine.server, reason=exc) from None
-    return pool, [check_server(client, config, revision=revision, version_dir=version_dir) for client in pool.clients]
-
-
-def check_server(client: Any, config: RolloutConfig, *, revision: str, version_dir: Path) -> Any:
-    """Ask one server for its model info and settings (quickly); returns its
-    :class:`~glmpost.kernel.server_settings.ServerSettings`, the run's one read of them. An unreachable
-    server, a refused API key or another tokenizer revision is an error; a server that batches fewer
-    sequences than ``batch_size``, or does not say its seeds reproduce, is warned about."""
-
-    quick = type(client)(client.url, timeout=min(config.engine.timeout, 30.0), retries=min(config.engine.retries, 1), backoff=0.2,
-                         api_key=client.api_key)
-    try:
-        info = quick.model_info()
-        settings = ServerSettings.read(quick)
-    except ServerError as exc:
-        if exc.status == 401:
-            raise api_key_error(exc) from None
-        raise ConfigError("{server} {url}: unreachable ({reason})", url=client.url, reason=exc, exit_code=1) from None
-    served = info.get("tokenizer_revision") if isinstance(info, dict) else None
-    if served is None:
-        log(f"--server {client.url} does not report a tokenizer revision (not `glmpost serve`); "
-            f"make sure it serves the tokenizer of {version_dir}")
-    elif served != revision:
-        raise ConfigError("{server} {url} serves tokenizer revision {served}; {checkpoint} {version_dir} has {revision}",
-                          url=client.url, served=served, version_dir=version_dir, revision=revision, exit_code=1)
-    if isinstance(info, dict) and isinstance(info.get("batch_size"), int) and info["batch_size"] < config.batch_size:
-        log(f"--server {client.url} batches {info['batch_size']} sequences, fewer than --batch-size {config.batch_size}: "
-            "log-probs may differ from --engine local in the last bits")
-    if not settings.seed_reproducible:
-        log(f"--server {client.url} does not say enable_deterministic_inference: records get seed_reproducible false "
-            "(a seed may not give the same samples twice)")
-    return settings
 
 
 def open_backend(checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> LocalBackend | SGLangBackend:

@@ -19,6 +19,7 @@ from glmpost.errors import GlmpostError
 from glmpost.formats import SHARD_SUFFIX, iter_checked_records, resolve_shard_paths
 from glmpost.formats.prompts import encode_prompt, read_prompts
 from glmpost.kernel.engine import Completion, SamplingParams
+from glmpost.kernel.sglang_sampling import explicit
 
 
 @dataclass
@@ -32,8 +33,13 @@ class RolloutPrompt:
     source: str = ""  # file:line or shard:record, for error messages
 
 
+# policy_versions of an action token whose weights' version nobody confirmed (SPEC.md §5).
+UNKNOWN_VERSION = -1
+
+
 def as_version(value: Any) -> int | None:
-    """A server's weight_version as a policy version when it is an integer, else None."""
+    """A server's weight_version as a policy version when it is an integer, else None (SGLang
+    reports ``"default"`` when launched without ``--weight-version``)."""
     try:
         return int(value) if value is not None else None
     except (TypeError, ValueError):
@@ -105,7 +111,8 @@ def rollout_record(
     """The trajectory record of one single-turn completion: every response token is an action.
 
     ``token_policy_version`` (default ``policy_version``) stamps ``policy_versions``: the version a
-    server reported for the weights that produced the tokens.
+    server reported for the weights that produced the tokens (:data:`UNKNOWN_VERSION` when it
+    reported none), unless the completion carries one per token.
     """
     length = len(completion.token_ids)
     stamp = policy_version if token_policy_version is None else token_policy_version
@@ -121,7 +128,8 @@ def rollout_record(
         "action_mask": np.ones(length, dtype=bool),
         "observation_mask": np.zeros(length, dtype=bool),
         "rollout_log_probs": np.asarray(completion.log_probs, dtype=np.float32),
-        "policy_versions": np.full(length, stamp, dtype=np.int32),
+        "policy_versions": (np.full(length, stamp, dtype=np.int32) if completion.token_versions is None
+                            else np.asarray(completion.token_versions, dtype=np.int32)),
         "sampling": {**params.to_json(), **engine},
         "tokenizer_revision": tokenizer_revision,
         "segments": [{"start": 0, "end": length, "kind": "action", "turn": 0}],
@@ -178,7 +186,10 @@ def trajectory_record(
                 ids += part
                 actions += [kind != "observation"] * len(part)
                 log_probs += lps
-                versions += [turn_version if kind != "observation" else -1] * len(part)
+                if kind != "observation" and turn.action.token_versions is not None:  # continued across a switch
+                    versions += list(turn.action.token_versions)
+                else:
+                    versions += [turn_version if kind != "observation" else -1] * len(part)
     action_mask = np.asarray(actions, dtype=bool)
     record.update({
         "prompt_token_ids": np.asarray(trajectory.prompt_ids, dtype=np.int32),
@@ -236,18 +247,24 @@ def aborted_record(
     policy_version: int,
     tokenizer_revision: str,
     engine: dict[str, Any],
+    partial: Completion | None = None,
+    token_policy_version: int | None = None,
 ) -> dict[str, Any]:
-    """The record of a sequence the engine never delivered: status ``aborted``, no response tokens,
-    and why in ``extra.status_reason`` — a failed request is recorded, never a lost prompt."""
-    record = rollout_record(prompt, Completion([], [], "length"), sample_index=sample_index, params=params,
-                            policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine)
+    """The record of a sequence the engine never delivered whole: status ``aborted``, the tokens it
+    got before the abort (``partial``; none when the request failed), and why in
+    ``extra.status_reason`` — a failed request is recorded, never a lost prompt."""
+    record = rollout_record(prompt, partial or Completion([], [], "length"), sample_index=sample_index, params=params,
+                            policy_version=policy_version, tokenizer_revision=tokenizer_revision, engine=engine,
+                            token_policy_version=token_policy_version)
     record["status"] = "aborted"
     record["extra"] = {"status_reason": reason}
     return record
 
 
 def sglang_sampling_params(params: SamplingParams, eos_ids: Sequence[int]) -> dict[str, Any]:
-    """SGLang ``sampling_params`` that sample exactly as ``params`` do in the local engine.
+    """SGLang ``sampling_params`` that sample exactly as ``params`` do in the local engine, every
+    key that changes the distribution included (:data:`~glmpost.kernel.sglang_sampling.EXPLICIT_DEFAULTS`:
+    a server's ``--preferred-sampling-params`` fill only what a request leaves out).
 
     SGLang stops at the model's eos ids unless ``ignore_eos`` (which turns off every token stop;
     python/sglang/srt/managers/schedule_batch.py ``_check_token_based_finish``), so a stop set must
@@ -257,7 +274,7 @@ def sglang_sampling_params(params: SamplingParams, eos_ids: Sequence[int]) -> di
     if stops and not set(eos_ids) <= set(stops):
         raise ValueError(f"SGLang always stops at the eos ids {sorted(eos_ids)}: the stop ids {stops} must include them "
                          "(or be 'none')")
-    return {
+    return explicit({
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -266,23 +283,28 @@ def sglang_sampling_params(params: SamplingParams, eos_ids: Sequence[int]) -> di
         "ignore_eos": not stops,
         "no_stop_trim": True,
         "skip_special_tokens": False,
-    }
+    })
 
 
 def completion_from_sglang(answer: dict[str, Any], stop_token_ids: Sequence[int]) -> tuple[Completion | None, str | None, str | None]:
     """``(completion, weight_version, abort_reason)`` from one SGLang ``/generate`` answer.
 
-    The finish reason is decided as the local engine decides it (the last token is a stop id), since
-    SGLang reports ``length`` when a stop token is also the last allowed one.
+    The sequence ended ``stop`` when its last token is a stop id (SGLang reports ``length`` when a
+    stop token is also the last allowed one) or when the server says it stopped: SGLang also stops
+    at the tokenizer's eos and ``additional_stop_token_ids`` (schedule_batch.py
+    ``_check_token_based_finish``), which the run's stop set may not hold.
 
-    The completion is None (and the reason set) when the server aborted the sequence or its answer
-    lacks the evidence a record needs (output ids with their log-probs).
+    An aborted sequence (``finish_reason`` ``abort``: ``/abort_request``, ``abort_all_requests``,
+    ``pause_generation(mode=abort)``; HTTP 200 with the partial output) comes back as a completion
+    of ``finish_reason`` ``abort`` holding the tokens it got, with the server's message as the
+    reason. The completion is None (and the reason set) when the answer lacks the evidence a record
+    needs (output ids with their log-probs).
     """
     meta = answer.get("meta_info") or {}
     finish = meta.get("finish_reason") or {}
     version = meta.get("weight_version")
     kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind not in ("stop", "length"):
+    if kind not in ("stop", "length", "abort"):
         return None, version, f"server finish_reason {finish!r}"
     entries = meta.get("output_token_logprobs") or []
     ids = answer.get("output_ids")
@@ -291,5 +313,9 @@ def completion_from_sglang(answer: dict[str, Any], stop_token_ids: Sequence[int]
     if len(entries) != len(ids) or any(e[0] is None or e[1] != t for e, t in zip(entries, ids)):
         return None, version, "server answer has no log-prob for every output token"
     ids = [int(t) for t in ids]
-    reason = "stop" if ids and ids[-1] in set(stop_token_ids) else "length"
-    return Completion(ids, [float(e[0]) for e in entries], reason), version, None
+    log_probs = [float(e[0]) for e in entries]
+    if kind == "abort":
+        message = finish.get("message") if isinstance(finish, dict) else None
+        return Completion(ids, log_probs, "abort"), version, f"aborted by the server ({message or 'no message'})"
+    reason = "stop" if ids and (ids[-1] in set(stop_token_ids) or kind == "stop") else "length"
+    return Completion(ids, log_probs, reason), version, None

@@ -34,9 +34,10 @@ class Sample:
         return f"{self.prompt.prompt_id}/{self.index}"
 
     def status(self) -> str | None:
-        """``aborted`` when the engine delivered nothing, a trajectory's status, else None."""
+        """``aborted`` when the engine delivered nothing or stopped the sequence early, a
+        trajectory's status, else None."""
         completion = self.outcome[0]
-        if completion is None:
+        if completion is None or completion.finish_reason == "abort":
             return "aborted"
         trajectory = getattr(completion, "trajectory", None)
         return trajectory.status if trajectory is not None else None

@@ -189,7 +189,7 @@ class RolloutRunner:
             backend = open_backend(checkpoint, config, device)
             try:
                 self.prepare(backend, params)
-                self._claim_output(checkpoint)
+                self._claim_output(checkpoint, servers=getattr(backend, "server_facts", list)())
                 plan = plan_shards(prompts, config)
                 totals = self._write_shards(plan, backend, params, checkpoint)
             finally:
@@ -211,15 +211,16 @@ class RolloutRunner:
             check_rebuild_room(prompts, self.builder, self.config.max_new_tokens)
         backend.prepare(params, eos_ids)
 
-    def _claim_output(self, checkpoint: PolicyCheckpoint) -> None:
-        """Create ``out``, refuse one written with other options, record this run's in stage.json."""
+    def _claim_output(self, checkpoint: PolicyCheckpoint, *, servers: list[dict]) -> None:
+        """Create ``out``, refuse one written with other options, record this run's in stage.json
+        (with ``servers``: each server's URL, engine and release)."""
         out = self.config.out
         out.mkdir(parents=True, exist_ok=True)
         facts = {"policy_version": checkpoint.policy_version, "checkpoint": str(checkpoint.version_dir)}
         check_same_options(out, STAGE, self.options, ignore=PER_TASK_OPTIONS, overwrite=self.config.overwrite,
                            facts=facts)
         local = self.config.engine.engine_name == "local"
-        ran = {"attention_ran": attention_ran(checkpoint.version_dir, self.config.attention)} if local else {}
+        ran = {"attention_ran": attention_ran(checkpoint.version_dir, self.config.attention)} if local else {"servers": servers}
         write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
                          policy_version=checkpoint.policy_version, **ran)
 
@@ -313,8 +314,9 @@ class RolloutRunner:
                     record = trajectory_record(prompt, trajectory, env_name=self.environment[0],
                                                token_policy_version=as_version(version), drift=trajectory.drift,
                                                compaction=self.compaction, **common)
-                elif completion is None:
-                    record = aborted_record(prompt, reason, **common)
+                elif completion is None or completion.finish_reason == "abort":  # with its partial tokens, if any
+                    record = aborted_record(prompt, reason, partial=completion, token_policy_version=as_version(version),
+                                            **common)
                 else:
                     record = rollout_record(prompt, completion, token_policy_version=as_version(version), **common)
                 if sample.replaces is not None:

@@ -16,12 +16,13 @@ from glmpost.kernel.distribution import LOG_PROB_KINDS
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.sglang_client import check_api_key
 from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, resume_pieces
+from glmpost.rollout.servers import UNVERSIONED
 from glmpost.stage import recorded_options
 
 ENGINES = ("local", "sglang")
 # Options that may differ between the tasks or reruns writing one output directory.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
-                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
+                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key", "admin_api_key")
 
 @dataclass
 class EngineConfig:
@@ -34,6 +35,18 @@ class EngineConfig:
     retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
     api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
                                      "KEY' (never recorded).", cli={"show_default": False})
+    admin_api_key: Optional[str] = setting(
+        None, "With --engine sglang: the servers' admin key (SGLang's --admin-api-key), sent instead of --api-key on "
+        "their control routes (/abort_request, to stop a request that timed out before it is sent again; never "
+        "recorded).", cli={"show_default": False})
+    unversioned_server: str = setting(
+        "refuse", "With --engine sglang: a server that reports no integer weight_version (SGLang's 'default': launched "
+        "without --weight-version, never synced): refuse (one error), unknown (its tokens' policy_versions -1; trainers "
+        "say their staleness is unknown) or checkpoint (stamped with --checkpoint's policy version, on your word).")
+    max_continuations: int = setting(
+        3, "With --engine sglang: times a sequence the server aborted (a weight switch, /abort_request) is continued "
+        "from its partial output with the rest of its token budget; then it is recorded aborted with its partial "
+        "tokens.", min=0)
     server_log_prob_kind: str = setting(
         "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
@@ -48,7 +61,11 @@ class EngineConfig:
         if self.server_log_prob_kind != "auto" and self.server_log_prob_kind not in LOG_PROB_KINDS:
             raise ConfigError("{server_log_prob_kind} must be auto or one of {kinds}, got {value!r}",
                               kinds=", ".join(LOG_PROB_KINDS), value=self.server_log_prob_kind)
+        if self.unversioned_server not in UNVERSIONED:
+            raise ConfigError("{unversioned_server} must be one of {choices}, got {value!r}", choices=", ".join(UNVERSIONED),
+                              value=self.unversioned_server)
         check_api_key(self.api_key)
+        check_api_key(self.admin_api_key, "admin_api_key")
 
 
 @dataclass
@@ -187,7 +204,7 @@ class RolloutConfig:
     def as_options(self) -> dict[str, Any]:
         """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,
         ``api_key`` is never recorded)."""
-        return recorded_options(flat_values(self), leave_out=("overwrite", "api_key"))
+        return recorded_options(flat_values(self), leave_out=("overwrite", "api_key", "admin_api_key"))
 
 
 def parse_stop_ids(value: str, default: list[int]) -> list[int]:

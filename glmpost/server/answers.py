@@ -77,7 +77,9 @@ def sequence_answer(item: SequenceRequest, completion: Completion | None, scores
     if completion is not None:
         cut = stop_string_cut(completion.token_ids, item.stop_strs, tokenizer,
                               stopped_by_token=completion.finish_reason == "stop")
-        if cut is not None:
+        if completion.finish_reason == "abort":  # SGLang's FINISH_ABORT.to_json, the partial output kept
+            finish = {"type": "abort", "message": item.abort_message, "status_code": None, "err_type": None}
+        elif cut is not None:
             completion = cut_completion(completion, cut[0])
             finish = {"type": "stop", "matched": cut[1]}
         elif completion.finish_reason == "stop":
@@ -104,14 +106,14 @@ def _log_prob_meta(item: SequenceRequest, completion: Completion | None, scores:
     out_ids = completion.token_ids if completion is not None else []
     meta: dict[str, Any] = {
         "output_token_logprobs": rows.entries(completion.log_probs, out_ids) if completion else [],
-        "input_token_logprobs": rows.entries([None], item.prompt[start : start + 1])
-        + (rows.entries(scores.log_probs, item.prompt[start + 1 :]) if scores else []),
+        "input_token_logprobs": (rows.entries([None], item.prompt[start : start + 1])
+                                 + (rows.entries(scores.log_probs, item.prompt[start + 1 :]) if scores else [])),
     }
     if item.top_logprobs_num > 0:
         meta["output_top_logprobs"] = ([rows.entries(lps, ids) for ids, lps in zip(completion.top_ids, completion.top_log_probs)]
                                        if completion else [])
-        meta["input_top_logprobs"] = [None] + ([rows.entries(lps, ids) for ids, lps in zip(scores.top_ids, scores.top_log_probs)]
-                                               if scores else [])
+        meta["input_top_logprobs"] = [None] * len(item.prompt[start : start + 1]) + (
+            [rows.entries(lps, ids) for ids, lps in zip(scores.top_ids, scores.top_log_probs)] if scores else [])
     return meta
 
 
@@ -127,8 +129,9 @@ class _Rows:
 
 
 def input_start(item: SequenceRequest) -> int:
-    """SGLang's default logprob_start_len -1 means the last input token (one input entry)."""
-    return len(item.prompt) - 1 if item.logprob_start_len < 0 else item.logprob_start_len
+    """SGLang's logprob_start_len -1 (its default) means no input log-probs since #15922
+    (2025-12-28): the start is the prompt's length."""
+    return len(item.prompt) if item.logprob_start_len < 0 else item.logprob_start_len
 
 
 __all__ = [

@@ -16,14 +16,20 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
   contains one; ``finish_reason`` ``{"type": "stop", "matched": "STRING"}``), ``ignore_eos``,
   ``sampling_seed``, ``no_stop_trim`` (``text`` keeps the matched stop); ``skip_special_tokens``,
   ``spaces_between_special_tokens``, ``stream_interval``, ``custom_params`` accepted and ignored;
-  penalties, ``min_p``, ``min_new_tokens``, ``n`` and grammars refused unless at their defaults),
+  penalties, ``min_p``, ``min_new_tokens``, ``n``, grammars, ``logit_bias`` and ``stop_regex``
+  refused unless at their defaults (None is every key's default); a key SGLang's ``SamplingParams``
+  lacks is answered as SGLang does, a bare HTTP 500),
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``
   (entries ``[logprob, id, token_text]``), ``rid`` (echoed as ``meta_info["id"]``; a batch's string
   ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence). Answer per sequence
   ``{"text", "output_ids", "meta_info"}`` (:mod:`glmpost.server.answers`).
 * ``POST /update_weights_from_disk``: ``model_path``, ``weight_version``, ``flush_cache``,
-  ``abort_all_requests``; answer ``{"success", "message", "num_paused_requests"}`` (HTTP 400 when
+  ``abort_all_requests`` (the queued and running requests stop first, answered ``abort`` with their
+  partial output); answer ``{"success", "message", "num_paused_requests"}`` (HTTP 400 when
   refused; the old weights stay).
+* ``POST /abort_request``: ``rid`` (a batch's ``rid`` stops each ``rid_i``) or ``abort_all``; a
+  queued sequence answers at once, a running one after its current decode step, each with
+  ``finish_reason`` ``{"type": "abort", "message", "status_code", "err_type"}`` and the tokens it has.
 * ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``; ``GET /server_info`` (also
   ``/get_server_info``, its older name): the model info, ``enable_deterministic_inference`` (always
   true: a sequence's tokens and log-probs follow from its ``sampling_seed``), ``log_prob_kind``,
@@ -38,7 +44,7 @@ wait. Concurrent single-sequence requests are merged into one engine batch (up t
 batch request runs as its own batch(es), exactly as the in-process engine would run the same list,
 so ``rollout --engine sglang`` reproduces ``--engine local`` bit for bit. Weight swaps happen between
 batches. Output log-probs are of the server's ``log_prob_kind`` (:mod:`glmpost.kernel.distribution`;
-by default ``sampled``, the distribution sampled from: temperature, top-k, top-p; greedy requests
+by default ``tempered``, as SGLang's: ``log_softmax(z / T)`` before top-k and top-p; greedy requests
 ``raw``); input log-probs are the model's own (temperature 1), by the trainer's formula.
 
 This module holds :class:`EngineServer` (the worker, request batching, weight swaps) and checkpoint
@@ -52,7 +58,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -63,7 +68,7 @@ from glmpost import __version__
 from glmpost.checkpoints import resolve_checkpoint, tokenizer_revision
 from glmpost.errors import GlmpostError
 from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
-from glmpost.kernel.engine import Scores
+from glmpost.kernel.engine import Completion, Scores
 from glmpost.server.answers import input_start, sequence_answer
 from glmpost.server.loading import load_checkpoint
 from glmpost.server.parsing import RequestError, SequenceRequest, parse_generate
@@ -112,6 +117,7 @@ class EngineServer:
         self._recent_peak = 1
         self._peak_now = 0
         self._last_arrival = 0.0
+        self._running: list[SequenceRequest] = []  # the batch the worker runs now
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
         # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
         # and tokens generated, prompt tokens read from the prefix cache, and the seconds the engine
@@ -201,12 +207,21 @@ class EngineServer:
         return {**self.model_info(), "enable_deterministic_inference": True, "log_prob_kind": self.log_prob_kind,
                 "version": __version__, "attention": self.attention, "batch_wait_s": self.batch_wait_s, "stats": stats}
 
+    def abort_request(self, body: Any) -> int:
+        """``POST /abort_request``: ``rid`` (a string) or ``abort_all`` (SGLang's ``AbortReq``)."""
+        if not isinstance(body, dict) or not (isinstance(body.get("rid"), str) or body.get("abort_all") is True):
+            raise RequestError("abort_request needs rid (a string) or abort_all true")
+        message = body.get("abort_message") or "Abort by /abort_request"
+        return self.abort(body.get("rid") if not body.get("abort_all") else None, abort_all=body.get("abort_all") is True,
+                          message=str(message))
+
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
             raise RequestError("update_weights_from_disk needs model_path (a checkpoint directory)")
         version = body.get("weight_version")
-        job = _Job("update", {"model_path": body["model_path"], "weight_version": None if version is None else str(version),
-                              "abort_all_requests": bool(body.get("abort_all_requests", False))})
+        job = _Job("update", {"model_path": body["model_path"], "weight_version": None if version is None else str(version)})
+        if body.get("abort_all_requests", False):  # SGLang: the running requests stop too, their partial output answered
+            self.abort(abort_all=True, message="Abort by update_weights_from_disk")
         answer = self.submit(job)
         return (HTTPStatus.OK if answer["success"] else HTTPStatus.BAD_REQUEST), answer
 
@@ -284,7 +299,7 @@ class EngineServer:
         started = time.perf_counter()
         # Input log-probs (SGLang's input_token_logprobs): entries for positions start .. P-1, the
         # first one None (it has no prefix in the request's window), so score start+1 .. P-1.
-        need_scores = [i for i, it in enumerate(items) if it.return_logprob and it.logprob_start_len + 1 < len(it.prompt)]
+        need_scores = [i for i, it in enumerate(items) if it.return_logprob and input_start(it) + 1 < len(it.prompt)]
         scores: dict[int, Scores] = {}
         for top_n in sorted({items[i].top_logprobs_num for i in need_scores}):
             idx = [i for i in need_scores if items[i].top_logprobs_num == top_n]
@@ -300,12 +315,17 @@ class EngineServer:
                        it.top_logprobs_num)
                 groups.setdefault(key, []).append(i)
         completions, cached = {}, {}
+        with self._cond:
+            self._running = list(items)
         for key, idx in groups.items():
             outs = engine.generate([items[i].prompt for i in idx], None, items[idx[0]].params,
-                                   seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1], caches=loaded.caches)
+                                   seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1], caches=loaded.caches,
+                                   abort=lambda j, idx=idx: items[idx[j]].abort_message is not None)
             completions.update(zip(idx, outs))
             if loaded.caches is not None:
                 cached.update(zip(idx, loaded.caches.last_reused))
+        with self._cond:
+            self._running = []
         latency = time.perf_counter() - started
         for i, it in enumerate(items):
             it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
@@ -341,29 +361,35 @@ class EngineServer:
                 return refuse(f"{target}: tensor {bad[0]} has shape {list(new.tensors.get(bad[0], ()))}, the served one {list(old.tensors[bad[0]])}")
         except (GlmpostError, OSError, ValueError) as exc:
             return refuse(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        aborted = 0
-        if payload["abort_all_requests"]:
-            aborted = self._abort_queued()
         self.loaded = new
         if payload["weight_version"] is not None:
             self.weight_version = payload["weight_version"]
         del old
         return {"success": True, "message": f"Succeeded to update model weights from {target}.",
-                "num_paused_requests": 0, "num_aborted_requests": aborted, "weight_version": self.weight_version}
+                "num_paused_requests": 0, "weight_version": self.weight_version}
 
-    def _abort_queued(self) -> int:
-        """Answer every queued generate request with finish_reason abort (SGLang's abort_all_requests)."""
+    def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "Abort by /abort_request") -> int:
+        """Stop request ``rid`` (a batch's sequences ``rid_i`` too), or every generate request
+        (``abort_all``), as SGLang's ``/abort_request`` does: one still queued is answered at once,
+        one running stops after its current decode step; either answers ``finish_reason`` ``abort``
+        with the output it has. Returns the sequences told to stop."""
+
+        def chosen(item: SequenceRequest) -> bool:
+            return abort_all or (rid is not None and item.rid is not None
+                                 and (item.rid == rid or item.rid.startswith(f"{rid}_")))
+
         with self._cond:
-            jobs = [j for j in self._queue if j.kind == "generate"]
-            for j in jobs:
-                self._queue.remove(j)
-        for j in jobs:
-            j.result = [{"text": "", "output_ids": [], "meta_info": {
-                "id": uuid.uuid4().hex, "finish_reason": {"type": "abort", "message": "aborted by update_weights_from_disk"},
-                "prompt_tokens": len(it.prompt), "completion_tokens": 0, "cached_tokens": 0,
-                "weight_version": self.weight_version}} for it in j.payload]
-            j.done.set()
-        return len(jobs)
+            queued = [j for j in self._queue if j.kind == "generate" and any(chosen(it) for it in j.payload)]
+            for job in queued:
+                self._queue.remove(job)
+            running = [it for it in self._running if chosen(it)]
+            for item in running + [it for job in queued for it in job.payload]:
+                item.abort_message = message
+        for job in queued:  # never started: answered now, every sequence of the job aborted
+            job.result = [sequence_answer(it, Completion([], [], "abort"), None, tokenizer=self.loaded.tokenizer,
+                                          weight_version=self.weight_version, latency=0.0) for it in job.payload]
+            job.done.set()
+        return len(running) + sum(len(job.payload) for job in queued)
 
 
 __all__ = ["EngineServer"]

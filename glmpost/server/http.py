@@ -2,10 +2,13 @@
 
 :class:`_Handler` maps each route (see :mod:`glmpost.server.engine` for the endpoints and their
 shapes) to an engine call and answers JSON; a refused request is ``{"error": {"message", "code"}}``
-with its 4xx status, an unexpected failure a 500, and no request takes the server down. With an
-``api_key`` every route but ``/health`` first checks ``Authorization: Bearer KEY`` (or
-``x-api-key``; ``hmac.compare_digest``) and answers 401 ``{"error": "Unauthorized"}`` without it, as
-SGLang's middleware does; the key is never logged nor echoed.
+with its 4xx status, an unexpected failure a 500, and no request takes the server down. Keys as
+SGLang's ``utils/auth.py`` ``decide_request_auth`` (read at sgl-project/sglang 0ce3659, 2026): with an
+``api_key`` every route but ``/health*``, ``/ready*`` and ``/metrics*`` wants ``Authorization: Bearer
+KEY`` (or ``x-api-key: KEY``, which that release accepts too; ``hmac.compare_digest``); the control
+routes (:data:`~glmpost.kernel.sglang_client.ADMIN_ROUTES`) want the ``admin_api_key`` when one is
+set, and only it; without the right key: 401 ``{"error": "Unauthorized"}``. Keys are never logged
+nor echoed.
 :func:`make_http_server` builds the threading server, :func:`serve_until_signalled` runs it until
 SIGTERM or SIGINT, and :func:`bound_address` says where it listens. :func:`serve_checkpoint` is one
 ``glmpost serve`` run (:class:`ServeConfig`): the engine, the listening server and the metrics lines.
@@ -24,8 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from glmpost.config import ConfigError, setting, shared
-from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, LOG_PROB_KINDS
-from glmpost.kernel.sglang_client import check_api_key
+from glmpost.kernel.distribution import LOG_PROB_KINDS
+from glmpost.kernel.sglang_client import ADMIN_ROUTES, check_api_key
 from glmpost.npu import resolve_device
 from glmpost.server.engine import EngineServer
 from glmpost.server.parsing import RequestError
@@ -33,6 +36,8 @@ from glmpost.stage import MetricsWriter, log
 
 LISTEN_BACKLOG = 512
 RETRY_AFTER_S = 1  # what a 503 asks a client to wait
+# SGLang's output log-probs: log_softmax(z / T), before top-k / top-p (layers/sampler.py, #5961).
+SGLANG_LOG_PROB_KIND = "tempered"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -40,6 +45,7 @@ class _Handler(BaseHTTPRequestHandler):
     engine: EngineServer  # set on the subclass made by make_http_server
     quiet = True
     api_key: Optional[str] = None  # set on the subclass: every route but /health then wants it
+    admin_api_key: Optional[str] = None  # set on the subclass: the control routes then want it, and only it
     max_body_bytes = 64 << 20  # set on the subclass
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -53,6 +59,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _bare_500(self) -> None:
+        """What SGLang's framework answers for an exception its route does not map."""
+        body = b"Internal Server Error"
+        self.send_response(500)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
@@ -77,16 +92,19 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(f"the request body is not JSON ({exc})") from None
 
     def _authorized(self, path: str) -> bool:
-        """True without an API key, for ``/health`` (probes carry no secrets, as in SGLang), and for
-        ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (compared in constant time)."""
-        if self.api_key is None or path.startswith("/health"):
+        """SGLang's rule: probes (``/health*``, ``/ready*``, ``/metrics*``) always; a control route
+        the admin key when one is set, else the API key; any other route the API key (none set:
+        open). A key is ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, compared in constant time."""
+        if path.startswith(("/health", "/ready", "/metrics")):
             return True
-        expected = self.api_key.encode()
+        expected = self.admin_api_key if self.admin_api_key is not None and path in ADMIN_ROUTES else self.api_key
+        if expected is None:
+            return True
         scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
         offered = [token] if scheme.lower() == "bearer" else []
         offered += [self.headers.get("x-api-key") or ""]
         # Header values are latin-1 text; the key is printable ASCII (check_api_key).
-        return any(hmac.compare_digest(o.strip().encode("latin-1", "replace"), expected) for o in offered if o)
+        return any(hmac.compare_digest(o.strip().encode("latin-1", "replace"), expected.encode()) for o in offered if o)
 
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -106,13 +124,20 @@ class _Handler(BaseHTTPRequestHandler):
             elif method == "POST" and path == "/update_weights_from_disk":
                 status, answer = self.engine.update_weights_from_disk(self._body())
                 self._send(status, answer)
+            elif method == "POST" and path == "/abort_request":
+                self.engine.abort_request(self._body())
+                self._send(200, None)
             elif path in ("/health", "/get_weight_version", "/model_info", "/server_info", "/get_server_info", "/generate",
-                          "/update_weights_from_disk"):
+                          "/update_weights_from_disk", "/abort_request"):
                 self._error(405, f"{method} is not allowed on {path}")
             else:
                 self._error(404, f"no route {path}")
         except RequestError as exc:
-            self._error(exc.status, str(exc))
+            if exc.bare:
+                log(f"{method} {path}: {exc} (answered HTTP 500, as SGLang does)")
+                self._bare_500()
+            else:
+                self._error(exc.status, str(exc))
         except (BrokenPipeError, ConnectionResetError):
             log(f"{self.client_address[0]}:{self.client_address[1]} disconnected before its answer to {method} {path}")
         except Exception as exc:  # never let one request take the server down
@@ -136,10 +161,12 @@ class _Server(ThreadingHTTPServer):
 
 
 def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True, api_key: Optional[str] = None,
-                     max_body_bytes: int = 64 << 20) -> ThreadingHTTPServer:
+                     admin_api_key: Optional[str] = None, max_body_bytes: int = 64 << 20) -> ThreadingHTTPServer:
     """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port); with
-    ``api_key`` every route but ``/health`` wants it; a body over ``max_body_bytes`` is refused (413)."""
+    ``api_key`` every route but the probes wants it, with ``admin_api_key`` the control routes want
+    that one; a body over ``max_body_bytes`` is refused (413)."""
     handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet, "api_key": api_key or None,
+                                                         "admin_api_key": admin_api_key or None,
                                                          "max_body_bytes": max_body_bytes})
     return _Server((host, port), handler)
 
@@ -200,9 +227,13 @@ class ServeConfig:
     api_key: Optional[str] = setting(
         None, "Require 'Authorization: Bearer KEY' on every route but /health (HTTP 401 without it), as SGLang's --api-key.",
         cli={"show_default": False})
+    admin_api_key: Optional[str] = setting(
+        None, "Require this key, and only it, on the control routes (/update_weights_from_disk, /abort_request), as "
+        "SGLang's --admin-api-key.", cli={"show_default": False})
     log_prob_kind: str = setting(
-        DEFAULT_LOG_PROB_KIND, "What output log-probs are log-probs of (reported in /server_info; greedy requests "
-        "are always raw): " + "; ".join(f"{kind}: {what}" for kind, what in LOG_PROB_KINDS.items()) + ".")
+        SGLANG_LOG_PROB_KIND, "What output log-probs are log-probs of (reported in /server_info; greedy requests "
+        "are always raw; the default is what SGLang returns since v0.4.7): "
+        + "; ".join(f"{kind}: {what}" for kind, what in LOG_PROB_KINDS.items()) + ".")
     deterministic_topk: bool = shared("deterministic_topk")
     attention: str = shared("attention")
     log_requests: bool = setting(False, "Log every HTTP request to stderr.")
@@ -257,6 +288,7 @@ def _checked_settings(config: ServeConfig) -> Optional[str]:
     if config.log_prob_kind not in LOG_PROB_KINDS:
         raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
                           value=config.log_prob_kind)
+    check_api_key(config.admin_api_key, "admin_api_key")
     return check_api_key(config.api_key)
 
 
@@ -274,7 +306,7 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
-                                      max_body_bytes=config.max_body_bytes)
+                                      admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes)
         except OSError as exc:
             raise ConfigError("{host} {address} {port} {number}: cannot listen ({reason})", address=config.host,
                               number=config.port, reason=exc.strerror or exc) from None

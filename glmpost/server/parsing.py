@@ -19,20 +19,27 @@ from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND
 from glmpost.kernel.engine import SamplingParams
 from glmpost.server.loading import LoadedCheckpoint
 
-# Sampling parameters that would change the output if honoured; refused unless at SGLang's default.
+# Sampling parameters that would change the output if honoured; refused unless at SGLang's default
+# (None is SGLang's default for every key: SamplingParams.__post_init__).
 _UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                         "min_new_tokens": 0, "min_p": 0.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None}
+                         "min_new_tokens": 0, "min_p": 0.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
+                         "structural_tag": None, "logit_bias": None, "stop_regex": None}
+# SGLang's SamplingParams keys (sampling/sampling_params.py at 00c17ca); any other is SGLang's
+# TypeError, an HTTP 500 without a message.
 _KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "sampling_seed",
           "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
           *_UNSUPPORTED_DEFAULTS}
 
 
 class RequestError(Exception):
-    """A request the server refuses (HTTP 4xx) with a one-line message."""
+    """A request the server refuses (HTTP 4xx) with a one-line message; ``bare``: answered as SGLang's
+    framework answers an exception it does not map, HTTP 500 ``Internal Server Error`` in plain text
+    (the message goes to the server's log only)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, *, bare: bool = False):
         super().__init__(message)
         self.status = status
+        self.bare = bare
 
 
 @dataclass
@@ -50,6 +57,7 @@ class SequenceRequest:
     no_stop_trim: bool = False  # keep the matched stop (string or token) in ``text``
     return_text_in_logprobs: bool = False  # log-prob entries carry each token's text
     result: dict | None = None
+    abort_message: str | None = None  # set when /abort_request (or an update's abort_all_requests) stops it
 
 
 def parse_generate(body: Any, loaded: LoadedCheckpoint, *, log_prob_kind: str = DEFAULT_LOG_PROB_KIND) -> tuple[list[SequenceRequest], bool]:
@@ -112,8 +120,9 @@ def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top
     if not isinstance(sp, dict):
         raise RequestError("sampling_params must be an object (or a list of objects, one per sequence)")
     unknown = sorted(set(sp) - _KNOWN)
-    if unknown:
-        raise RequestError(f"sampling_params: unknown key(s) {', '.join(unknown)}")
+    if unknown:  # SGLang: SamplingParams(**sp) raises TypeError, which /generate does not map
+        raise RequestError(f"SamplingParams got an unexpected keyword argument '{unknown[0]}'", 500, bare=True)
+    sp = {key: value for key, value in sp.items() if value is not None}  # None: SGLang's default
     for key, default in _UNSUPPORTED_DEFAULTS.items():
         if sp.get(key, default) not in (default, None):
             raise RequestError(f"sampling_params.{key} is not supported by glmpost serve")
@@ -148,8 +157,8 @@ def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top
     context = loaded.config.get("max_position_embeddings")
     if context is not None and len(prompt) + max_new > context:
         raise RequestError(f"{len(prompt)} input tokens + max_new_tokens {max_new} exceed the context of {context}")
-    if start >= len(prompt):
-        raise RequestError(f"logprob_start_len {start} must be < the {len(prompt)} input tokens")
+    if start > len(prompt):
+        raise RequestError(f"logprob_start_len {start} must be <= the {len(prompt)} input tokens")
     if top_n < 0:
         raise RequestError("top_logprobs_num must be >= 0")
     return SequenceRequest(list(prompt), params, seed, bool(return_logprob), start, top_n, stop_strs=_stop_strings(sp.get("stop")),

@@ -66,6 +66,13 @@ class SyncConfig(GroupSizeSetting):
     backoff: float = setting(1.0, "Seconds before a server's first retry; doubled before each further one.", min=0.0)
     timeout: float = setting(600.0, "Seconds to wait for one server answer (a weight load must fit in it).", above=0.0)
     api_key: Optional[str] = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
+    admin_api_key: Optional[str] = setting(
+        None, "The servers' admin key (SGLang's --admin-api-key), sent instead of --api-key with update_weights_from_disk "
+        "(never recorded).", cli={"show_default": False})
+    abort_in_flight: bool = setting(
+        True, "Abort the servers' running requests when they switch (SGLang's abort_all_requests; they answer with their "
+        "partial output, which rollout continues); --wait-in-flight: the switch waits for every running request.",
+        flag="--abort-in-flight/--wait-in-flight")
     keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
 
     def check(self) -> None:
@@ -192,7 +199,8 @@ def _sync(config: SyncConfig, urls: list[str], target: Path, version: int, *, sk
           metrics: MetricsWriter) -> list[dict[str, Any]]:
     """Tell every server to load ``target`` and confirm it; one metrics line per server; the rows."""
     results = sync_servers(urls, target.resolve(), weight_version_name(version), retries=config.retries,
-                           backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped, api_key=config.api_key)
+                           backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped, api_key=config.api_key,
+                           admin_api_key=config.admin_api_key, abort_in_flight=config.abort_in_flight)
     rows = [r.to_json() for r in results]
     for row in rows:
         metrics.write(**{"sync/policy_version": version, "sync/server": row["url"], "sync/status": row["status"],

@@ -18,9 +18,9 @@ Brief, 「稀疏与版本契约」: "权重同步包含训练分片 → 推理�
 4. **原子切换** (:func:`publish`): every file is written into a hidden staging directory of the
    rollout root, fsynced, renamed to ``vNNNNNN`` and only then is ``LATEST`` replaced atomically.
 5. **发送 → 确认** (:func:`sync_server`): each server is told ``update_weights_from_disk`` with the
-   published directory and ``weight_version``, and the sync counts only when the server then
-   *reports* that version: a transfer that "succeeded" while the server still serves the old
-   version is an error.
+   published directory and ``weight_version`` (running requests aborted first: they answer with
+   their partial output), and the sync counts only when the server then *reports* that version: a
+   transfer that "succeeded" while the server still serves the old version is an error.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve_checkpoint, version_dir_name
 from glmpost.fsutil import fsync_dir
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
-from glmpost.quant.formats import load_quantized_state, read_tensors
+from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state, read_tensors
 
 STAGING_PREFIX = ".staging-"
 PAUSE_ENV = "GLMPOST_SYNC_PAUSE_BEFORE_PUBLISH"
@@ -126,14 +126,22 @@ def weight_version_name(policy_version: int) -> str:
 
 
 def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int = 3, backoff: float = 1.0,
-                timeout: float = 600.0, skip_if_current: bool = False, api_key: str | None = None) -> ServerResult:
+                timeout: float = 600.0, skip_if_current: bool = False, api_key: str | None = None,
+                admin_api_key: str | None = None, abort_in_flight: bool = True) -> ServerResult:
     """Tell one server to load ``model_path`` as ``weight_version`` and confirm it reports it.
 
     An attempt is: ``update_weights_from_disk`` (must answer ``success``), then
     ``get_weight_version`` (must equal ``weight_version``: "传输完成" is not "新策略已生效").
-    A failed attempt is retried ``retries`` times, ``backoff * 2**k`` seconds apart."""
+    ``abort_in_flight`` sends ``abort_all_requests``: SGLang's update otherwise waits for every
+    running request (it takes the writer lock each ``/generate`` holds for reading); the aborted
+    requests answer with their partial output, which ``rollout --engine sglang`` continues. A
+    refused attempt is retried ``retries`` times, ``backoff * 2**k`` seconds apart; an update that
+    got no answer is never sent again while the server is reachable (a second one would queue
+    behind the first): the server's version is watched for ``timeout`` seconds instead.
+    A quantized version onto a server launched in another format is refused before anything is
+    sent (:func:`check_server_format`)."""
 
-    client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff, api_key=api_key)
+    client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff, api_key=api_key, admin_api_key=admin_api_key)
     result = ServerResult(url=client.url, status="failed")
     started = time.perf_counter()
     for attempt in range(retries + 1):
@@ -146,7 +154,23 @@ def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int
                 if skip_if_current and result.version_before == weight_version:
                     result.status, result.version_after, result.error = "current", weight_version, None
                     break
-            answer = client.update_weights_from_disk(str(model_path), weight_version=weight_version)
+                problem = check_server_format(client, model_path)
+                if problem is not None:
+                    result.error = problem
+                    break
+            try:
+                answer = client.update_weights_from_disk(str(model_path), weight_version=weight_version,
+                                                         abort_all_requests=abort_in_flight)
+            except ServerError as exc:
+                if exc.status is not None:
+                    raise
+                result.version_after = _watch_version(client, weight_version, timeout, backoff)
+                if result.version_after == weight_version:
+                    result.status, result.error = "updated", None
+                else:
+                    result.error = (f"{exc}; the server still reports weight version {result.version_after!r}: the "
+                                    "update may still be queued there, so it is not sent again")
+                break
             if not answer.get("success"):
                 result.error = f"update_weights_from_disk refused: {answer.get('message') or answer}"
                 continue
@@ -161,6 +185,39 @@ def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int
             result.error = str(exc)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _watch_version(client: SGLangClient, weight_version: str, timeout: float, backoff: float) -> str | None:
+    """The server's weight version once it is ``weight_version``, or as it last reported within
+    ``timeout`` seconds (raises ServerError when the server cannot be read at all: then nothing is
+    running there and the update may be sent again)."""
+    deadline = time.monotonic() + timeout
+    version = client.get_weight_version()
+    while version != weight_version and time.monotonic() < deadline:
+        time.sleep(max(backoff, 0.05))
+        version = client.get_weight_version()
+    return version
+
+
+def check_server_format(client: SGLangClient, model_path: Path) -> str | None:
+    """Why ``model_path`` cannot go onto ``client``'s server, or None. SGLang's
+    ``update_weights_from_disk`` streams tensors by name into the model it was launched with, with
+    no config, tokenizer or quantization check (model_executor/model_runner.py): a quantized version
+    needs a server launched in its format (``--quantization``), a float one a float server.
+    ``glmpost serve`` checks and dequantizes on its own."""
+    info = client.model_info()
+    if isinstance(info, dict) and info.get("engine") == "glmpost-serve":
+        return None
+    directory = resolve_checkpoint(model_path)
+    ours = is_quantized_checkpoint(directory, json.loads((directory / "config.json").read_text()))
+    theirs = client.settings().get("quantization")
+    if (ours or None) == (theirs or None):
+        return None
+    launched = f"--quantization {theirs}" if theirs else "no --quantization"
+    wanted = f"--quantization {ours} and a {ours} checkpoint" if ours else "no --quantization and a float checkpoint"
+    return (f"{model_path} is {ours + '-quantized' if ours else 'not quantized'}, but the server was launched with "
+            f"{launched}: SGLang loads tensors by name into its launch-time model without checking their format; "
+            f"launch it with {wanted} (or sync with the --quantize it was launched for)")
 
 
 def sync_servers(urls: list[str], model_path: Path, weight_version: str, **kwargs: Any) -> list[ServerResult]:

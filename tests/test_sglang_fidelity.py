@@ -1,0 +1,373 @@
+"""Issue 32, SGLang at its current release: nothing a real server does may be recorded as something
+else. Each test asserts what is recorded.
+
+Servers are real ``glmpost serve`` processes, except where the behaviour is SGLang's and cannot come
+from serve deterministically: :class:`_Relay` sits in front of a real serve and changes one thing
+in an answer (aborts a sequence after a few tokens, reports another weight version, holds a request
+until it is aborted), as a real SGLang does under ``/abort_request`` or a weight switch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from serve_process import start_server, stop_server
+from test_serve import _prompts, _records
+
+from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model
+from glmpost.kernel.server_settings import ServerSettings
+from glmpost.kernel.sglang_client import ServerError, SGLangClient
+from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS, check_preferred, refused_fields
+from glmpost.rl.batches import check_version_lags
+from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
+from glmpost.rollout.servers import checked_sampling, continued
+
+KEY, ADMIN = "user-key-1", "admin-key-2"
+
+
+# ------------------------------------------------------------------ versions (item 1)
+
+def test_an_unversioned_server_is_refused_or_recorded_unknown_never_the_checkpoints(glmpost_cli, tiny_checkpoint, tmp_path):
+    proc, url = start_server(tiny_checkpoint, "--weight-version", "default", "--batch-size", "4")
+    try:
+        args = ["rollout", _prompts(tmp_path, 2), "--checkpoint", tiny_checkpoint, "--group-size", "2", "--max-new-tokens", "4",
+                "--engine", "sglang", "--server", url]
+        refused = glmpost_cli(*args, "--out", tmp_path / "refused")
+        assert refused.exit_code == 1 and "reports weight_version 'default', not a policy version" in refused.stderr
+        assert not (tmp_path / "refused").exists() or not list((tmp_path / "refused").glob("*.msgpack.zst"))
+        unknown = glmpost_cli(*args, "--out", tmp_path / "unknown", "--unversioned-server", "unknown")
+        assert unknown.exit_code == 0, unknown.stderr
+        records = _records(tmp_path / "unknown")
+        assert records and all((r["policy_versions"] == -1).all() and len(r["policy_versions"]) for r in records)
+        told = glmpost_cli(*args, "--out", tmp_path / "told", "--unversioned-server", "checkpoint")
+        assert told.exit_code == 0 and all((r["policy_versions"] == 0).all() for r in _records(tmp_path / "told"))
+        from glmpost import __version__
+
+        stage = json.loads((tmp_path / "told" / "stage.json").read_text())  # which server, which release
+        assert stage["servers"] == [{"url": url, "engine": "glmpost-serve", "version": __version__}]
+    finally:
+        stop_server(proc)
+    # A trainer cannot check such records' staleness, and says so.
+    lags = check_version_lags(records, 3, max_lag=0, stage="train-grpo")
+    assert lags == {"unknown": len(records)}
+
+
+# ------------------------------------------------------------------ sampling keys (items 2, 4)
+
+def test_every_key_that_changes_the_distribution_is_sent_and_preferred_params_are_checked():
+    sent = sglang_sampling_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=8, stop_token_ids=[2]),
+                                  [2])
+    assert {k: sent[k] for k in EXPLICIT_DEFAULTS} == EXPLICIT_DEFAULTS  # penalties, min_p, grammars, stops: stated
+    assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["ignore_eos"]) == (0.7, 0.9, 5, False)
+    # A server default for a key sent is overridden; one for a key not sent (not a text key) is refused.
+    assert check_preferred({"repetition_penalty": 1.2, "min_p": 0.1, "skip_special_tokens": True}, sent) == []
+    assert check_preferred({"future_penalty": 0.5, "repetition_penalty": 1.2}, sent) == ["future_penalty"]
+    settings = ServerSettings("http://x", {}, {"preferred_sampling_params": json.dumps({"future_penalty": 0.5})})
+    assert settings.preferred_sampling_params == {"future_penalty": 0.5}
+
+
+def test_refused_fields_finds_the_keys_a_bare_500_does_not_name():
+    calls = []
+
+    def send(params):
+        calls.append(dict(params))
+        if set(params) & {"sampling_seed", "stop_regex"}:
+            raise ServerError("HTTP 500: Internal Server Error", url="x", status=500, retryable=True)
+
+    assert refused_fields(send, {"max_new_tokens": 8, "min_p": 0.0, "sampling_seed": 3, "stop_regex": None}, ServerError) == [
+        "sampling_seed", "stop_regex"]
+    assert calls[0] == {"max_new_tokens": 1} and all(c["max_new_tokens"] == 1 and len(c) <= 2 for c in calls)
+    assert refused_fields(lambda p: (_ for _ in ()).throw(ServerError("down", url="x")), {"min_p": 0.0}, ServerError) is None
+
+
+def test_serve_answers_an_unknown_sampling_key_as_sglang_and_takes_its_defaults(server, tiny_checkpoint):
+    client = SGLangClient(server, retries=0)
+    with pytest.raises(ServerError) as refused:
+        client.generate([5, 6, 7], {"max_new_tokens": 2, "future_key": 1})
+    assert refused.value.status == 500 and "HTTP 500: Internal Server Error" in str(refused.value)
+    explicit = {**EXPLICIT_DEFAULTS, "max_new_tokens": 2, "temperature": 0.0}
+    answer = client.generate([5, 6, 7], explicit, return_logprob=True)
+    assert len(answer["output_ids"]) == 2 and answer["meta_info"]["input_token_logprobs"] == []  # start -1: none
+    settings = ServerSettings.read(client)
+    sampling = checked_sampling(client, settings, {**EXPLICIT_DEFAULTS, "max_new_tokens": 2}, [5, 6, 7], lambda exc: None)
+    assert sampling == {**EXPLICIT_DEFAULTS, "max_new_tokens": 2}
+    preferred = ServerSettings(server, settings.info, {"preferred_sampling_params": {"dry_multiplier": 0.8}})
+    from glmpost.config import ConfigError
+
+    with pytest.raises(ConfigError, match="preferred_sampling_params setting dry_multiplier"):
+        checked_sampling(client, preferred, {**EXPLICIT_DEFAULTS, "max_new_tokens": 2}, [5, 6, 7], lambda exc: None)
+
+
+# ------------------------------------------------------------------ keys (item 3)
+
+def test_the_admin_key_alone_opens_the_control_routes(glmpost_cli, tiny_checkpoint, tmp_path):
+    proc, url = start_server(tiny_checkpoint, "--api-key", KEY, "--admin-api-key", ADMIN)
+    try:
+        user = SGLangClient(url, api_key=KEY, retries=0)
+        assert user.generate([5, 6], {"max_new_tokens": 1})["output_ids"]  # a normal route: the API key
+        with pytest.raises(ServerError) as refused:
+            user.update_weights_from_disk(str(tiny_checkpoint))
+        assert refused.value.status == 401 and "a server launched with --admin-api-key takes only that key" in str(refused.value)
+        with pytest.raises(ServerError, match="the server refused the admin API key"):
+            SGLangClient(url, api_key=KEY, admin_api_key="wrong", retries=0).abort_request(abort_all=True)
+        admin = SGLangClient(url, api_key=KEY, admin_api_key=ADMIN, retries=0)
+        assert admin.abort_request(abort_all=True) is None
+        assert admin.update_weights_from_disk(str(tiny_checkpoint), weight_version="7")["success"] is True
+        with pytest.raises(ServerError) as only_admin:  # the admin key is not the API key on normal routes
+            SGLangClient(url, api_key=ADMIN, retries=0).model_info()
+        assert only_admin.value.status == 401
+        synced = glmpost_cli("sync-weights", "--checkpoint", tiny_checkpoint, "--out", tmp_path / "rollout", "--server", url,
+                             "--api-key", KEY, "--admin-api-key", ADMIN, "--json")
+        assert synced.exit_code == 0, synced.stderr
+        assert json.loads(synced.stdout)["servers"][0]["status"] == "updated"
+        recorded = (tmp_path / "rollout" / "stage.json").read_text() if (tmp_path / "rollout" / "stage.json").exists() else ""
+        assert ADMIN not in recorded and KEY not in recorded
+    finally:
+        stop_server(proc)
+
+
+# ------------------------------------------------------------------ stops (item 7)
+
+def test_a_server_stop_on_an_id_outside_the_runs_set_is_completed_not_truncated():
+    answer = {"output_ids": [11, 12, 7], "meta_info": {"finish_reason": {"type": "stop", "matched": 7},
+                                                       "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None], [-1.0, 7, None]],
+                                                       "weight_version": "3"}}
+    completion, version, reason = completion_from_sglang(answer, stop_token_ids=[2])
+    assert completion.finish_reason == "stop" and version == "3" and reason is None
+    answer["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
+    assert completion_from_sglang(answer, stop_token_ids=[2])[0].finish_reason == "length"
+    assert completion_from_sglang(answer, stop_token_ids=[7])[0].finish_reason == "stop"  # the last id, reported length
+
+
+# ------------------------------------------------------------------ aborts (items 5, 6)
+
+def test_an_aborted_sequence_keeps_its_partial_output_in_the_engine_and_in_serve(tiny_checkpoint):
+    engine = LocalEngine(load_model(tiny_checkpoint), batch_size=4, pad_token_id=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, stop_token_ids=[])
+    whole = engine.generate([[5, 6, 7], [8, 9]], ["a", "b"], params)
+    steps = {"n": 0}
+
+    def abort(i):  # row 0 stops after its 4th token, row 1 runs on
+        steps["n"] += i == 0
+        return i == 0 and steps["n"] >= 4
+
+    cut = engine.generate([[5, 6, 7], [8, 9]], ["a", "b"], params, abort=abort)
+    assert cut[0].finish_reason == "abort" and cut[0].token_ids == whole[0].token_ids[:4]
+    assert cut[0].log_probs == whole[0].log_probs[:4] and cut[1].token_ids == whole[1].token_ids
+
+
+def test_serve_aborts_queued_requests_by_rid_and_answers_them(tiny_checkpoint):
+    from glmpost.server.engine import EngineServer, _Job
+    from glmpost.server.parsing import parse_generate
+
+    server = EngineServer(tiny_checkpoint)  # the worker is not started: jobs stay queued
+    items, _ = parse_generate({"input_ids": [[5, 6], [7, 8]], "rid": "job", "return_logprob": True,
+                               "sampling_params": {"max_new_tokens": 3}}, server.loaded)
+    job = _Job("generate", items, batch=True)
+    server._queue.append(job)
+    assert server.abort_request({"rid": "job"}) == 2 and job.done.is_set() and not server._queue
+    for answer, rid in zip(job.result, ("job_0", "job_1")):
+        assert answer["output_ids"] == [] and answer["meta_info"]["id"] == rid
+        assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_serve_stops_a_running_sequence_by_rid_with_its_partial_output(tiny_checkpoint, monkeypatch):
+    """/abort_request while a batch decodes: that sequence answers ``abort`` with the tokens and
+    log-probs it has (the abort sent deterministically from inside the decode loop's third check)."""
+    from glmpost.server.engine import EngineServer
+    from glmpost.server.parsing import parse_generate
+
+    server = EngineServer(tiny_checkpoint)
+    items, _ = parse_generate({"input_ids": [[5, 6], [7, 8]], "rid": "r", "return_logprob": True,
+                               "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}, server.loaded)
+    real, checks = server.loaded.engine.generate, {"n": 0}
+
+    def generate(*args, abort=None, **kwargs):
+        def checked(i):
+            checks["n"] += 1
+            if checks["n"] == 3:  # step 2, row 0: /abort_request arrives
+                assert server.abort_request({"rid": "r_0"}) == 1
+            return abort(i)
+        return real(*args, abort=checked, **kwargs)
+
+    monkeypatch.setattr(server.loaded.engine, "generate", generate)
+    server._run_generate(items)
+    stopped, whole = items[0].result, items[1].result
+    assert stopped["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort by /abort_request",
+                                                     "status_code": None, "err_type": None}
+    assert len(stopped["output_ids"]) == 2 and len(stopped["meta_info"]["output_token_logprobs"]) == 2
+    assert len(whole["output_ids"]) == 6 and whole["meta_info"]["finish_reason"]["type"] == "length"
+
+
+class _Relay(BaseHTTPRequestHandler):
+    """In front of a real ``glmpost serve``: answers what it answers, but (``abort_after``) the first
+    ``/generate`` is cut after that many tokens and answered aborted, as SGLang answers a sequence
+    stopped by ``/abort_request`` or an update's ``abort_all_requests``; (``versions``) each answer's
+    weight_version taken in turn; (``hold``) the first ``/generate`` held until an ``/abort_request``
+    names its rids."""
+
+    target = ""
+    abort_after = 0
+    versions: list = []
+    hold = False
+    hold_update_s = 0.0
+    updates: list = []
+    generates: list = []
+    aborts: list = []
+    released = threading.Event()
+
+    def log_message(self, *args):
+        pass
+
+    def _forward(self, path, body):
+        request = urllib.request.Request(self.target + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    def _send(self, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        with urllib.request.urlopen(self.target + self.path, timeout=60) as response:
+            payload = json.loads(response.read())
+        if self.path == "/model_info" and self.versions:
+            payload["weight_version"] = self.versions[0]
+        self._send(payload)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/abort_request":
+            type(self).aborts.append(body.get("rid"))
+            type(self).released.set()
+            return self._send(None)
+        if self.path == "/update_weights_from_disk":  # done on the server, but answered too late
+            type(self).updates.append(body)
+            answer = self._forward(self.path, body)
+            self.released.wait(self.hold_update_s)
+            return self._send(answer)
+        if not isinstance(body["input_ids"][0], list):  # a single check request: answered as the server does
+            return self._send(self._forward(self.path, body))
+        first = not self.generates
+        type(self).generates.append(body)
+        if first and self.hold:
+            self.released.wait(60)
+            return self._send([])  # too late: the client has given up on this answer
+        if first and self.abort_after:
+            body = {**body, "sampling_params": [{**sp, "max_new_tokens": self.abort_after} for sp in body["sampling_params"]]}
+        answers = self._forward(self.path, body)
+        for answer in answers:
+            if first and self.abort_after:
+                answer["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort by update_weights_from_disk"}
+            if self.versions:
+                answer["meta_info"]["weight_version"] = self.versions[min(len(self.generates) - 1, len(self.versions) - 1)]
+        self._send(answers)
+
+
+@pytest.fixture
+def relay():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("Relay", (_Relay,), {"generates": [], "aborts": [], "updates": [],
+                                                                             "released": threading.Event()}))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.RequestHandlerClass, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_an_aborted_sequence_is_continued_with_its_budget_and_each_token_keeps_its_version(glmpost_cli, tiny_checkpoint,
+                                                                                           tmp_path, relay, server):
+    handler, url = relay
+    handler.target, handler.abort_after, handler.versions = server, 3, ["5", "6"]
+    args = ["rollout", _prompts(tmp_path, 2), "--checkpoint", tiny_checkpoint, "--group-size", "2", "--max-new-tokens", "8",
+            "--seed", "3", "--batch-size", "4", "--engine", "sglang", "--stop-token-ids", "none",
+            "--server-log-prob-kind", "tempered"]
+    result = glmpost_cli(*args, "--server", url, "--out", tmp_path / "relayed")
+    assert result.exit_code == 0, result.stderr
+    first, more = handler.generates[0], handler.generates[-1]
+    assert len(handler.generates) == 2 and [sp["max_new_tokens"] for sp in more["sampling_params"]] == [5] * 4
+    assert [len(ids) for ids in more["input_ids"]] == [len(ids) + 3 for ids in first["input_ids"]]  # prompt + partial
+    records = _records(tmp_path / "relayed")
+    for record in records:
+        assert record["status"] == "truncated" and len(record["response_token_ids"]) == 8
+        assert record["policy_versions"].tolist() == [5, 5, 5, 6, 6, 6, 6, 6]  # the switch, token by token
+    # Closure: each continued sequence's tokens and log-probs are what the server gives for that prefix.
+    client = SGLangClient(server, retries=0)
+    for record in records:
+        prompt, response = record["prompt_token_ids"].tolist(), record["response_token_ids"].tolist()
+        scored = client.score(prompt + response, len(prompt))["token_log_probs"]
+        assert np.allclose(scored, record["rollout_log_probs"], atol=1e-5)  # temperature 1: tempered = raw
+
+
+def test_an_aborted_sequence_past_its_continuations_is_recorded_aborted_with_its_tokens():
+    partial = (Completion([4, 5], [-0.1, -0.2], "abort"), 5, "aborted by the server (x)")
+    assert continued(partial, (None, None, "HTTP 503")) == (partial[0], 5, "HTTP 503")
+    merged, version, reason = continued(partial, (Completion([6], [-0.3], "stop"), 6, None))
+    assert merged.token_ids == [4, 5, 6] and merged.token_versions == [5, 5, 6] and version == 6 and reason is None
+    same, _, _ = continued(partial, (Completion([6], [-0.3], "length"), 5, None))
+    assert same.token_versions is None and same.finish_reason == "length"
+
+
+def test_a_request_that_timed_out_is_aborted_by_rid_before_it_is_sent_again(relay, server):
+    handler, url = relay
+    handler.target, handler.hold = server, True
+    client = SGLangClient(url, timeout=10.0, retries=1, backoff=0.0)  # the first attempt is held: it times out
+    answers = client.generate([[5, 6], [7, 8]], [{"max_new_tokens": 2}] * 2, rid=["r-a", "r-b"])
+    assert [len(a["output_ids"]) for a in answers] == [2, 2]
+    assert handler.aborts == ["r-a", "r-b"] and len(handler.generates) == 2  # aborted, then sent once more
+    assert handler.generates[1]["rid"] == ["r-a", "r-b"]
+
+
+def test_an_update_that_got_no_answer_is_watched_never_sent_twice(relay, tiny_checkpoint):
+    """The client gives up on update_weights_from_disk (the relay answers after 30 s, the client waits
+    3 s) while the server switched: the sync sees the new version and sends nothing again."""
+    from glmpost.weight_sync.sync import sync_server
+
+    proc, target = start_server(tiny_checkpoint)
+    handler, url = relay
+    handler.target, handler.hold_update_s = target, 30.0
+    try:
+        result = sync_server(url, tiny_checkpoint, "9", retries=3, backoff=0.1, timeout=3.0)
+        assert result.status == "updated" and result.version_after == "9", result.error
+        assert len(handler.updates) == 1 and handler.updates[0]["abort_all_requests"] is True
+    finally:
+        handler.released.set()
+        stop_server(proc)
+
+
+# ------------------------------------------------------------------ formats (item 8)
+
+def test_a_quantized_version_is_refused_for_a_server_launched_in_another_format(glmpost_cli, tiny_checkpoint, tmp_path):
+    from glmpost.weight_sync.sync import check_server_format
+
+    quantized = tmp_path / "w4"
+    assert glmpost_cli("quantize", tiny_checkpoint, "--out", quantized, "--scheme", "w4a16", "--group-size", "16").exit_code == 0
+
+    class Fake:  # what SGLang's /model_info and /server_info say (not glmpost serve)
+        def __init__(self, quantization):
+            self.quantization = quantization
+
+        def model_info(self):
+            return {"model_path": "/m", "weight_version": "1"}
+
+        def settings(self):
+            return {"quantization": self.quantization, "version": "0.5.15"}
+
+    refusal = check_server_format(Fake(None), quantized)
+    assert "is compressed-tensors-quantized, but the server was launched with no --quantization" in refusal
+    assert "launch it with --quantization compressed-tensors" in refusal
+    assert check_server_format(Fake("compressed-tensors"), quantized) is None
+    assert "is not quantized, but the server was launched with --quantization fp8" in check_server_format(Fake("fp8"),
+                                                                                                         tiny_checkpoint)
+    assert check_server_format(Fake(None), tiny_checkpoint) is None
