@@ -22,8 +22,9 @@ from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.kernel.server_settings import ServerSettings, probe_log_prob_kind, probe_prompts, rejected_field
-from glmpost.kernel.sglang_client import ServerError
+from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_pool import SGLangPool
+from glmpost.kernel.vllm_client import VLLMClient
 from glmpost.rollout.records import completion_from_sglang, sglang_sampling_params
 from glmpost.stage import log
 
@@ -339,7 +340,8 @@ def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) 
 
     try:
         e = config.engine
-        pool = SGLangPool(e.server, concurrency=e.concurrency, timeout=e.timeout, retries=e.retries, api_key=e.api_key)
+        pool = SGLangPool(e.server, concurrency=e.concurrency, timeout=e.timeout, retries=e.retries, api_key=e.api_key,
+                          client_class=VLLMClient if e.engine_name == "vllm" else SGLangClient)
     except ValueError as exc:
         raise ConfigError("{server} {value!r}: {reason}", value=config.engine.server, reason=exc) from None
     return pool, [check_server(client, config, revision=revision, version_dir=version_dir) for client in pool.clients]
@@ -378,5 +380,9 @@ def check_server(client: Any, config: RolloutConfig, *, revision: str, version_d
 
 def open_backend(checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> LocalBackend | SGLangBackend:
     """The engine ``config.engine.engine_name`` names, opened on the checkpoint (a local one on ``device``)."""
+    if config.engine.engine_name == "vllm":
+        from glmpost.rollout.vllm_engine import VLLMBackend  # it subclasses this module's SGLangBackend
+
+        return VLLMBackend.open(checkpoint, config, device)
     backend = SGLangBackend if config.engine.engine_name == "sglang" else LocalBackend
     return backend.open(checkpoint, config, device)

@@ -64,6 +64,7 @@ from glmpost.rollout.records import (
 )
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
 from glmpost.rollout.settings import PER_TASK_OPTIONS, RolloutConfig, parse_stop_ids
+from glmpost.rollout.vllm_engine import unknown_version
 from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, write_stage_json
 
 STAGE = "rollout"
@@ -317,6 +318,8 @@ class RolloutRunner:
                     record = aborted_record(prompt, reason, **common)
                 else:
                     record = rollout_record(prompt, completion, token_policy_version=as_version(version), **common)
+                if unknown_version(completion, version):  # no server confirmed the weights: no version claimed
+                    record.pop("policy_versions", None)
                 if sample.replaces is not None:
                     group = record["group_id"]
                     record.setdefault("extra", {})["refill"] = {"replaces": f"{group}/{sample.replaces}", "round": sample.round}

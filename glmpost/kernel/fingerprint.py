@@ -1,0 +1,106 @@
+"""Which weights a server serves, told from its log-probs: the version confirmation of servers that
+report no weight version (vLLM: no per-response version, no version route; RFC vllm#48306).
+
+A checkpoint's *fingerprint* is the model's own log-probs (temperature 1, no filter) of a fixed
+token sequence, :data:`FINGERPRINT_TOKENS` ids spread over the vocabulary (:func:`fingerprint_ids`),
+each under its prefix. It is computed once per checkpoint by glmpost's kernel scoring on CPU in
+float32 (:class:`~glmpost.kernel.engine.LocalEngine` ``score``) and kept beside the weights in
+``glmpost-fingerprint.json`` (written atomically; a read-only checkpoint is simply recomputed next
+time). A server's fingerprint is the same sequence scored through its prompt log-probs, which vLLM
+computes as ``log_softmax(logits)`` whatever ``--logprobs-mode``.
+
+The server serves a checkpoint when the *mean* absolute difference of the two fingerprints is at
+most ``tolerance`` (default :data:`DEFAULT_TOLERANCE` 0.02) and, when the previous version's
+fingerprint is known, smaller than its distance to that one. Why: a bf16 server against the float32
+reference differs by rounding, about 1e-2 per log-prob at most and far less on average over 31
+positions, while another checkpoint moves every position systematically; the mean keeps the
+rounding noise small without hiding the shift, and "nearer to the new than to the old" keeps a
+tolerance wider than one training step's change from confirming the old weights. A float32
+``glmpost serve`` matches to about 1e-6. Lower ``tolerance`` when consecutive versions differ by
+less (one small step at a low learning rate can): the check then needs a float32 server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+FINGERPRINT_TOKENS = 32
+DEFAULT_TOLERANCE = 0.02
+SIDECAR = "glmpost-fingerprint.json"
+
+__all__ = ["DEFAULT_TOLERANCE", "Fingerprint", "checkpoint_fingerprint", "confirm_server", "fingerprint_ids",
+           "server_fingerprint"]
+
+
+def fingerprint_ids(vocab_size: int) -> list[int]:
+    """The fixed sequence scored: :data:`FINGERPRINT_TOKENS` ids spread over ``[0, vocab_size)``."""
+    return [(17 + 7919 * i) % vocab_size for i in range(FINGERPRINT_TOKENS)]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Log-probs of ``token_ids[1:]``, each under its prefix."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+
+    def distance(self, other: Sequence[float]) -> float:
+        """Mean absolute difference to ``other`` (log-probs of the same positions); inf for another length."""
+        if len(other) != len(self.log_probs):
+            return float("inf")
+        return sum(abs(a - float(b)) for a, b in zip(self.log_probs, other)) / max(1, len(other))
+
+
+def checkpoint_fingerprint(version_dir: Path | str) -> Fingerprint:
+    """The fingerprint of a checkpoint's weights: its ``glmpost-fingerprint.json``, else computed on
+    CPU in float32 (and kept there when the directory is writable)."""
+    directory = Path(version_dir)
+    vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
+    ids = fingerprint_ids(vocab)
+    sidecar = directory / SIDECAR
+    try:
+        kept = json.loads(sidecar.read_text())
+        if kept.get("token_ids") == ids:
+            return Fingerprint(tuple(ids), tuple(float(x) for x in kept["log_probs"]))
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    import torch  # only where no fingerprint was kept: loading the model is the slow path
+
+    from glmpost.kernel.engine import LocalEngine  # the kernel's scoring, only when computing one
+    from glmpost.kernel.loading import load_model  # the model, only when computing one
+
+    model = load_model(directory, device="cpu", dtype=torch.float32)
+    scores = LocalEngine(model, batch_size=1, pad_token_id=0).score([ids], [1])[0]
+    result = Fingerprint(tuple(ids), tuple(float(x) for x in scores.log_probs))
+    try:
+        tmp = sidecar.with_name(f".{SIDECAR}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"token_ids": ids, "log_probs": list(result.log_probs), "dtype": "float32",
+                                   "what": "log-probs of token_ids[1:] under their prefixes (glmpost.kernel.fingerprint)"}))
+        os.replace(tmp, sidecar)
+    except OSError:
+        pass
+    return result
+
+
+def server_fingerprint(client: Any, token_ids: Sequence[int]) -> list[float]:
+    """The server's log-probs of ``token_ids[1:]`` (its ``score``); raises ServerError."""
+    return [float(x) for x in client.score(list(token_ids), 1)["token_log_probs"]]
+
+
+def confirm_server(client: Any, expected: Fingerprint, *, tolerance: float = DEFAULT_TOLERANCE,
+                   previous: Fingerprint | None = None) -> tuple[bool, str]:
+    """Whether ``client``'s server serves the weights of ``expected`` (the rule in this module's
+    docstring), and the distances as words; raises ServerError when it cannot score."""
+    served = server_fingerprint(client, expected.token_ids)
+    distance = expected.distance(served)
+    words = f"fingerprint distance {distance:.3g} (tolerance {tolerance:g})"
+    if previous is not None and previous.log_probs != expected.log_probs:
+        old = previous.distance(served)
+        words += f", {old:.3g} to the previous version"
+        if not distance < old:
+            return False, words
+    return distance <= tolerance, words
