@@ -36,6 +36,12 @@ ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "au
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
+# --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,
+# and serve's vLLM API; the engine options' help names vllm.
+ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.02, ("sync-weights", "fingerprint_tolerance"): 0.02,
+              ("sync-weights", "engine"): "sglang", ("diff-logprobs", "against_engine"): "sglang",
+              ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs"}
+VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
 # The settings of a spool's consumer are declared once (glmpost/spool/settings.py) for the shard
 # stages and the trainers: the trainers' --consumer, --poll-s and --lease-s say the shared words.
@@ -72,14 +78,19 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for command in expected:
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
-            if (command, name) in ADDED or (command, name) in ADDED_LIMITS:
+            if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_VLLM:
                 continue
+            if (command, name) in VLLM_HELP:
+                assert "vllm" in after["help"]
+                before, after = ({k: v for k, v in row.items() if k != "help"} for row in (before, after))
             if (command, name) in {(c, new) for (c, _), new in RENAMED.items()}:
                 before = {k: v for k, v in before.items() if k != "help"}
                 after = {k: v for k, v in after.items() if k != "help"}  # the help says the old spelling
             if before != after:
                 changed[f"{command} {name}"] = (before, after)
     assert changed == {}
+    for (command, name), default in ADDED_VLLM.items():
+        assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED:

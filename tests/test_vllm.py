@@ -119,7 +119,7 @@ def test_client_maps_settings_and_refuses_logits_modes(vllm_server):
     backend.kind_setting = "auto"
     for mode in ("raw_logits", "processed_logits"):
         settings = ServerSettings(vllm_server, vllm_settings({"vllm_config": {"model_config": {"logprobs_mode": mode}}}))
-        with pytest.raises(ConfigError, match=f"returns logits \\(--logprobs-mode {mode}\\)"):
+        with pytest.raises(ConfigError, match=f"returns logits \\(vLLM logprobs_mode {mode}\\)"):
             backend._server_kind(client, settings)
 
 
@@ -270,3 +270,24 @@ def test_sync_weights_to_vllm_is_confirmed_by_fingerprint(glmpost_cli, wide_chec
         assert records and all((r["policy_versions"] == 1).all() for r in records)
     finally:
         stop_server(proc)
+
+
+def test_bad_vllm_options_are_one_line_errors(glmpost_cli, wide_checkpoint, tmp_path):
+    prompts = _prompts(tmp_path, 1)
+    cases = [
+        (("rollout", prompts, "--checkpoint", wide_checkpoint, "--out", tmp_path / "r", "--engine", "vllm"),
+         "--engine vllm needs --server URL[,URL...]"),
+        (("rollout", prompts, "--checkpoint", wide_checkpoint, "--out", tmp_path / "r", "--engine", "vllm", "--server",
+          "127.0.0.1:1", "--fingerprint-tolerance", "0"), "--fingerprint-tolerance"),
+        (("sync-weights", "--checkpoint", wide_checkpoint, "--out", tmp_path / "s", "--engine", "vllmx"),
+         "--engine 'vllmx': expected sglang or vllm"),
+        (("diff-logprobs", tmp_path, "--checkpoint", wide_checkpoint, "--out", tmp_path / "d", "--against-server",
+          "127.0.0.1:1", "--against-engine", "x"), "--against-engine 'x': expected sglang or vllm"),
+        (("score-teacher", tmp_path, "--out", tmp_path / "t", "--teacher", wide_checkpoint, "--engine", "vllm"),
+         "--engine vllm needs --server URL"),
+        (("serve", "--checkpoint", wide_checkpoint, "--api", "openai"), "--api must be sglang or vllm, got 'openai'"),
+    ]
+    for args, message in cases:
+        result = glmpost_cli(*args)
+        assert result.exit_code == 2, (args, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr

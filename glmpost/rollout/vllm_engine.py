@@ -84,8 +84,8 @@ class VLLMBackend(SGLangBackend):
         """The logits modes are refused; otherwise :meth:`SGLangBackend._server_kind`."""
         mode = settings.info.get("logprobs_mode")
         if mode in LOGITS_MODES:
-            raise ConfigError("{server} {url} returns logits (--logprobs-mode {mode}), not log-probs: serve with "
-                              "--logprobs-mode processed_logprobs (kind sampled) or raw_logprobs (kind raw)",
+            raise ConfigError("{server} {url} returns logits (vLLM logprobs_mode {mode}), not log-probs: start vLLM "
+                              "with logprobs_mode processed_logprobs (kind sampled) or raw_logprobs (kind raw)",
                               url=client.url, mode=mode, exit_code=1)
         return super()._server_kind(client, settings)
 
