@@ -40,7 +40,7 @@ ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 <
 # and serve's vLLM API; the engine options' help names vllm.
 ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.02, ("sync-weights", "fingerprint_tolerance"): 0.02,
               ("sync-weights", "engine"): "sglang", ("diff-logprobs", "against_engine"): "sglang",
-              ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs"}
+              ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs", ("serve", "max_logprobs"): 20}
 VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
 # The settings of a spool's consumer are declared once (glmpost/spool/settings.py) for the shard

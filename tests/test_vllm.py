@@ -65,8 +65,10 @@ def _get(url, path, key=None):
 
 @pytest.fixture(scope="module")
 def vllm_server(wide_checkpoint):
-    """``glmpost serve --api vllm --logprobs-mode processed_logprobs`` of the wide checkpoint."""
-    proc, url = start_server(wide_checkpoint, "--api", "vllm", "--logprobs-mode", "processed_logprobs", "--batch-size", "8")
+    """``glmpost serve --api vllm --logprobs-mode processed_logprobs --max-logprobs -1`` of the wide
+    checkpoint (diff-logprobs asks for the whole 512-id distribution at every position)."""
+    proc, url = start_server(wide_checkpoint, "--api", "vllm", "--logprobs-mode", "processed_logprobs", "--batch-size", "8",
+                             "--max-logprobs", "-1")
     yield url
     stop_server(proc)
     assert proc.returncode == 0
@@ -198,6 +200,8 @@ def test_raw_logprobs_mode_and_the_api_key(glmpost_cli, wide_checkpoint, tmp_pat
     try:
         assert _get(url, "/v1/models")[0] == 401 and _get(url, "/v1/models", key)[0] == 200
         assert _get(url, "/server_info")[0] == 200 and _get(url, "/health")[0] == 200  # dev-mode routes are open
+        status, answer = _post(url, "/v1/completions", {"prompt": [1, 2], "prompt_logprobs": 21}, key)
+        assert status == 400 and "Requested prompt logprobs of 21, which is greater than max allowed: 20" in answer["error"]["message"]
         rollout = ["rollout", _prompts(tmp_path, 2), "--checkpoint", wide_checkpoint, "--group-size", "2",
                    "--max-new-tokens", "4", "--temperature", "0.7", "--top-k", "20", "--engine", "vllm", "--server", url]
         refused = glmpost_cli(*rollout, "--out", tmp_path / "refused")

@@ -228,6 +228,8 @@ class ServeConfig:
     api: str = setting("sglang", "The HTTP API served: sglang (SGLang's native routes) or vllm (the vLLM OpenAI-server "
                        "routes glmpost uses: /v1/completions, /v1/models, dev-mode /server_info, /collective_rpc "
                        "reload_weights, /pause, /resume, /reset_prefix_cache; --api-key then guards only /v1, /v2, /inference).")
+    max_logprobs: int = setting(20, "With --api vllm: vLLM's --max-logprobs, the most log-probs per position a request may "
+                                "ask for (logprobs, prompt_logprobs); -1 = the vocabulary.", min=-1)
     logprobs_mode: str = setting("raw_logprobs", "With --api vllm: vLLM's --logprobs-mode, what output log-probs are (in place of "
                                  "--log-prob-kind): raw_logprobs (kind raw) or processed_logprobs (kind sampled).")
 
@@ -297,7 +299,8 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=kind,
                               prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
-            vllm = VLLMApi(engine, logprobs_mode=config.logprobs_mode) if config.api == "vllm" else None
+            vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs)
+                    if config.api == "vllm" else None)
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
                                       max_body_bytes=config.max_body_bytes, vllm=vllm)
         except OSError as exc:

@@ -11,7 +11,9 @@ protocol.py``; ``/server_info`` at 09cb327, ``vllm/entrypoints/serve/instrumenta
   request's ``seed``), ``max_tokens`` (default 16; None: up to the context), ``temperature`` (default
   1), ``top_p``, ``top_k`` (0 or -1 off), ``seed``, ``stop_token_ids`` (they stop as the eos ids do,
   which ``ignore_eos`` turns off), ``logprobs`` k, ``prompt_logprobs`` k, ``return_token_ids``,
-  ``return_tokens_as_token_ids``, ``skip_special_tokens`` (text only). Refused (HTTP 400) unless at
+  ``return_tokens_as_token_ids``, ``skip_special_tokens`` (text only); ``logprobs`` and
+  ``prompt_logprobs`` above ``--max-logprobs`` (vLLM's default 20; -1 in a request: the vocabulary)
+  are refused as vLLM refuses them. Refused (HTTP 400) unless at
   their neutral values: penalties, ``min_p``, ``n``, ``echo``, ``stream``, ``stop`` strings,
   ``min_tokens``, ``logit_bias``, beam search, grammars; a text prompt; ``ignore_eos`` with
   ``stop_token_ids`` (the embedded engine cannot stop at those ids but not at eos). Unknown fields
@@ -91,9 +93,10 @@ class VLLMApi:
     """The vLLM routes over ``engine`` (an :class:`~glmpost.server.engine.EngineServer` whose
     ``log_prob_kind`` is ``logprobs_mode``'s kind)."""
 
-    def __init__(self, engine: Any, *, logprobs_mode: str):
+    def __init__(self, engine: Any, *, logprobs_mode: str, max_logprobs: int = 20):
         self.engine = engine
         self.logprobs_mode = logprobs_mode
+        self.max_logprobs = max_logprobs
         self.started = int(time.time())
         self._cond = threading.Condition()
         self._paused = False
@@ -197,9 +200,15 @@ class VLLMApi:
         top_k = body.get("top_k")
         seed = body.get("seed")
         logprobs, prompt_logprobs = body.get("logprobs"), body.get("prompt_logprobs")
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise RequestError(f"`{name}` must be a non-negative integer")
+        vocab = int(self.engine.loaded.config.get("vocab_size") or 0)
+        for name, value, words in (("logprobs", logprobs, "sample"), ("prompt_logprobs", prompt_logprobs, "prompt")):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+                raise RequestError(f"`{name}` must be a positive value or -1.")
+            wanted = vocab if value == -1 else value
+            if value is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
+                raise RequestError(f"Requested {words} logprobs of {wanted}, which is greater than max allowed: {self.max_logprobs}")
+        logprobs = vocab if logprobs == -1 else logprobs
+        prompt_logprobs = vocab if prompt_logprobs == -1 else prompt_logprobs
         sampling = {"max_new_tokens": max_tokens, "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
                     "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
                     "top_k": -1 if top_k in (None, 0, -1) else top_k, "stop_token_ids": stops,
@@ -225,17 +234,19 @@ class VLLMApi:
             "logprobs": None, "finish_reason": finish.get("type"), "stop_reason": stop_reason,
             "token_ids": ids if with_ids else None, "prompt_logprobs": None,
             "prompt_token_ids": prompt if with_ids else None, "_n": len(ids)}
+        vocab = int(self.engine.loaded.config.get("vocab_size") or 0)
         if body.get("logprobs") is not None:
-            choice["logprobs"] = self._output_logprobs(meta, ids, body)
+            choice["logprobs"] = self._output_logprobs(meta, ids, body, vocab if body["logprobs"] == -1 else body["logprobs"])
         if body.get("prompt_logprobs") is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(meta, body["prompt_logprobs"])
+            k = vocab if body["prompt_logprobs"] == -1 else body["prompt_logprobs"]
+            choice["prompt_logprobs"] = self._prompt_logprobs(meta, k)
         return choice
 
     def _token(self, token: int, as_ids: bool) -> str:
         return f"token_id:{token}" if as_ids else self.engine.loaded.tokenizer.decode([token])
 
-    def _output_logprobs(self, meta: dict, ids: list[int], body: dict) -> dict:
-        as_ids, k = bool(body.get("return_tokens_as_token_ids")), int(body["logprobs"])
+    def _output_logprobs(self, meta: dict, ids: list[int], body: dict, k: int) -> dict:
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
         entries = meta.get("output_token_logprobs") or []
         tops = meta.get("output_top_logprobs") or [[] for _ in ids]
         tokens = [self._token(t, as_ids) for t in ids]
