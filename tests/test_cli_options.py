@@ -42,6 +42,7 @@ ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.02, ("sync-weights", "fing
               ("sync-weights", "engine"): "sglang", ("diff-logprobs", "against_engine"): "sglang",
               ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs", ("serve", "max_logprobs"): 20}
 VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}
+VLLM_HELP |= {("rollout", name) for name in ("server", "concurrency", "timeout", "retries", "api_key", "server_log_prob_kind")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
 # The settings of a spool's consumer are declared once (glmpost/spool/settings.py) for the shard
 # stages and the trainers: the trainers' --consumer, --poll-s and --lease-s say the shared words.

@@ -30,14 +30,14 @@ class EngineConfig:
 
     engine_name: str = setting("local", "local (in-process torch), sglang or vllm (HTTP: --server; vllm: vLLM's OpenAI "
                                "server, or glmpost serve --api vllm).", flag="--engine")
-    server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
-    concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
-    timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
-    retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
-    api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
+    server: Optional[str] = setting(None, "With --engine sglang or vllm: comma-separated server URLs (SGLang, vLLM or `glmpost serve`).")
+    concurrency: int = setting(8, "With --engine sglang or vllm: requests in flight at once.", min=1)
+    timeout: float = setting(600.0, "With --engine sglang or vllm: seconds to wait for one answer.", min=0.1)
+    retries: int = setting(3, "With --engine sglang or vllm: retries of a failed request (backoff 0.5 s, doubling).", min=0)
+    api_key: Optional[str] = setting(None, "With --engine sglang or vllm: the servers' API key, sent as 'Authorization: Bearer "
                                      "KEY' (never recorded).", cli={"show_default": False})
     server_log_prob_kind: str = setting(
-        "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
+        "auto", "With --engine sglang or vllm: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
     fingerprint_tolerance: float = setting(
         DEFAULT_TOLERANCE, "With --engine vllm: most mean |difference| between a server's prompt log-probs of a fixed "
