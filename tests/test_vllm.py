@@ -295,3 +295,78 @@ def test_bad_vllm_options_are_one_line_errors(glmpost_cli, wide_checkpoint, tmp_
         result = glmpost_cli(*args)
         assert result.exit_code == 2, (args, result.stderr)
         assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+class _Proxy:
+    """A loopback HTTP proxy to ``target`` that answers ``GET /server_info`` with ``server_info``
+    (None: HTTP 404, a vLLM without dev mode) and forwards every other request unchanged."""
+
+    def __init__(self, target, server_info):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status, raw):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def _forward(self, method):
+                if self.path.startswith("/server_info"):
+                    if server_info is None:
+                        return self._answer(404, b'{"detail": "Not Found"}')
+                    return self._answer(200, json.dumps(server_info).encode())
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                request = urllib.request.Request(target + self.path, data=data, method=method,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as response:
+                        self._answer(response.status, response.read())
+                except urllib.error.HTTPError as exc:
+                    self._answer(exc.code, exc.read())
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_logits_modes_are_refused_and_without_dev_mode_the_probe_tells_the_kind(glmpost_cli, vllm_server, wide_checkpoint,
+                                                                                 tmp_path):
+    """A vLLM reporting a logits mode fails the rollout in one line; one without dev mode (no
+    /server_info) is probed (processed_logprobs: sampled) and its records say seed_reproducible false."""
+    rollout = ["rollout", _prompts(tmp_path, 2), "--checkpoint", wide_checkpoint, "--group-size", "2", "--max-new-tokens", "3",
+               "--temperature", "0.9", "--top-k", "40", "--engine", "vllm", "--retries", "0"]
+    logits = _Proxy(vllm_server, {"vllm_config": {"model_config": {"logprobs_mode": "processed_logits"}},
+                                  "vllm_env": {"VLLM_BATCH_INVARIANT": True}})
+    plain = _Proxy(vllm_server, None)
+    try:
+        refused = glmpost_cli(*rollout, "--out", tmp_path / "logits", "--server", logits.url)
+        assert refused.exit_code == 1 and refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
+        assert f"error: --server {logits.url} returns logits (vLLM logprobs_mode processed_logits)" in refused.stderr
+        assert not list((tmp_path / "logits").glob("*.msgpack.zst"))
+        probed = glmpost_cli(*rollout, "--out", tmp_path / "probed", "--server", plain.url)
+        assert probed.exit_code == 0, probed.stderr
+        assert "the probe says sampled" in probed.stderr
+        records = _records(tmp_path / "probed")
+        assert records and all(r["sampling"]["log_prob_kind"] == "sampled" for r in records)
+        assert all(r["sampling"]["seed_reproducible"] is False for r in records)
+    finally:
+        logits.close()
+        plain.close()
