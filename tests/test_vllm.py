@@ -299,9 +299,12 @@ def test_bad_vllm_options_are_one_line_errors(glmpost_cli, wide_checkpoint, tmp_
 
 class _Proxy:
     """A loopback HTTP proxy to ``target`` that answers ``GET /server_info`` with ``server_info``
-    (None: HTTP 404, a vLLM without dev mode) and forwards every other request unchanged."""
+    (None: HTTP 404, a vLLM without dev mode), the ``missing`` routes with 404 (an older vLLM), and
+    forwards every other request unchanged; ``seen`` lists the paths asked."""
 
-    def __init__(self, target, server_info):
+    def __init__(self, target, server_info, missing=()):
+        self.seen = []
+        seen = self.seen
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -317,6 +320,9 @@ class _Proxy:
                 self.wfile.write(raw)
 
             def _forward(self, method):
+                seen.append(self.path)
+                if self.path.split("?")[0] in missing:
+                    return self._answer(404, b'{"detail": "Not Found"}')
                 if self.path.startswith("/server_info"):
                     if server_info is None:
                         return self._answer(404, b'{"detail": "Not Found"}')
@@ -370,3 +376,16 @@ def test_logits_modes_are_refused_and_without_dev_mode_the_probe_tells_the_kind(
     finally:
         logits.close()
         plain.close()
+
+
+def test_reload_without_pause_on_an_older_vllm(vllm_server, wide_checkpoint):
+    """A vLLM older than /pause (2025-11) is reloaded unpaused; the fingerprint still confirms it."""
+    proxy = _Proxy(vllm_server, None, missing=("/pause", "/resume"))
+    try:
+        client = VLLMClient(proxy.url, retries=0)
+        answer = client.update_weights_from_disk(str(wide_checkpoint))
+        assert answer["success"] is True and client.weight_version is None  # unconfirmed until the fingerprint
+        assert [p.split("?")[0] for p in proxy.seen] == ["/pause", "/collective_rpc", "/reset_prefix_cache"]
+        assert confirm_server(client, checkpoint_fingerprint(wide_checkpoint))[0]
+    finally:
+        proxy.close()

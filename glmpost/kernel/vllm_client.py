@@ -31,8 +31,9 @@ rpc/api_router.py,dev/rlhf/api_router.py}``):
   ``enable_deterministic_inference`` is ``VLLM_BATCH_INVARIANT``: only then does a seed give the same
   tokens whatever else the server batches.
 * Weights: ``POST /pause?mode=wait``, ``POST /collective_rpc {"method": "reload_weights", "kwargs":
-  {"weights_path": DIR}}``, ``POST /reset_prefix_cache``, ``POST /resume`` (all dev mode, and not
-  behind ``--api-key``, which guards only ``/v1``, ``/v2`` and ``/inference``).
+  {"weights_path": DIR}}`` (the worker's ``reload_weights(weights_path, is_checkpoint_format=True)`` as
+  read at 9aaf83e), ``POST /reset_prefix_cache``, ``POST /resume`` (all dev mode, and not behind
+  ``--api-key``, which guards only ``/v1``, ``/v2`` and ``/inference``).
 
 vLLM reports no weight version. ``weight_version`` here is what glmpost confirmed itself (by a
 fingerprint, :mod:`glmpost.weight_sync.fingerprint`), None until then: answers never claim more.
@@ -265,12 +266,19 @@ class VLLMClient(SGLangClient):
         cached prefix of the old weights is reused), ``/resume`` (also after a failure). The confirmed
         version is forgotten: the caller confirms the new one (the fingerprint)."""
         self.weight_version = None
-        self.request("POST", "/pause?mode=wait")
+        try:
+            self.request("POST", "/pause?mode=wait")
+            paused = True
+        except ServerError as exc:
+            if exc.status != 404:  # a vLLM older than /pause (2025-11) reloads unpaused
+                raise
+            paused = False
         try:
             self.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
             self.request("POST", "/reset_prefix_cache")
         finally:
-            self.request("POST", "/resume")
+            if paused:
+                self.request("POST", "/resume")
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None, flush_cache: bool = True,
                                  abort_all_requests: bool = False) -> dict:

@@ -3,10 +3,11 @@ vLLM has no weight version to confirm with.
 
 Send and switch: ``POST /pause?mode=wait`` (in-flight requests finish on the old weights), ``POST
 /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": VERSION_DIR}}`` (each worker's
-``reload_weights``: ``model_runner.reload_weights(weights_path, is_checkpoint_format=True)``; also in
-vLLM-Ascend's worker), ``POST /reset_prefix_cache``, ``POST /resume``
-(:meth:`~glmpost.kernel.vllm_client.VLLMClient.reload_weights`; routes as read in upstream vLLM at
-09cb327 / 0100a21, ``vllm/entrypoints/serve/{rpc,dev/rlhf}/api_router.py``). These routes exist
+``reload_weights``: ``model_runner.reload_weights(weights_path, is_checkpoint_format=True)``, as read
+at vLLM 9aaf83e, ``vllm/v1/worker/gpu_worker.py``; vLLM-Ascend's worker has it too), ``POST
+/reset_prefix_cache``, ``POST /resume`` (:meth:`~glmpost.kernel.vllm_client.VLLMClient.reload_weights`;
+the routes as read in upstream vLLM at 09cb327 / 0100a21, ``vllm/entrypoints/serve/{rpc,dev/rlhf}/
+api_router.py``; a vLLM older than ``/pause`` (2025-11) is reloaded without it). These routes exist
 only with ``VLLM_SERVER_DEV_MODE=1`` and are not behind ``--api-key``.
 
 Confirm: vLLM reports no version, so the switch counts only when the server's fingerprint (its
