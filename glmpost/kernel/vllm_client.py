@@ -10,7 +10,7 @@ rpc/api_router.py,dev/rlhf/api_router.py}``):
 * ``POST /v1/completions`` with a token-id ``prompt`` (one list per request: vLLM gives every prompt
   of a request the same ``seed``, and glmpost seeds each sequence on its own, so a batch is sent as
   concurrent single requests), an explicit ``max_tokens`` (vLLM's default is 16), ``temperature``,
-  ``top_p``, ``top_k`` (0 = off), ``seed``, ``stop_token_ids``, ``ignore_eos`` and, always, the
+  ``top_p``, ``top_k`` (-1 = off), ``seed``, ``stop_token_ids``, ``ignore_eos`` and, always, the
   neutral ``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` / ``frequency_penalty`` 0: a
   field left out takes the server's default from the model's generation config
   (``to_sampling_params``: "user -> server default -> OpenAI default"), which would change what
@@ -68,7 +68,7 @@ def completion_request(prompt: Sequence[int], sampling: dict[str, Any], *, model
         raise ValueError(f"vLLM samples at least one token (max_tokens >= 1), got max_new_tokens {max_tokens}")
     body: dict[str, Any] = {"prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
                             "temperature": float(sampling.get("temperature", 1.0)), "top_p": float(sampling.get("top_p", 1.0)),
-                            "top_k": max(0, int(sampling.get("top_k", -1))),
+                            "top_k": _top_k(sampling.get("top_k", -1)),
                             "stop_token_ids": [int(t) for t in sampling.get("stop_token_ids") or []],
                             "ignore_eos": bool(sampling.get("ignore_eos", False)),
                             "skip_special_tokens": bool(sampling.get("skip_special_tokens", False)),
@@ -81,6 +81,12 @@ def completion_request(prompt: Sequence[int], sampling: dict[str, Any], *, model
         body["logprobs"] = int(logprobs)
         body["return_tokens_as_token_ids"] = True
     return body
+
+
+def _top_k(value: Any) -> int:
+    """-1 for no top-k: every vLLM release takes it (0 means off only since 2025; older ones refuse 0)."""
+    k = int(value)
+    return k if k > 0 else -1
 
 
 def _top_row(row: Any) -> list[list]:
