@@ -290,6 +290,10 @@ def test_bad_vllm_options_are_one_line_errors(glmpost_cli, wide_checkpoint, tmp_
         (("score-teacher", tmp_path, "--out", tmp_path / "t", "--teacher", wide_checkpoint, "--engine", "vllm"),
          "--engine vllm needs --server URL"),
         (("serve", "--checkpoint", wide_checkpoint, "--api", "openai"), "--api must be sglang or vllm, got 'openai'"),
+        (("serve", "--checkpoint", wide_checkpoint, "--api", "vllm", "--log-prob-kind", "tempered"),
+         "--log-prob-kind is for --api sglang; with --api vllm say --logprobs-mode"),
+        (("serve", "--checkpoint", wide_checkpoint, "--logprobs-mode", "processed_logprobs"),
+         "--logprobs-mode and --max-logprobs are for --api vllm"),
     ]
     for args, message in cases:
         result = glmpost_cli(*args)

@@ -279,6 +279,10 @@ def _checked_settings(config: ServeConfig) -> Optional[str]:
         check_logprobs_mode(config.logprobs_mode)
     except ValueError as exc:
         raise ConfigError("{logprobs_mode} {reason}", reason=exc) from None
+    if config.api == "vllm" and config.log_prob_kind != DEFAULT_LOG_PROB_KIND:
+        raise ConfigError("{log_prob_kind} is for {api} sglang; with {api} vllm say {logprobs_mode}")
+    if config.api == "sglang" and (config.logprobs_mode != "raw_logprobs" or config.max_logprobs != 20):
+        raise ConfigError("{logprobs_mode} and {max_logprobs} are for {api} vllm")
     if config.log_prob_kind not in LOG_PROB_KINDS:
         raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
                           value=config.log_prob_kind)
