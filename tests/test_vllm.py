@@ -393,3 +393,18 @@ def test_reload_without_pause_on_an_older_vllm(vllm_server, wide_checkpoint):
         assert confirm_server(client, checkpoint_fingerprint(wide_checkpoint))[0]
     finally:
         proxy.close()
+
+
+def test_recipe_sections_set_the_vllm_options(glmpost_cli, wide_checkpoint, tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[serve]\napi = "grpc"\n\n[sync-weights]\nengine = "vllm"\nfingerprint_tolerance = 0.5\n\n'
+                      '[rollout]\nengine_name = "vllm"\n')
+    served = glmpost_cli("serve", "--checkpoint", wide_checkpoint, "--config", recipe)
+    assert served.exit_code == 2 and "--api must be sglang or vllm, got 'grpc'" in served.stderr
+    rolled = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", wide_checkpoint, "--out", tmp_path / "r",
+                         "--config", recipe)
+    assert rolled.exit_code == 2 and "--engine vllm needs --server" in rolled.stderr
+    synced = glmpost_cli("sync-weights", "--checkpoint", wide_checkpoint, "--out", tmp_path / "s", "--config", recipe, "--json")
+    assert synced.exit_code == 0, synced.stderr  # no --server: published only
+    options = json.loads((tmp_path / "s" / "v000000" / "stage.json").read_text())["options"]
+    assert options["engine"] == "vllm" and options["fingerprint_tolerance"] == 0.5
