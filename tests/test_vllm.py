@@ -408,3 +408,34 @@ def test_recipe_sections_set_the_vllm_options(glmpost_cli, wide_checkpoint, tmp_
     assert synced.exit_code == 0, synced.stderr  # no --server: published only
     options = json.loads((tmp_path / "s" / "v000000" / "stage.json").read_text())["options"]
     assert options["engine"] == "vllm" and options["fingerprint_tolerance"] == 0.5
+
+
+def test_request_and_answer_translation():
+    """What the client sends (every neutral field explicit, top_k -1 for off, the seed) and how vLLM's
+    finish reasons come back in SGLang's shape (an abort keeps no tokens: the record is aborted)."""
+    from glmpost.kernel.vllm_client import completion_request, sglang_answer
+    from glmpost.rollout.records import completion_from_sglang
+
+    body = completion_request([3, 4], {"max_new_tokens": 5, "temperature": 0.7, "top_k": -1, "sampling_seed": 9,
+                                       "stop_token_ids": [2], "no_stop_trim": True}, model="m", logprobs=0)
+    assert body == {"prompt": [3, 4], "max_tokens": 5, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop_token_ids": [2],
+                    "ignore_eos": False, "skip_special_tokens": False, "return_token_ids": True, "min_p": 0.0,
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "model": "m", "seed": 9,
+                    "logprobs": 0, "return_tokens_as_token_ids": True}
+    for bad in ({"max_new_tokens": 0}, {"max_new_tokens": 3, "min_p": 0.1}):
+        with pytest.raises(ValueError):
+            completion_request([1], bad, model=None, logprobs=None)
+
+    def answer(reason, stop_reason=None, ids=(7, 2)):
+        choice = {"token_ids": list(ids), "prompt_token_ids": [3, 4], "finish_reason": reason, "stop_reason": stop_reason,
+                  "logprobs": {"token_logprobs": [-0.5, -0.25][: len(ids)]}}
+        return sglang_answer({"id": "cmpl-1", "choices": [choice]}, weight_version="3")
+
+    stopped = answer("stop", 2)
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    completion, version, reason = completion_from_sglang(stopped, [2])
+    assert completion.token_ids == [7, 2] and completion.log_probs == [-0.5, -0.25] and completion.finish_reason == "stop"
+    assert version == "3" and reason is None
+    assert answer("length")["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    completion, _, reason = completion_from_sglang(answer("abort", ids=()), [2])
+    assert completion is None and "abort" in reason
