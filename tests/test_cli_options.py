@@ -38,7 +38,7 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 # --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,
 # and serve's vLLM API; the engine options' help names vllm.
-ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.02, ("sync-weights", "fingerprint_tolerance"): 0.02,
+ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.05, ("sync-weights", "fingerprint_tolerance"): 0.05,
               ("sync-weights", "engine"): "sglang", ("diff-logprobs", "against_engine"): "sglang",
               ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs", ("serve", "max_logprobs"): 20}
 VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}

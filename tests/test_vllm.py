@@ -24,7 +24,7 @@ from test_agentic import _prompts as _turn_prompts
 from glmpost.config import ConfigError
 from glmpost.formats import ShardReader, resolve_shard_paths
 from glmpost.kernel.engine import LocalEngine, SamplingParams
-from glmpost.kernel.fingerprint import checkpoint_fingerprint, confirm_server
+from glmpost.kernel.fingerprint import checkpoint_fingerprint, confirm_server, previous_version_dir
 from glmpost.kernel.loading import load_model
 from glmpost.kernel.server_settings import ServerSettings
 from glmpost.kernel.vllm_client import VLLMClient, vllm_settings
@@ -268,10 +268,16 @@ def test_sync_weights_to_vllm_is_confirmed_by_fingerprint(glmpost_cli, wide_chec
                             "--json")
         assert json.loads(again.stdout)["servers"][0]["status"] == "current"
 
+        assert previous_version_dir(rollout_root / "v000001") == rollout_root / "v000000"
+        assert previous_version_dir(rollout_root / "v000000") is None and previous_version_dir(new) is None
         fresh = glmpost_cli(*rollout, "--checkpoint", rollout_root, "--out", tmp_path / "fresh")
         assert fresh.exit_code == 0, fresh.stderr
         records = _records(tmp_path / "fresh")
         assert records and all((r["policy_versions"] == 1).all() for r in records)
+        # the old version's rollout against the new weights: not confirmed, no version claimed
+        old = glmpost_cli(*rollout, "--checkpoint", rollout_root / "v000000", "--out", tmp_path / "old")
+        assert old.exit_code == 0 and "does not serve" in old.stderr
+        assert all("policy_versions" not in r for r in _records(tmp_path / "old"))
     finally:
         stop_server(proc)
 

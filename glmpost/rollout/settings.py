@@ -41,8 +41,8 @@ class EngineConfig:
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
     fingerprint_tolerance: float = setting(
         DEFAULT_TOLERANCE, "With --engine vllm: most mean |difference| between a server's prompt log-probs of a fixed "
-        "sequence and the checkpoint's (float32, CPU) for the server to count as serving it; records from an unconfirmed "
-        "server carry no policy_versions.", above=0.0)
+        "sequence and the checkpoint's (float32, CPU) for the server to count as serving it (and nearer to them than to "
+        "the previous version's in the same root); records from an unconfirmed server carry no policy_versions.", above=0.0)
 
     def check(self) -> None:
         """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that

@@ -6,7 +6,8 @@ through :class:`~glmpost.kernel.vllm_client.VLLMClient`, with what vLLM does not
   log-prob); without dev mode the four-request probe tells the kind.
 * ``seed_reproducible`` only under ``VLLM_BATCH_INVARIANT=1``.
 * The weight version: vLLM reports none, so a server's version is confirmed by its fingerprint
-  (:mod:`glmpost.kernel.fingerprint`) against the checkpoint's, when the run opens and again after
+  (:mod:`glmpost.kernel.fingerprint`) against the checkpoint's (and nearer to it than to the previous
+  version's in the same root), when the run opens and again after
   every generate call; a sequence is stamped with the checkpoint's policy version only when the
   server that answered it was confirmed before and after, and otherwise with :data:`UNKNOWN_VERSION`,
   for which the record carries no ``policy_versions`` (formats/SPEC.md: optional; training counts
@@ -20,7 +21,13 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from glmpost.config import ConfigError
-from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE, Fingerprint, checkpoint_fingerprint, confirm_server
+from glmpost.kernel.fingerprint import (
+    DEFAULT_TOLERANCE,
+    Fingerprint,
+    checkpoint_fingerprint,
+    confirm_server,
+    previous_version_dir,
+)
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.vllm_client import LOGITS_MODES
 from glmpost.rollout.engines import Outcome, SGLangBackend
@@ -44,6 +51,7 @@ class VLLMBackend(SGLangBackend):
     version confirmed by fingerprint (``expected``: the checkpoint's; ``policy_version`` stamped when it matches)."""
 
     expected: Optional[Fingerprint] = None
+    previous: Optional[Fingerprint] = None  # the root's previous version's, which a server must match less well
     policy_version: Optional[int] = None
     tolerance: float = DEFAULT_TOLERANCE
 
@@ -52,11 +60,13 @@ class VLLMBackend(SGLangBackend):
         """:meth:`SGLangBackend.open`, then each server's version confirmed against the checkpoint."""
         backend = super().open(checkpoint, config, device)
         backend.expected = checkpoint_fingerprint(checkpoint.version_dir)
+        older = previous_version_dir(checkpoint.version_dir)
+        backend.previous = checkpoint_fingerprint(older) if older is not None else None
         backend.policy_version = checkpoint.policy_version
         backend.tolerance = config.engine.fingerprint_tolerance
         for client in backend.pool.clients:
             try:
-                ok, words = confirm_server(client, backend.expected, tolerance=backend.tolerance)
+                ok, words = confirm_server(client, backend.expected, tolerance=backend.tolerance, previous=backend.previous)
             except ServerError as exc:
                 ok, words = False, str(exc)
             client.weight_version = str(backend.policy_version) if ok else None
@@ -72,7 +82,7 @@ class VLLMBackend(SGLangBackend):
     def _confirm(self, client: Any) -> bool:
         """Confirm (or unconfirm) ``client``'s version by fingerprint; True when it serves the checkpoint."""
         try:
-            ok, words = confirm_server(client, self.expected, tolerance=self.tolerance)
+            ok, words = confirm_server(client, self.expected, tolerance=self.tolerance, previous=self.previous)
         except ServerError as exc:
             ok, words = False, str(exc)
         if not ok and client.weight_version is not None:
