@@ -31,7 +31,8 @@ return_tokens_as_token_ids; penalties, min_p, n, echo, stream, stop strings and 
 GET /v1/models, and the dev-mode routes GET /server_info (logprobs_mode, VLLM_BATCH_INVARIANT),
 POST /collective_rpc (reload_weights), /reset_prefix_cache, /pause, /resume, GET /is_paused.
 --logprobs-mode raw_logprobs (kind raw) or processed_logprobs (kind sampled) replaces
---log-prob-kind; --api-key then guards only /v1, /v2 and /inference, as vLLM's does.
+--log-prob-kind; --max-logprobs caps logprobs and prompt_logprobs per position as vLLM's does
+(default 20; -1: the vocabulary); --api-key then guards only /v1, /v2 and /inference, as vLLM's does.
 
 One engine thread runs the model: concurrent requests are batched (up to --batch-size); a batch
 request runs exactly as the in-process engine runs the same list, so with the same seeds the server
