@@ -22,7 +22,8 @@ from glmpost.stage import recorded_options
 ENGINES = ("local", "sglang", "vllm")
 # Options that may differ between the tasks or reruns writing one output directory.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
-                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key")
+                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key",
+                    "fingerprint_tolerance")
 
 @dataclass
 class EngineConfig:
