@@ -230,10 +230,19 @@ def _perturbed(source, target, policy_version):
         tensors = load_file(path)
         save_file({k: (v * 1.5 if v.is_floating_point() else v) for k, v in tensors.items()}, path,
                   metadata={"format": "pt"})
-    (target / "glmpost-fingerprint.json").unlink(missing_ok=True)
     manifest = json.loads((target / "glmpost.json").read_text())
     (target / "glmpost.json").write_text(json.dumps({**manifest, "policy_version": policy_version}))
     return target
+
+
+def test_a_kept_fingerprint_holds_only_for_the_weights_it_was_computed_from(wide_checkpoint, tmp_path):
+    original = checkpoint_fingerprint(wide_checkpoint)
+    assert (wide_checkpoint / "glmpost-fingerprint.json").is_file()
+    copied = tmp_path / "copy"
+    shutil.copytree(wide_checkpoint, copied)  # the same files, times kept: the kept fingerprint holds
+    assert checkpoint_fingerprint(copied) == original
+    changed = _perturbed(wide_checkpoint, tmp_path / "changed", 1)  # the sidecar came along, stale
+    assert checkpoint_fingerprint(changed).distance(original.log_probs) > 0.05
 
 
 def test_sync_weights_to_vllm_is_confirmed_by_fingerprint(glmpost_cli, wide_checkpoint, tmp_path):

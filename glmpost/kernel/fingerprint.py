@@ -5,8 +5,9 @@ A checkpoint's *fingerprint* is the model's own log-probs (temperature 1, no fil
 token sequence, :data:`FINGERPRINT_TOKENS` ids spread over the vocabulary (:func:`fingerprint_ids`),
 each under its prefix. It is computed once per checkpoint by glmpost's kernel scoring on CPU in
 float32 (:class:`~glmpost.kernel.engine.LocalEngine` ``score``) and kept beside the weights in
-``glmpost-fingerprint.json`` (written atomically; a read-only checkpoint is simply recomputed next
-time). A server's fingerprint is the same sequence scored through its prompt log-probs, which vLLM
+``glmpost-fingerprint.json`` with the identity of the weight files it was computed from (written
+atomically; a copy whose files were rewritten, e.g. by ``glmpost quantize``, recomputes it; a
+read-only checkpoint is simply recomputed next time). A server's fingerprint is the same sequence scored through its prompt log-probs, which vLLM
 computes as ``log_softmax(logits)`` whatever ``--logprobs-mode``.
 
 The server serves a checkpoint when the *mean* absolute difference of the two fingerprints is at
@@ -22,6 +23,7 @@ rate). A float32 ``glmpost serve`` matches to about 1e-6.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ DEFAULT_TOLERANCE = 0.05
 SIDECAR = "glmpost-fingerprint.json"
 
 __all__ = ["DEFAULT_TOLERANCE", "Fingerprint", "checkpoint_fingerprint", "confirm_server", "fingerprint_ids",
-           "previous_version_dir", "server_fingerprint"]
+           "previous_version_dir", "server_fingerprint", "weights_identity"]
 
 
 def previous_version_dir(version_dir: Path | str) -> Path | None:
@@ -66,16 +68,26 @@ class Fingerprint:
         return sum(abs(a - float(b)) for a, b in zip(self.log_probs, other)) / max(1, len(other))
 
 
+def weights_identity(directory: Path) -> list:
+    """What a kept fingerprint is valid for: ``config.json``'s digest and each weight file's name, size
+    and modification time (a copy that keeps them holds the same weights; a rewritten, quantized or
+    edited file changes them, and the fingerprint is computed again)."""
+    files = sorted(p for pattern in ("*.safetensors", "*.bin", "*.pt") for p in directory.glob(pattern))
+    config = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()[:16]
+    return [config, *([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files)]
+
+
 def checkpoint_fingerprint(version_dir: Path | str) -> Fingerprint:
-    """The fingerprint of a checkpoint's weights: its ``glmpost-fingerprint.json``, else computed on
-    CPU in float32 (and kept there when the directory is writable)."""
+    """The fingerprint of a checkpoint's weights: its ``glmpost-fingerprint.json`` when that was kept
+    for these very weight files (:func:`weights_identity`), else computed on CPU in float32 (and kept
+    there when the directory is writable)."""
     directory = Path(version_dir)
     vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
     ids = fingerprint_ids(vocab)
-    sidecar = directory / SIDECAR
+    sidecar, weights = directory / SIDECAR, weights_identity(directory)
     try:
         kept = json.loads(sidecar.read_text())
-        if kept.get("token_ids") == ids:
+        if kept.get("token_ids") == ids and kept.get("weights") == weights:
             return Fingerprint(tuple(ids), tuple(float(x) for x in kept["log_probs"]))
     except (OSError, ValueError, KeyError, AttributeError):
         pass
@@ -89,7 +101,7 @@ def checkpoint_fingerprint(version_dir: Path | str) -> Fingerprint:
     result = Fingerprint(tuple(ids), tuple(float(x) for x in scores.log_probs))
     try:
         tmp = sidecar.with_name(f".{SIDECAR}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"token_ids": ids, "log_probs": list(result.log_probs), "dtype": "float32",
+        tmp.write_text(json.dumps({"token_ids": ids, "log_probs": list(result.log_probs), "dtype": "float32", "weights": weights,
                                    "what": "log-probs of token_ids[1:] under their prefixes (glmpost.kernel.fingerprint)"}))
         os.replace(tmp, sidecar)
     except OSError:
