@@ -13,7 +13,9 @@ top-k rule and --attention). Path B is, by what you pass:
                    rule, GLM-5 attention (native / reference) or batch size;
   --against-server URL
                    a `glmpost serve` / SGLang server (prefill log-probs;
-                   --api-key KEY if it wants one, never recorded).
+                   --api-key KEY if it wants one, never recorded);
+                   --against-engine vllm: a vLLM (or vLLM-Ascend) server's
+                   prompt_logprobs.
 
 delta = log p_A - log p_B per action token. Reports mean / p50 / p99 / max |delta|, k1 and k3
 estimates of KL(p_B || p_A), the fraction IcePop keeps at --icepop-beta and DIS at --dis-low/--dis-high,

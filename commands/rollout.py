@@ -22,6 +22,15 @@ for --engine local) and sampling.log_prob_kind, what rollout_log_probs are log-p
 --server-log-prob-kind, or with auto the kind the server reports (`glmpost serve` does), else the
 kind a probe of four 1-token requests finds.
 
+--engine vllm sends them to vLLM's OpenAI server (or `glmpost serve --api vllm`): one /v1/completions
+request per sequence with its seed, token ids in and out (return_token_ids, logprobs 0, explicit
+max_tokens and neutral penalties). The log-prob kind is the server's --logprobs-mode (raw_logprobs:
+raw, processed_logprobs: sampled; logits modes refused), seed_reproducible its VLLM_BATCH_INVARIANT
+(both from the dev-mode /server_info, else the probe). vLLM reports no weight version: each server's
+weights are confirmed by fingerprint against --checkpoint's (--fingerprint-tolerance) when the run
+opens and after every generate call, and records from a server not confirmed carry no
+policy_versions.
+
 --env NAME runs multi-turn (agentic) trajectories against an environment (calculator, kv-lookup, kv-recall,
 latency, or package.module:Class with reset(task) and step(action); --env-options is a JSON object
 of its keyword arguments). Turn after turn the model's exact ids are the action (ending with the

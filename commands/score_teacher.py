@@ -14,7 +14,8 @@ shards', or whose vocabulary size differs from the student's (--student, by defa
 the rollout recorded) or another teacher's, is refused with both values. The local engine scores
 --batch-size records at a time in --chunk-size position chunks, so memory stays bounded; --engine
 sglang scores through an SGLang-compatible server (`glmpost serve`) with one teacher (--api-key KEY
-if the server wants one; the key is never recorded).
+if the server wants one; the key is never recorded); --engine vllm through a vLLM server's
+prompt_logprobs (or `glmpost serve --api vllm`).
 
 One output shard per input shard (same file name); complete outputs are kept on a rerun
 (--overwrite redoes them); nothing is written before every teacher loads and every record is routed.

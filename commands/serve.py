@@ -24,6 +24,16 @@ default), raw, top_p_renormalized. --api-key KEY makes every route but /health a
 {"error": "Unauthorized"} unless the request carries `Authorization: Bearer KEY`; the key is never
 logged.
 
+--api vllm serves the vLLM OpenAI-server routes glmpost uses instead (a stand-in for vLLM, shaped as
+its source shapes them): POST /v1/completions (token-id prompt, max_tokens default 16, temperature,
+top_p, top_k, seed, stop_token_ids, ignore_eos, logprobs, prompt_logprobs, return_token_ids,
+return_tokens_as_token_ids; penalties, min_p, n, echo, stream, stop strings and grammars refused),
+GET /v1/models, and the dev-mode routes GET /server_info (logprobs_mode, VLLM_BATCH_INVARIANT),
+POST /collective_rpc (reload_weights), /reset_prefix_cache, /pause, /resume, GET /is_paused.
+--logprobs-mode raw_logprobs (kind raw) or processed_logprobs (kind sampled) replaces
+--log-prob-kind; --max-logprobs caps logprobs and prompt_logprobs per position as vLLM's does
+(default 20; -1: the vocabulary); --api-key then guards only /v1, /v2 and /inference, as vLLM's does.
+
 One engine thread runs the model: concurrent requests are batched (up to --batch-size); a batch
 request runs exactly as the in-process engine runs the same list, so with the same seeds the server
 reproduces `rollout --engine local` bit for bit. The KV caches of the last --prefix-cache-batches

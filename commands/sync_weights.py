@@ -11,7 +11,13 @@ and the sync is confirmed by reading the server's weight version back; a server 
 still reports the old version is retried (--retries, --backoff), then reported, and the command
 exits 1 naming it. Servers started with an API key need --api-key KEY (never recorded). A version
 already published from the same source is not written again (its servers are still confirmed).
---keep N prunes old versions (never LATEST). Per-server results go to stdout (--json) and to
+--keep N prunes old versions (never LATEST). --engine vllm switches vLLM servers instead:
+/pause?mode=wait, /collective_rpc reload_weights(weights_path=VERSION_DIR), /reset_prefix_cache,
+/resume (dev-mode routes: VLLM_SERVER_DEV_MODE=1, not behind --api-key, so loopback or a private
+network only); vLLM reports no version, so the switch is confirmed by fingerprint: the server's
+prompt log-probs of a fixed sequence within --fingerprint-tolerance (mean |difference|) of the new
+version's, computed on CPU in float32 and kept as glmpost-fingerprint.json in the version directory,
+and nearer to them than to the previous version's. Per-server results go to stdout (--json) and to
 ROOT/metrics.jsonl.
 """
 

@@ -37,6 +37,13 @@ ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "au
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
+# --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,
+# and serve's vLLM API; the engine options' help names vllm.
+ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.05, ("sync-weights", "fingerprint_tolerance"): 0.05,
+              ("sync-weights", "engine"): "sglang", ("diff-logprobs", "against_engine"): "sglang",
+              ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs", ("serve", "max_logprobs"): 20}
+VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}
+VLLM_HELP |= {("rollout", name) for name in ("server", "concurrency", "timeout", "retries", "api_key", "server_log_prob_kind")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
 # The settings of a spool's consumer are declared once (glmpost/spool/settings.py) for the shard
 # stages and the trainers: the trainers' --consumer, --poll-s and --lease-s say the shared words.
@@ -79,8 +86,12 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for command in expected:
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
-            if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32:
+            if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
+                    command, name) in ADDED_VLLM:
                 continue
+            if (command, name) in VLLM_HELP:
+                assert "vllm" in after["help"]
+                before, after = ({k: v for k, v in row.items() if k != "help"} for row in (before, after))
             if (command, name) in {(c, new) for (c, _), new in RENAMED.items()}:
                 before = {k: v for k, v in before.items() if k != "help"}
                 after = {k: v for k, v in after.items() if k != "help"}  # the help says the old spelling
@@ -89,6 +100,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     assert changed == {}
     for (command, name), default in ADDED_32.items():
         assert now[command][name]["default"] == default and now[command][name]["help"]
+    for (command, name), default in ADDED_VLLM.items():
+        assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED:

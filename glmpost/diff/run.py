@@ -47,6 +47,7 @@ from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.loading import attention_ran, load_tokenizer
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
+from glmpost.kernel.vllm_client import VLLMClient
 from glmpost.models.native_attention import set_attention
 from glmpost.npu import resolve_device
 from glmpost.npu.topk import indexers, set_indexer_topk
@@ -65,6 +66,8 @@ class DiffConfig:
     out: Optional[Path] = None  # the report directory, as messages name it (the caller stages it)
     against: Optional[Path] = setting(None, "Path B: another checkpoint (root or version; quantized ones are dequantized).")
     against_server: Optional[str] = setting(None, "Path B: a glmpost serve / SGLang server URL.")
+    against_engine: str = setting("sglang", "--against-server's API: sglang (SGLang, glmpost serve) or vllm (vLLM's "
+                                  "/v1/completions prompt_logprobs; against vLLM-Ascend this measures its NPU top-k/top-p).")
     api_key: Optional[str] = setting(None, "--against-server's API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
     dtype: str = setting("auto", "Path A dtype: auto (the checkpoint's), fp32, bf16 or fp16.")
     against_dtype: Optional[str] = setting(None, "Path B dtype (default: path A's).")
@@ -122,6 +125,8 @@ class DiffConfig:
                 raise ConfigError("{%s} {value!r}: expected native or reference" % name, value=value)
         if self.against_topk not in (None, "deterministic", "torch"):
             raise ConfigError("{against_topk} {value!r}: expected deterministic or torch", value=self.against_topk)
+        if self.against_engine not in ("sglang", "vllm"):
+            raise ConfigError("{against_engine} {value!r}: expected sglang or vllm", value=self.against_engine)
         if self.against is not None and self.against_server is not None:
             raise ConfigError("{against} and {against_server} both name path B; pass one")
         if self.against_server is not None and self.local_b:
@@ -237,11 +242,11 @@ def comparison_distribution(settings: set[tuple], mode: str) -> ScoredDistributi
 
 
 def server_path_b(url: str, records, *, distribution: ScoredDistribution, revision: str, vocab_size: int,
-                  progress: Callable, api_key: Optional[str] = None) -> tuple[PathScores, dict[str, Any]]:
+                  progress: Callable, api_key: Optional[str] = None, engine: str = "sglang") -> tuple[PathScores, dict[str, Any]]:
     """Path B on a server: its scores and its description; the server must be reachable and serve
     tokenizer ``revision``."""
 
-    client = SGLangClient(url, timeout=120.0, retries=2, backoff=0.2, api_key=api_key)
+    client = (VLLMClient if engine == "vllm" else SGLangClient)(url, timeout=120.0, retries=2, backoff=0.2, api_key=api_key)
     try:
         info = client.model_info()
     except ServerError as exc:
@@ -254,7 +259,7 @@ def server_path_b(url: str, records, *, distribution: ScoredDistribution, revisi
         path = server_path(client, records, distribution=distribution, vocab_size=vocab_size, label="B", progress=progress)
     except (ValueError, ServerError) as exc:
         raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
-    return path, {"kind": "server", "url": client.url, "weight_version": info.get("weight_version"),
+    return path, {"kind": "server", "engine": engine, "url": client.url, "weight_version": info.get("weight_version"),
                   "model_path": info.get("model_path")}
 
 
@@ -326,7 +331,7 @@ class LogprobDiff:
             if c.mode == "server":
                 path_b, desc_b = server_path_b(c.against_server, records, distribution=distribution, revision=revision,
                                                vocab_size=model_a.get_output_embeddings().weight.shape[0], progress=progress.update,
-                                               api_key=c.api_key)
+                                               api_key=c.api_key, engine=c.against_engine)
                 return path_a, path_b, side_a.describe(), desc_b
             side_b = self._side_b(side_a, against_dir)
             if c.against is None and side_b.dtype == side_a.dtype and str(side_b.device) == str(side_a.device):

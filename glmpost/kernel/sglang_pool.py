@@ -16,12 +16,15 @@ class SGLangPool:
 
     Request ``i`` goes to server ``i % len(urls)``; when that server finally fails with a connection
     error, timeout or 5xx, the next server is tried, and only when every server failed does the call
-    raise :class:`ServerError`. Every server gets the same ``api_key`` and ``admin_api_key``.
+    raise :class:`ServerError`. Every server gets the same ``api_key`` and ``admin_api_key``;
+    ``client_class`` talks to each (:class:`SGLangClient`, or
+    :class:`~glmpost.kernel.vllm_client.VLLMClient` for vLLM servers).
     """
 
     def __init__(self, urls: str | Sequence[str], *, concurrency: int = 8, timeout: float = 600.0, retries: int = 3,
-                 backoff: float = 0.5, api_key: str | None = None, admin_api_key: str | None = None):
-        self.clients = [SGLangClient(u, timeout=timeout, retries=retries, backoff=backoff, api_key=api_key,
+                 backoff: float = 0.5, api_key: str | None = None, admin_api_key: str | None = None,
+                 client_class: type = SGLangClient):
+        self.clients = [client_class(u, timeout=timeout, retries=retries, backoff=backoff, api_key=api_key,
                                      admin_api_key=admin_api_key) for u in parse_server_urls(urls)]
         self.concurrency = max(1, concurrency)
         self._executor: ThreadPoolExecutor | None = None

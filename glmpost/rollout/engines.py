@@ -167,6 +167,8 @@ class SGLangBackend:
     is continued from its partial output with the rest of its budget, ``max_continuations`` times.
     """
 
+    reports_weight_version = True  # SGLang does; vLLM does not (its backend confirms weights by fingerprint)
+
     def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int,
                  settings: Sequence[Any] = (), kind_setting: str = "auto", probe_prompts: Sequence[list[int]] = (),
                  stamp: Any = None, max_continuations: int = 3):
@@ -198,7 +200,8 @@ class SGLangBackend:
         except OSError:
             default_stops = model_config.eos_token_id
         pool, settings = connect_servers(config, revision=checkpoint.revision, version_dir=checkpoint.version_dir)
-        stamps = [version_stamp(s, config.engine.unversioned_server, checkpoint.policy_version) for s in settings]
+        stamps = ([version_stamp(s, config.engine.unversioned_server, checkpoint.policy_version) for s in settings]
+                  if cls.reports_weight_version else [None])
         return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size,
                    settings=settings, kind_setting=config.engine.server_log_prob_kind,
                    probe_prompts=probe_prompts(checkpoint.tokenizer), stamp=stamps[0],
@@ -369,5 +372,9 @@ def _chunks(count: int, size: int) -> Iterator[list[int]]:
 
 def open_backend(checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> LocalBackend | SGLangBackend:
     """The engine ``config.engine.engine_name`` names, opened on the checkpoint (a local one on ``device``)."""
+    if config.engine.engine_name == "vllm":
+        from glmpost.rollout.vllm_engine import VLLMBackend  # it subclasses this module's SGLangBackend
+
+        return VLLMBackend.open(checkpoint, config, device)
     backend = SGLangBackend if config.engine.engine_name == "sglang" else LocalBackend
     return backend.open(checkpoint, config, device)

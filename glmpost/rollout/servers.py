@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from glmpost.config import ConfigError
 from glmpost.kernel.engine import Completion
 from glmpost.kernel.server_settings import ServerSettings
-from glmpost.kernel.sglang_client import ServerError
+from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_pool import SGLangPool
 from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS, check_preferred, refused_fields, refused_message
+from glmpost.kernel.vllm_client import VLLMClient
 from glmpost.rollout.records import UNKNOWN_VERSION, as_version
 from glmpost.stage import log
 
@@ -51,7 +52,7 @@ def connect_servers(config: RolloutConfig, *, revision: str, version_dir: Path) 
     try:
         e = config.engine
         pool = SGLangPool(e.server, concurrency=e.concurrency, timeout=e.timeout, retries=e.retries, api_key=e.api_key,
-                          admin_api_key=e.admin_api_key)
+                          admin_api_key=e.admin_api_key, client_class=VLLMClient if e.engine_name == "vllm" else SGLangClient)
     except ValueError as exc:
         raise ConfigError("{server} {value!r}: {reason}", value=config.engine.server, reason=exc) from None
     return pool, [check_server(client, config, revision=revision, version_dir=version_dir) for client in pool.clients]

@@ -14,26 +14,29 @@ from glmpost.envs import resolve_environment
 from glmpost.errors import UsageError
 from glmpost.kernel.distribution import LOG_PROB_KINDS
 from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE
 from glmpost.kernel.sglang_client import check_api_key
 from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, resume_pieces
 from glmpost.rollout.servers import UNVERSIONED
 from glmpost.stage import recorded_options
 
-ENGINES = ("local", "sglang")
+ENGINES = ("local", "sglang", "vllm")
 # Options that may differ between the tasks or reruns writing one output directory.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
-                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key", "admin_api_key")
+                    "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key", "admin_api_key",
+                    "fingerprint_tolerance")
 
 @dataclass
 class EngineConfig:
     """What samples: the in-process engine, or SGLang-API servers and how to talk to them."""
 
-    engine_name: str = setting("local", "local (in-process torch) or sglang (HTTP: --server).", flag="--engine")
-    server: Optional[str] = setting(None, "With --engine sglang: comma-separated server URLs (SGLang or `glmpost serve`).")
-    concurrency: int = setting(8, "With --engine sglang: requests in flight at once.", min=1)
-    timeout: float = setting(600.0, "With --engine sglang: seconds to wait for one answer.", min=0.1)
-    retries: int = setting(3, "With --engine sglang: retries of a failed request (backoff 0.5 s, doubling).", min=0)
-    api_key: Optional[str] = setting(None, "With --engine sglang: the servers' API key, sent as 'Authorization: Bearer "
+    engine_name: str = setting("local", "local (in-process torch), sglang or vllm (HTTP: --server; vllm: vLLM's OpenAI "
+                               "server, or glmpost serve --api vllm).", flag="--engine")
+    server: Optional[str] = setting(None, "With --engine sglang or vllm: comma-separated server URLs (SGLang, vLLM or `glmpost serve`).")
+    concurrency: int = setting(8, "With --engine sglang or vllm: requests in flight at once.", min=1)
+    timeout: float = setting(600.0, "With --engine sglang or vllm: seconds to wait for one answer.", min=0.1)
+    retries: int = setting(3, "With --engine sglang or vllm: retries of a failed request (backoff 0.5 s, doubling).", min=0)
+    api_key: Optional[str] = setting(None, "With --engine sglang or vllm: the servers' API key, sent as 'Authorization: Bearer "
                                      "KEY' (never recorded).", cli={"show_default": False})
     admin_api_key: Optional[str] = setting(
         None, "With --engine sglang: the servers' admin key (SGLang's --admin-api-key), sent instead of --api-key on "
@@ -44,20 +47,24 @@ class EngineConfig:
         "without --weight-version, never synced): refuse (one error), unknown (its tokens' policy_versions -1; trainers "
         "say their staleness is unknown) or checkpoint (stamped with --checkpoint's policy version, on your word).")
     max_continuations: int = setting(
-        3, "With --engine sglang: times a sequence the server aborted (a weight switch, /abort_request) is continued "
+        3, "With --engine sglang or vllm: times a sequence the server aborted (a weight switch, /abort_request) is continued "
         "from its partial output with the rest of its token budget; then it is recorded aborted with its partial "
         "tokens.", min=0)
     server_log_prob_kind: str = setting(
-        "auto", "With --engine sglang: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
+        "auto", "With --engine sglang or vllm: what the servers' log-probs are of, recorded as sampling.log_prob_kind: auto "
         "(what /server_info reports, else probed with four 1-token requests) or " + ", ".join(LOG_PROB_KINDS) + ".")
+    fingerprint_tolerance: float = setting(
+        DEFAULT_TOLERANCE, "With --engine vllm: most mean |difference| between a server's prompt log-probs of a fixed "
+        "sequence and the checkpoint's (float32, CPU) for the server to count as serving it (and nearer to them than to "
+        "the previous version's in the same root); tokens from an unconfirmed server get policy version -1 (unknown).", above=0.0)
 
     def check(self) -> None:
         """Refuse an unknown engine or log-prob kind, ``sglang`` without servers, or an API key that
         cannot go in a header (without repeating it)."""
         if self.engine_name not in ENGINES:
-            raise ConfigError("{engine_name} must be local or sglang, got {value!r}", value=self.engine_name)
-        if self.engine_name == "sglang" and not self.server:
-            raise ConfigError("{engine_name} sglang needs {server} URL[,URL...]")
+            raise ConfigError("{engine_name} must be local, sglang or vllm, got {value!r}", value=self.engine_name)
+        if self.engine_name != "local" and not self.server:
+            raise ConfigError("{engine_name} {value} needs {server} URL[,URL...]", value=self.engine_name)
         if self.server_log_prob_kind != "auto" and self.server_log_prob_kind not in LOG_PROB_KINDS:
             raise ConfigError("{server_log_prob_kind} must be auto or one of {kinds}, got {value!r}",
                               kinds=", ".join(LOG_PROB_KINDS), value=self.server_log_prob_kind)

@@ -20,6 +20,7 @@ import hmac
 import json
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +33,7 @@ from glmpost.kernel.sglang_client import ADMIN_ROUTES, check_api_key
 from glmpost.npu import resolve_device
 from glmpost.server.engine import EngineServer
 from glmpost.server.parsing import RequestError
+from glmpost.server.vllm_api import VLLMApi, check_logprobs_mode, error_payload, guarded
 from glmpost.stage import MetricsWriter, log
 
 LISTEN_BACKLOG = 512
@@ -47,6 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
     api_key: Optional[str] = None  # set on the subclass: every route but /health then wants it
     admin_api_key: Optional[str] = None  # set on the subclass: the control routes then want it, and only it
     max_body_bytes = 64 << 20  # set on the subclass
+    vllm: Any = None  # set on the subclass with --api vllm: the vLLM routes (glmpost.server.vllm_api.VLLMApi)
 
     def log_message(self, format: str, *args: Any) -> None:
         if not self.quiet:
@@ -74,7 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         # A full queue or a stopping server: the client may come back (SGLang answers 503 the same way).
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-        self._send(status, {"error": {"message": message, "code": int(status)}}, headers)
+        payload = {"error": {"message": message, "code": int(status)}} if self.vllm is None else error_payload(status, message)
+        self._send(status, payload, headers)
 
     def _body(self) -> Any:
         try:
@@ -94,25 +98,33 @@ class _Handler(BaseHTTPRequestHandler):
     def _authorized(self, path: str) -> bool:
         """SGLang's rule: probes (``/health*``, ``/ready*``, ``/metrics*``) always; a control route
         the admin key when one is set, else the API key; any other route the API key (none set:
-        open). A key is ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, compared in constant time."""
-        if path.startswith(("/health", "/ready", "/metrics")):
+        open). A key is ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, compared in constant time.
+        With ``--api vllm``, vLLM's: the API key on ``/v1``, ``/v2`` and ``/inference`` only, Bearer only."""
+        if path.startswith(("/health", "/ready", "/metrics")) or (self.vllm is not None and not guarded(path)):
             return True
         expected = self.admin_api_key if self.admin_api_key is not None and path in ADMIN_ROUTES else self.api_key
         if expected is None:
             return True
         scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
         offered = [token] if scheme.lower() == "bearer" else []
-        offered += [self.headers.get("x-api-key") or ""]
+        offered += [self.headers.get("x-api-key") or ""] if self.vllm is None else []
         # Header values are latin-1 text; the key is printable ASCII (check_api_key).
         return any(hmac.compare_digest(o.strip().encode("latin-1", "replace"), expected.encode()) for o in offered if o)
 
     def _dispatch(self, method: str) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        path, _, query = self.path.partition("?")
+        path = path.rstrip("/") or "/"
         try:
             if not self._authorized(path):
                 self._send(401, {"error": "Unauthorized"})
             elif method == "GET" and path == "/health":
                 self._send(200, None)
+            elif self.vllm is not None:
+                answer = self.vllm.route(method, path, dict(urllib.parse.parse_qsl(query)), self._body)
+                if answer is None:
+                    self._error(404, f"no route {path}")
+                else:
+                    self._send(*answer)
             elif method == "GET" and path in ("/get_weight_version", "/weight_version"):
                 self._send(200, {"weight_version": self.engine.weight_version})
             elif method == "GET" and path in ("/model_info", "/get_model_info"):
@@ -161,13 +173,15 @@ class _Server(ThreadingHTTPServer):
 
 
 def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True, api_key: Optional[str] = None,
-                     admin_api_key: Optional[str] = None, max_body_bytes: int = 64 << 20) -> ThreadingHTTPServer:
+                     admin_api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
+                     vllm: Optional[VLLMApi] = None) -> ThreadingHTTPServer:
     """A threading HTTP server whose handlers call ``engine`` (``port`` 0 picks a free port); with
     ``api_key`` every route but the probes wants it, with ``admin_api_key`` the control routes want
-    that one; a body over ``max_body_bytes`` is refused (413)."""
+    that one (with ``vllm``, vLLM's routes instead of SGLang's, the key only on ``/v1``, ``/v2``,
+    ``/inference``); a body over ``max_body_bytes`` is refused (413)."""
     handler = type("GlmpostServeHandler", (_Handler,), {"engine": engine, "quiet": quiet, "api_key": api_key or None,
                                                          "admin_api_key": admin_api_key or None,
-                                                         "max_body_bytes": max_body_bytes})
+                                                         "max_body_bytes": max_body_bytes, "vllm": vllm})
     return _Server((host, port), handler)
 
 
@@ -244,6 +258,13 @@ class ServeConfig:
     max_queued: int = setting(1024, "Most requests waiting for the engine; a request beyond them is answered 503 with "
                               "Retry-After (never a reset connection).", min=1)
     max_body_bytes: int = setting(64 << 20, "Largest request body read; a larger one is answered 413 before it is read.", min=1)
+    api: str = setting("sglang", "The HTTP API served: sglang (SGLang's native routes) or vllm (the vLLM OpenAI-server "
+                       "routes glmpost uses: /v1/completions, /v1/models, dev-mode /server_info, /collective_rpc "
+                       "reload_weights, /pause, /resume, /reset_prefix_cache; --api-key then guards only /v1, /v2, /inference).")
+    max_logprobs: int = setting(20, "With --api vllm: vLLM's --max-logprobs, the most log-probs per position a request may "
+                                "ask for (logprobs, prompt_logprobs); -1 = the vocabulary.", min=-1)
+    logprobs_mode: str = setting("raw_logprobs", "With --api vllm: vLLM's --logprobs-mode, what output log-probs are (in place of "
+                                 "--log-prob-kind): raw_logprobs (kind raw) or processed_logprobs (kind sampled).")
 
 
 class _MetricsLines:
@@ -285,6 +306,16 @@ def _checked_settings(config: ServeConfig) -> Optional[str]:
     """Refuse an unknown ``log_prob_kind`` or an API key that cannot go in a header (without
     repeating it); returns the key (None for none)."""
 
+    if config.api not in ("sglang", "vllm"):
+        raise ConfigError("{api} must be sglang or vllm, got {value!r}", value=config.api)
+    try:
+        check_logprobs_mode(config.logprobs_mode)
+    except ValueError as exc:
+        raise ConfigError("{logprobs_mode} {reason}", reason=exc) from None
+    if config.api == "vllm" and config.log_prob_kind != SGLANG_LOG_PROB_KIND:
+        raise ConfigError("{log_prob_kind} is for {api} sglang; with {api} vllm say {logprobs_mode}")
+    if config.api == "sglang" and (config.logprobs_mode != "raw_logprobs" or config.max_logprobs != 20):
+        raise ConfigError("{logprobs_mode} and {max_logprobs} are for {api} vllm")
     if config.log_prob_kind not in LOG_PROB_KINDS:
         raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
                           value=config.log_prob_kind)
@@ -299,14 +330,17 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
     metrics = _MetricsLines(config.metrics) if config.metrics is not None else None
     try:
         device = resolve_device(config.device)
+        kind = check_logprobs_mode(config.logprobs_mode) if config.api == "vllm" else config.log_prob_kind
         engine = EngineServer(config.checkpoint, device=device, batch_size=config.batch_size,
                               deterministic_topk=config.deterministic_topk, attention=config.attention,
                               weight_version=config.weight_version,
-                              batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=config.log_prob_kind,
+                              batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=kind,
                               prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
+            vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs)
+                    if config.api == "vllm" else None)
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
-                                      admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes)
+                                      admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes, vllm=vllm)
         except OSError as exc:
             raise ConfigError("{host} {address} {port} {number}: cannot listen ({reason})", address=config.host,
                               number=config.port, reason=exc.strerror or exc) from None
@@ -316,6 +350,7 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
         def ready() -> None:
             log(f"serving {engine.loaded.version_dir} (weight_version {engine.weight_version}, tokenizer "
                 f"{engine.loaded.revision}) on {device}, batch size {config.batch_size}, log-probs {engine.log_prob_kind}"
+                + (f", vLLM API (--logprobs-mode {config.logprobs_mode})" if vllm is not None else "")
                 + (", API key required" if api_key else ""))
             on_listening(f"http://{shown}:{port}")
 

@@ -24,8 +24,9 @@ from glmpost.formats import ShardReader, ShardWriter, window_views
 from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.scoring import TeacherPayload, joined_payload, payload_from_rows, score_records
-from glmpost.kernel.sglang_client import ServerError
+from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_pool import SGLangPool
+from glmpost.kernel.vllm_client import VLLMClient
 from glmpost.spool.spool import spool_revision
 from glmpost.teachers.routing import (
     STAGE,
@@ -40,7 +41,7 @@ from glmpost.teachers.routing import (
 
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "chunk_size", "device", "config", "zstd_level", "server")
 PAYLOADS = ("sampled", "topk")
-ENGINES = ("local", "sglang")
+ENGINES = ("local", "sglang", "vllm")
 
 
 def parse_route(value: Any) -> tuple[str, str]:
@@ -77,7 +78,8 @@ class ScoreTeacherConfig:
                                    "checkpoint the rollout shards recorded, if it exists).")
     payload: str = setting("sampled", "sampled (one log-prob per token) or topk (also the teacher's top-k ids and log-probs).")
     topk: int = setting(8, "k of the top-k payload.", min=1)
-    engine: str = setting("local", "local (in-process prefill) or sglang (--server).")
+    engine: str = setting("local", "local (in-process prefill), sglang or vllm (--server; vllm: prompt_logprobs of vLLM's "
+                          "/v1/completions).")
     server: str | None = setting(None, "URL[,URL...] of SGLang-compatible servers serving the one teacher (--engine sglang).")
     api_key: str | None = setting(None, "The servers' API key, sent as 'Authorization: Bearer KEY' (never recorded).", cli={"show_default": False})
     batch_size: int = setting(8, "Records per teacher forward (local engine) or requests in flight (sglang).", min=1)
@@ -104,8 +106,8 @@ def check_config(config: ScoreTeacherConfig) -> Routing:
     if teacher is None and not table and default is None:
         raise ConfigError("no teacher: pass {teacher}, a [score-teacher.routes] table / {route}, or {default_teacher}")
     routing = Routing(table, str(teacher) if teacher is not None else (str(default) if default else None))
-    if config.engine == "sglang" and not config.server:
-        raise ConfigError("{engine} sglang needs {server} URL")
+    if config.engine != "local" and not config.server:
+        raise ConfigError("{engine} {value} needs {server} URL", value=config.engine)
     return routing
 
 
@@ -139,8 +141,8 @@ class ScoreTeacherStage:
         """Everything that can fail before anything is written: teachers load, every record carries
         the rollout fields and routes to a teacher sharing its action space."""
         self.plan[shard] = check_input(shard, self.routing, self.teachers, self.opened)
-        if self.config.engine == "sglang" and len(unique_teachers(self.teachers)) > 1:
-            raise ConfigError("{engine} sglang scores with one teacher per run (its {server}); run score-teacher once per teacher")
+        if self.config.engine != "local" and len(unique_teachers(self.teachers)) > 1:
+            raise ConfigError("{engine} sglang or vllm scores with one teacher per run (its {server}); run score-teacher once per teacher")
         check_vocabularies(unique_teachers(self.teachers), self.config.student, [shard])
         check_token_range(shard, self.plan[shard], self.teachers)
         return len(self.plan[shard])
@@ -151,7 +153,8 @@ class ScoreTeacherStage:
         if c.engine == "local":
             load_teachers(unique_teachers(self.teachers), c.device, c.attention)
         else:
-            self.pool = _sglang_pool(c.server, unique_teachers(self.teachers)[0], c.batch_size, api_key=c.api_key)
+            self.pool = _sglang_pool(c.server, unique_teachers(self.teachers)[0], c.batch_size, api_key=c.api_key,
+                                     client_class=VLLMClient if c.engine == "vllm" else SGLangClient)
         return {"teachers": {d: t.id for d, t in self.teachers.items()}}
 
     def process(self, shard: Path, target: Path, progress: tqdm) -> dict[str, Any]:
@@ -236,10 +239,12 @@ class ScoreTeacherStage:
         return text
 
 
-def _sglang_pool(server: str, teacher: Teacher, concurrency: int, *, api_key: str | None = None):
-    """Connect to the servers; each must serve the teacher's tokenizer revision and vocabulary."""
+def _sglang_pool(server: str, teacher: Teacher, concurrency: int, *, api_key: str | None = None,
+                 client_class: type = SGLangClient):
+    """Connect to the servers; each must serve the teacher's tokenizer revision and vocabulary (when it
+    reports them: vLLM does not)."""
 
-    pool = SGLangPool(server, concurrency=concurrency, api_key=api_key)
+    pool = SGLangPool(server, concurrency=concurrency, api_key=api_key, client_class=client_class)
     for client in pool.clients:
         info = client.model_info()
         theirs = info.get("tokenizer_revision")

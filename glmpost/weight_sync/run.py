@@ -31,6 +31,7 @@ from glmpost.checkpoints import (
 )
 from glmpost.config import ConfigError, setting
 from glmpost.errors import GlmpostError
+from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE, checkpoint_fingerprint
 from glmpost.kernel.sglang_client import parse_server_urls
 from glmpost.locks import output_lock
 from glmpost.quant.spec import GroupSizeSetting
@@ -44,6 +45,7 @@ from glmpost.weight_sync.sync import (
     sync_servers,
     weight_version_name,
 )
+from glmpost.weight_sync.vllm_sync import sync_vllm_servers
 
 STAGE = "sync-weights"
 
@@ -74,9 +76,18 @@ class SyncConfig(GroupSizeSetting):
         "partial output, which rollout continues); --wait-in-flight: the switch waits for every running request.",
         flag="--abort-in-flight/--wait-in-flight")
     keep: int = setting(0, "Keep only the newest N versions of --out (never LATEST nor a version a server reports); 0 keeps all.")
+    engine: str = setting("sglang", "The servers' API: sglang (update_weights_from_disk, confirmed by the weight version it "
+                          "reports) or vllm (dev-mode /pause, /collective_rpc reload_weights, /reset_prefix_cache, /resume, "
+                          "confirmed by fingerprint: vLLM reports no version).")
+    fingerprint_tolerance: float = setting(
+        DEFAULT_TOLERANCE, "With --engine vllm: most mean |difference| between the server's prompt log-probs of a fixed "
+        "sequence and the new version's (float32, CPU) for the switch to count (and nearer to it than to the previous "
+        "version's).", above=0.0)
 
     def check(self) -> None:
         """Refuse settings that cannot work (before anything is read or written)."""
+        if self.engine not in ("sglang", "vllm"):
+            raise ConfigError("{engine} {value!r}: expected sglang or vllm", value=self.engine)
         if self.quantize not in SCHEMES:
             raise ConfigError("{quantize} {value!r}: expected one of {known}", value=self.quantize, known=", ".join(SCHEMES))
         if self.dtype not in DTYPES:
@@ -196,11 +207,18 @@ def _write_version(config: SyncConfig, source: TrainSource, target: Path, option
 
 
 def _sync(config: SyncConfig, urls: list[str], target: Path, version: int, *, skipped: bool,
-          metrics: MetricsWriter) -> list[dict[str, Any]]:
-    """Tell every server to load ``target`` and confirm it; one metrics line per server; the rows."""
-    results = sync_servers(urls, target.resolve(), weight_version_name(version), retries=config.retries,
-                           backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped, api_key=config.api_key,
-                           admin_api_key=config.admin_api_key, abort_in_flight=config.abort_in_flight)
+          metrics: MetricsWriter, previous: Optional[Path] = None) -> list[dict[str, Any]]:
+    """Tell every server to load ``target`` and confirm it; one metrics line per server; the rows
+    (``previous``: the version ``LATEST`` named before, whose fingerprint a vLLM server must not match better)."""
+    common = dict(retries=config.retries, backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped,
+                  api_key=config.api_key)
+    if config.engine == "vllm" and urls:
+        old = checkpoint_fingerprint(previous) if previous is not None and previous != target else None
+        results = sync_vllm_servers(urls, target.resolve(), weight_version_name(version), expected=checkpoint_fingerprint(target),
+                                    previous=old, tolerance=config.fingerprint_tolerance, **common)
+    else:
+        results = sync_servers(urls, target.resolve(), weight_version_name(version), admin_api_key=config.admin_api_key,
+                               abort_in_flight=config.abort_in_flight, **common)
     rows = [r.to_json() for r in results]
     for row in rows:
         metrics.write(**{"sync/policy_version": version, "sync/server": row["url"], "sync/status": row["status"],
@@ -256,7 +274,8 @@ def _publish_and_switch(config: SyncConfig, urls: list[str], source: TrainSource
         else:
             _check_new(config, source, target, latest)
             convert_summary = _write_version(config, source, target, options, metrics)
-        rows = _sync(config, urls, target, version, skipped=skipped, metrics=metrics)
+        previous = root.version_dir(latest) if latest is not None and root.version_dir(latest).is_dir() else None
+        rows = _sync(config, urls, target, version, skipped=skipped, metrics=metrics, previous=previous)
         removed = _prune(config, rows)
     return {
         "out": str(out), "version_dir": str(target), "policy_version": version,

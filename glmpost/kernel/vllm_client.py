@@ -1,0 +1,314 @@
+"""An HTTP client for vLLM's OpenAI-compatible server (and ``glmpost serve --api vllm``), presenting the
+interface of :class:`~glmpost.kernel.sglang_client.SGLangClient`: ``generate`` answers in SGLang's
+shape, so the SGLang pool, backend, score-teacher, diff-logprobs and weight-sync paths take it.
+
+Routes and fields as read in vLLM's source (upstream ``vllm-project/vllm``; the completions protocol at
+commit 002032e, ``vllm/entrypoints/openai/completion/protocol.py``; ``/server_info``, ``/collective_rpc``
+and the RL routes at 09cb327 / 0100a21, ``vllm/entrypoints/serve/{instrumentator/server_info.py,
+rpc/api_router.py,dev/rlhf/api_router.py}``):
+
+* ``POST /v1/completions`` with a token-id ``prompt`` (one list per request: vLLM gives every prompt
+  of a request the same ``seed``, and glmpost seeds each sequence on its own, so a batch is sent as
+  concurrent single requests), an explicit ``max_tokens`` (vLLM's default is 16), ``temperature``,
+  ``top_p``, ``top_k`` (-1 = off), ``seed``, ``stop_token_ids``, ``ignore_eos`` and, always, the
+  neutral ``min_p`` 0, ``repetition_penalty`` 1, ``presence_penalty`` / ``frequency_penalty`` 0: a
+  field left out takes the server's default from the model's generation config
+  (``to_sampling_params``: "user -> server default -> OpenAI default"), which would change what
+  is sampled while the record says otherwise. ``logprobs`` k (0: the sampled token's only),
+  ``return_token_ids`` (``choices[].token_ids``, ``prompt_token_ids``), ``return_tokens_as_token_ids``
+  (top-k keys ``token_id:N``). ``finish_reason`` ``stop`` (``stop_reason`` the stop token id, None
+  for eos), ``length``, ``abort`` (or ``error``, ``repetition``: aborted here).
+* Scoring: ``prompt_logprobs`` k with ``max_tokens`` 1 (vLLM refuses 0): ``prompt_logprobs[0]`` is
+  None, entry ``i`` maps token ids (JSON keys) to ``{"logprob", "rank", "decoded_token"}`` and holds
+  the prompt's own token plus the top k. Prompt log-probs are the model's own, ``log_softmax(logits)``
+  (``compute_logprobs`` in the GPU model runner), whatever ``--logprobs-mode``.
+* ``GET /v1/models`` (the served model's ``id`` is sent as ``model``), ``GET /health``.
+* ``GET /server_info?config_format=json`` (dev mode, ``VLLM_SERVER_DEV_MODE=1``):
+  ``vllm_config.model_config.logprobs_mode`` and ``vllm_env.VLLM_BATCH_INVARIANT``, mapped by
+  :meth:`VLLMClient.settings` onto glmpost's keys: ``raw_logprobs`` (vLLM's default) is glmpost's
+  ``raw``, ``processed_logprobs`` (after temperature, top-k, top-p, renormalised) glmpost's
+  ``sampled``; the logits modes have no log-prob kind (:data:`LOGITS_MODES`, refused by the rollout).
+  ``enable_deterministic_inference`` is ``VLLM_BATCH_INVARIANT``: only then does a seed give the same
+  tokens whatever else the server batches.
+* Weights: ``POST /pause?mode=wait``, ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}}`` (the worker's ``reload_weights(weights_path, is_checkpoint_format=True)`` as
+  read at 9aaf83e), ``POST /reset_prefix_cache``, ``POST /resume`` (all dev mode, and not behind
+  ``--api-key``, which guards only ``/v1``, ``/v2`` and ``/inference``).
+
+vLLM reports no weight version. ``weight_version`` here is what glmpost confirmed itself (by a
+fingerprint, :mod:`glmpost.weight_sync.fingerprint`), None until then: answers never claim more.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+from glmpost.kernel.sglang_client import ServerError, SGLangClient
+from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS
+
+LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "sampled"}  # vLLM --logprobs-mode -> glmpost kind
+LOGITS_MODES = ("raw_logits", "processed_logits")
+NEUTRAL_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_SGLANG_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
+                "no_stop_trim", "skip_special_tokens"}
+MAX_PARALLEL = 64  # single requests one generate call sends at once
+
+__all__ = ["LOGITS_MODES", "LOGPROBS_MODES", "VLLMClient", "completion_request", "sglang_answer"]
+
+
+def completion_request(prompt: Sequence[int], sampling: dict[str, Any], *, model: str | None, logprobs: int | None) -> dict:
+    """The ``/v1/completions`` body of one sequence from SGLang-style ``sampling`` params
+    (``max_new_tokens`` >= 1, ``temperature``, ``top_p``, ``top_k`` -1/0 off, ``stop_token_ids``,
+    ``ignore_eos``, ``sampling_seed``); raises ValueError for a key vLLM has no field for."""
+    # SGLang's explicit no-op keys (glmpost.kernel.sglang_sampling) say nothing to vLLM: NEUTRAL_FIELDS does.
+    unknown = sorted(k for k in set(sampling) - _SGLANG_KEYS if EXPLICIT_DEFAULTS.get(k, ...) != sampling[k])
+    if unknown:
+        raise ValueError(f"sampling_params {', '.join(unknown)} have no vLLM completions field here")
+    max_tokens = int(sampling.get("max_new_tokens", 128))
+    if max_tokens < 1:
+        raise ValueError(f"vLLM samples at least one token (max_tokens >= 1), got max_new_tokens {max_tokens}")
+    body: dict[str, Any] = {"prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
+                            "temperature": float(sampling.get("temperature", 1.0)), "top_p": float(sampling.get("top_p", 1.0)),
+                            "top_k": _top_k(sampling.get("top_k", -1)),
+                            "stop_token_ids": [int(t) for t in sampling.get("stop_token_ids") or []],
+                            "ignore_eos": bool(sampling.get("ignore_eos", False)),
+                            "skip_special_tokens": bool(sampling.get("skip_special_tokens", False)),
+                            "return_token_ids": True, **NEUTRAL_FIELDS}
+    if model is not None:
+        body["model"] = model
+    if sampling.get("sampling_seed") is not None:
+        body["seed"] = int(sampling["sampling_seed"])
+    if logprobs is not None:
+        body["logprobs"] = int(logprobs)
+        body["return_tokens_as_token_ids"] = True
+    return body
+
+
+def _top_k(value: Any) -> int:
+    """-1 for no top-k: every vLLM release takes it (0 means off only since 2025; older ones refuse 0)."""
+    k = int(value)
+    return k if k > 0 else -1
+
+
+def _top_row(row: Any) -> list[list]:
+    """A ``top_logprobs`` dict (keys ``token_id:N``) as SGLang entries ``[lp, id, None]``, most likely first."""
+    entries = [[float(lp), int(str(key).rsplit(":", 1)[-1]), None] for key, lp in (row or {}).items()]
+    return sorted(entries, key=lambda e: -e[0])
+
+
+def sglang_answer(response: Any, *, weight_version: str | None, top_logprobs_num: int = 0) -> dict:
+    """One ``/v1/completions`` answer (one choice) in the shape SGLang's ``/generate`` gives one sequence."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        raise ValueError(f"no choices in the answer {str(response)[:200]!r}")
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise ValueError("the answer has no token_ids (a vLLM older than return_token_ids, 2025-08?)")
+    ids = [int(t) for t in ids]
+    reason = choice.get("finish_reason")
+    if reason == "stop":
+        stop = choice.get("stop_reason")
+        finish: dict[str, Any] = {"type": "stop", "matched": stop if stop is not None else (ids[-1] if ids else None)}
+    elif reason == "length":
+        finish = {"type": "length", "length": len(ids)}
+    else:
+        finish = {"type": "abort", "message": f"vLLM finish_reason {reason!r}"}
+    meta: dict[str, Any] = {"id": response.get("id"), "finish_reason": finish,
+                            "prompt_tokens": len(choice.get("prompt_token_ids") or []), "completion_tokens": len(ids),
+                            "weight_version": weight_version}
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        lps = logprobs.get("token_logprobs") or []
+        meta["output_token_logprobs"] = [[None if lp is None else float(lp), t, None] for lp, t in zip(lps, ids)]
+        if top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [_top_row(row)[:top_logprobs_num] for row in logprobs.get("top_logprobs") or []]
+    return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
+
+
+class VLLMClient(SGLangClient):
+    """One vLLM (or ``glmpost serve --api vllm``) server behind :class:`SGLangClient`'s interface.
+
+    ``weight_version``: the version glmpost confirmed the server serves (None: unknown), stamped on
+    every answer's ``meta_info``; vLLM itself reports none."""
+
+    engine = "vllm"
+
+    def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: str | None = None, admin_api_key: str | None = None, weight_version: str | None = None):
+        super().__init__(url, timeout=timeout, retries=retries, backoff=backoff, api_key=api_key,
+                         admin_api_key=admin_api_key)  # vLLM has no admin key: kept for the shared interface
+        self.weight_version = weight_version
+        self._model: str | None = None
+
+    def __repr__(self) -> str:
+        return f"VLLMClient({self.url!r})"
+
+    def health(self) -> dict:
+        """``GET /health``: ``{}`` when the server is up; raises ServerError."""
+        answer = self.request("GET", "/health")
+        return answer if isinstance(answer, dict) else {}
+
+    def models(self) -> list[dict]:
+        """``GET /v1/models``'s ``data``: one entry per served model (``id``, ``root``, ``max_model_len``)."""
+        answer = self.request("GET", "/v1/models")
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not data:
+            raise ServerError(f"GET {self.url}/v1/models: no served model in {str(answer)[:200]!r}", url=self.url)
+        return data
+
+    def model_info(self) -> dict:
+        """SGLang's ``/model_info`` keys from ``/v1/models``: ``model_path`` (the model's ``root``),
+        ``served_model_name``, ``max_model_len``, ``is_generation`` and the confirmed ``weight_version``
+        (vLLM reports no tokenizer revision nor vocabulary size)."""
+        first = self.models()[0]
+        self._model = first.get("id")
+        return {"model_path": first.get("root") or first.get("id"), "served_model_name": first.get("id"),
+                "max_model_len": first.get("max_model_len"), "is_generation": True, "weight_version": self.weight_version,
+                "engine": "vllm"}
+
+    def model(self) -> str | None:
+        """The served model's name, sent as ``model`` (read once)."""
+        if self._model is None:
+            self.model_info()
+        return self._model
+
+    def server_info(self) -> dict:
+        """``GET /server_info?config_format=json`` as vLLM answers it (``vllm_config``, ``vllm_env``, ...;
+        404 when the server is not in dev mode)."""
+        answer = self.request("GET", "/server_info?config_format=json")
+        return answer if isinstance(answer, dict) else {}
+
+    def settings(self) -> dict:
+        """The server's settings under glmpost's keys, read once: ``logprobs_mode`` (vLLM's),
+        ``log_prob_kind`` (its glmpost kind; None for the logits modes), ``enable_deterministic_inference``
+        (``VLLM_BATCH_INVARIANT``); ``{}`` when ``/server_info`` answers 404 (not dev mode)."""
+        if self._settings is None:
+            try:
+                info = self.server_info()
+            except ServerError as exc:
+                if exc.status != 404:
+                    raise
+                info = {}
+            self._settings = vllm_settings(info) if info else {}
+        return self._settings
+
+    def get_weight_version(self) -> str | None:
+        """The version glmpost confirmed this server serves (None: not confirmed); vLLM has none."""
+        return self.weight_version
+
+    def completions(self, body: dict) -> dict:
+        """``POST /v1/completions``."""
+        return self.request("POST", "/v1/completions", body)
+
+    def _one(self, prompt: Sequence[int], sampling: dict, return_logprob: bool, top_logprobs_num: int) -> dict:
+        body = completion_request(prompt, sampling, model=self.model(),
+                                  logprobs=top_logprobs_num if return_logprob else None)
+        try:
+            return sglang_answer(self.completions(body), weight_version=self.weight_version, top_logprobs_num=top_logprobs_num)
+        except ValueError as exc:
+            raise ServerError(f"POST {self.url}/v1/completions: {exc}", url=self.url) from None
+
+    def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict | Sequence[dict], *,
+                 return_logprob: bool = True, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 **fields: Any) -> dict | list[dict]:
+        """SGLang's ``generate`` over ``/v1/completions``: one request per sequence (each with its own
+        ``seed``), a batch's sent at once; answers as :meth:`SGLangClient.generate` shapes them (no
+        input log-probs: ``logprob_start_len`` must be -1; :meth:`score` scores prompts)."""
+        fields.pop("rid", None)  # vLLM stops a request whose client went away: no rid to abort it by
+        if logprob_start_len != -1 or fields:
+            raise ValueError("VLLMClient.generate takes no input log-probs nor extra fields (use score)")
+        batch = len(input_ids) > 0 and isinstance(input_ids[0], (list, tuple))
+        prompts = list(input_ids) if batch else [input_ids]
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        try:
+            for p in params:
+                completion_request([], p, model=None, logprobs=None)
+        except ValueError as exc:
+            raise ServerError(f"POST {self.url}/v1/completions: HTTP 400: {exc}", url=self.url, status=400) from None
+        if len(prompts) == 1:
+            answers = [self._one(prompts[0], params[0], return_logprob, top_logprobs_num)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(prompts)), thread_name_prefix="vllm") as pool:
+                answers = list(pool.map(lambda a: self._one(a[0], a[1], return_logprob, top_logprobs_num),
+                                        zip(prompts, params)))
+        return answers if batch else answers[0]
+
+    def score(self, input_ids: Sequence[int], logprob_start_len: int, top_logprobs_num: int = 0) -> dict:
+        """:meth:`SGLangClient.score` from vLLM's ``prompt_logprobs`` (k = ``top_logprobs_num``; one
+        token is generated and dropped, vLLM needs ``max_tokens`` >= 1)."""
+        if not 1 <= logprob_start_len <= len(input_ids):
+            raise ValueError(f"logprob_start_len must be in [1, {len(input_ids)}], got {logprob_start_len}")
+        body = completion_request(input_ids, {"max_new_tokens": 1, "temperature": 1.0, "ignore_eos": True},
+                                  model=self.model(), logprobs=None)
+        body["prompt_logprobs"] = int(top_logprobs_num)
+        answer = self.completions(body)
+        try:
+            rows = answer["choices"][0]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"POST {self.url}/v1/completions: no prompt_logprobs in the answer", url=self.url) from None
+        if not isinstance(rows, list) or len(rows) != len(input_ids):
+            raise ServerError(f"POST {self.url}/v1/completions: {len(rows or [])} prompt log-prob rows for "
+                              f"{len(input_ids)} prompt tokens", url=self.url)
+        result: dict[str, Any] = {"token_log_probs": [], "weight_version": self.weight_version}
+        tops_ids, tops_lps = [], []
+        for position in range(logprob_start_len, len(input_ids)):
+            row = {int(k): v for k, v in (rows[position] or {}).items()}
+            token = int(input_ids[position])
+            if token not in row:
+                raise ServerError(f"POST {self.url}/v1/completions: prompt_logprobs[{position}] lacks the prompt's "
+                                  f"token {token}", url=self.url)
+            result["token_log_probs"].append(float(row[token]["logprob"]))
+            if top_logprobs_num > 0:
+                best = sorted(row.items(), key=lambda kv: -float(kv[1]["logprob"]))[:top_logprobs_num]
+                tops_ids.append([k for k, _ in best])
+                tops_lps.append([float(v["logprob"]) for _, v in best])
+        if top_logprobs_num > 0:
+            result["top_ids"], result["top_log_probs"] = tops_ids, tops_lps
+        return result
+
+    def reload_weights(self, model_path: str) -> None:
+        """Load ``model_path`` in place of the served weights: ``/pause?mode=wait`` (in-flight requests
+        finish on the old weights), ``/collective_rpc reload_weights``, ``/reset_prefix_cache`` (no
+        cached prefix of the old weights is reused), ``/resume`` (also after a failure). The confirmed
+        version is forgotten: the caller confirms the new one (the fingerprint)."""
+        self.weight_version = None
+        try:
+            self.request("POST", "/pause?mode=wait")
+            paused = True
+        except ServerError as exc:
+            if exc.status != 404:  # a vLLM older than /pause (2025-11) reloads unpaused
+                raise
+            paused = False
+        try:
+            self.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+            self.request("POST", "/reset_prefix_cache")
+        finally:
+            if paused:
+                self.request("POST", "/resume")
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None, flush_cache: bool = True,
+                                 abort_all_requests: bool = False) -> dict:
+        """:meth:`reload_weights` answered as SGLang answers an update (``success``, ``message``); the
+        version stays unconfirmed (None) whatever ``weight_version`` says."""
+        try:
+            self.reload_weights(model_path)
+        except ServerError as exc:
+            if exc.retryable:
+                raise
+            return {"success": False, "message": str(exc)}
+        return {"success": True, "message": f"reloaded weights from {model_path}"}
+
+
+def vllm_settings(info: dict) -> dict:
+    """:meth:`VLLMClient.settings` from a ``/server_info?config_format=json`` answer."""
+    config = info.get("vllm_config")
+    model_config = config.get("model_config") if isinstance(config, dict) else None
+    mode = model_config.get("logprobs_mode") if isinstance(model_config, dict) else None
+    env = info.get("vllm_env") if isinstance(info.get("vllm_env"), dict) else {}
+    invariant = env.get("VLLM_BATCH_INVARIANT")
+    return {"logprobs_mode": mode, "log_prob_kind": LOGPROBS_MODES.get(mode),
+            "enable_deterministic_inference": invariant is True or str(invariant).lower() in ("1", "true")}

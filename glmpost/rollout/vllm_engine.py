@@ -1,0 +1,100 @@
+"""``--engine vllm``: the SGLang backend's batches sent to vLLM servers (or ``glmpost serve --api vllm``)
+through :class:`~glmpost.kernel.vllm_client.VLLMClient`, with what vLLM does not report confirmed here.
+
+* The log-prob kind is the servers' ``--logprobs-mode`` (``/server_info``, dev mode): ``raw_logprobs``
+  records ``raw``, ``processed_logprobs`` ``sampled``; the logits modes are refused (a logit is no
+  log-prob); without dev mode the four-request probe tells the kind.
+* ``seed_reproducible`` only under ``VLLM_BATCH_INVARIANT=1``.
+* The weight version: vLLM reports none, so a server's version is confirmed by its fingerprint
+  (:mod:`glmpost.kernel.fingerprint`) against the checkpoint's (and nearer to it than to the previous
+  version's in the same root), when the run opens and again after
+  every generate call; a sequence is stamped with the checkpoint's policy version only when the
+  server that answered it was confirmed before and after, and otherwise with
+  :data:`~glmpost.rollout.records.UNKNOWN_VERSION` (-1 in ``policy_versions``, formats/SPEC.md;
+  training counts such records as of unknown lag and says so) rather than a version nobody confirmed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+from glmpost.config import ConfigError
+from glmpost.kernel.fingerprint import (
+    DEFAULT_TOLERANCE,
+    Fingerprint,
+    checkpoint_fingerprint,
+    confirm_server,
+    previous_version_dir,
+)
+from glmpost.kernel.sglang_client import ServerError
+from glmpost.kernel.vllm_client import LOGITS_MODES
+from glmpost.rollout.engines import Outcome, SGLangBackend
+from glmpost.rollout.records import UNKNOWN_VERSION
+from glmpost.stage import log
+
+__all__ = ["VLLMBackend"]
+
+
+class VLLMBackend(SGLangBackend):
+    """:class:`SGLangBackend` over :class:`~glmpost.kernel.vllm_client.VLLMClient` servers, each server's
+    version confirmed by fingerprint (``expected``: the checkpoint's; ``policy_version`` stamped when it matches)."""
+
+    reports_weight_version = False  # confirmed by fingerprint instead
+    expected: Optional[Fingerprint] = None
+    previous: Optional[Fingerprint] = None  # the root's previous version's, which a server must match less well
+    policy_version: Optional[int] = None
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @classmethod
+    def open(cls, checkpoint: Any, config: Any, device: Any = None) -> "VLLMBackend":
+        """:meth:`SGLangBackend.open`, then each server's version confirmed against the checkpoint."""
+        backend = super().open(checkpoint, config, device)
+        backend.expected = checkpoint_fingerprint(checkpoint.version_dir)
+        older = previous_version_dir(checkpoint.version_dir)
+        backend.previous = checkpoint_fingerprint(older) if older is not None else None
+        backend.policy_version = checkpoint.policy_version
+        backend.tolerance = config.engine.fingerprint_tolerance
+        for client in backend.pool.clients:
+            try:
+                ok, words = confirm_server(client, backend.expected, tolerance=backend.tolerance, previous=backend.previous)
+            except ServerError as exc:
+                ok, words = False, str(exc)
+            client.weight_version = str(backend.policy_version) if ok else None
+            if not ok:
+                log(f"--server {client.url} does not serve {checkpoint.version_dir} by its fingerprint ({words}): its records "
+                    "get policy version -1 (unknown); run sync-weights --engine vllm to switch it")
+        return backend
+
+    def engine_name(self) -> str:
+        """The name stamped in each record's engine map."""
+        return "vllm"
+
+    def _confirm(self, client: Any) -> bool:
+        """Confirm (or unconfirm) ``client``'s version by fingerprint; True when it serves the checkpoint."""
+        try:
+            ok, words = confirm_server(client, self.expected, tolerance=self.tolerance, previous=self.previous)
+        except ServerError as exc:
+            ok, words = False, str(exc)
+        if not ok and client.weight_version is not None:
+            log(f"--server {client.url}: its weights are no longer confirmed ({words}); its next records get policy version -1 (unknown)")
+        client.weight_version = str(self.policy_version) if ok else None
+        return ok
+
+    def _server_kind(self, client: Any, settings: Any) -> str:
+        """The logits modes are refused; otherwise :meth:`SGLangBackend._server_kind`."""
+        mode = settings.info.get("logprobs_mode")
+        if mode in LOGITS_MODES:
+            raise ConfigError("{server} {url} returns logits (vLLM logprobs_mode {mode}), not log-probs: start vLLM "
+                              "with logprobs_mode processed_logprobs (kind sampled) or raw_logprobs (kind raw)",
+                              url=client.url, mode=mode, exit_code=1)
+        return super()._server_kind(client, settings)
+
+    def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, **kwargs: Any) -> list[Outcome]:
+        """:meth:`SGLangBackend.generate`, then every server confirmed again: a sequence keeps the
+        checkpoint's version only when its server was confirmed before (its answer carries it) and after."""
+        outcomes = super().generate(sequences, keys, progress, **kwargs)
+        confirmed = {client.url for client in self.pool.clients if self._confirm(client)}
+        return [(completion, version if version is not None and self.served(key) in confirmed else UNKNOWN_VERSION, reason)
+                for key, (completion, version, reason) in zip(keys, outcomes)]
