@@ -20,6 +20,7 @@ from glmpost.formats.schema import (
     REQUIRED_FIELDS,
     REWARD_FAILURE_KEY,
     ROLE_KEY,
+    ROUTING_FIELD,
     SEGMENT_KEYS,
     SEGMENT_KINDS,
     STATUSES,
@@ -52,6 +53,8 @@ def validate_record(record: Mapping[str, Any]) -> None:
             _check_log_probs(name, record[name], action)
     if "teacher_topk_log_probs" in record:
         _check_topk_log_probs(record["teacher_topk_log_probs"])
+    if ROUTING_FIELD in record:
+        _check_routing(record[ROUTING_FIELD])
     if "segments" in record:
         _check_segments(record["segments"], T, action)
     if record["status"] not in STATUSES:
@@ -77,8 +80,9 @@ def _check_type(name: str, value: Any, spec: Field) -> None:
     if spec.kind == "array":
         if not isinstance(value, np.ndarray):
             raise RecordError(f"field '{name}': expected a {spec.dtype} array, got {type(value).__name__}")
-        if value.dtype != spec.dtype:
-            raise RecordError(f"field '{name}': dtype {value.dtype}, expected {spec.dtype}")
+        if value.dtype != spec.dtype and value.dtype not in spec.also:
+            expected = " or ".join(str(d) for d in (spec.dtype, *spec.also))
+            raise RecordError(f"field '{name}': dtype {value.dtype}, expected {expected}")
         if value.ndim != len(spec.shape):
             raise RecordError(f"field '{name}': {value.ndim}-D, expected shape [{','.join(spec.shape)}]")
         return
@@ -135,6 +139,18 @@ def _check_topk_log_probs(values: np.ndarray) -> None:
         raise RecordError(
             f"field 'teacher_topk_log_probs': [{t},{j}] has {float(values[t, j])}, not a log-prob (<= 0)"
         )
+
+
+def _check_routing(routed: np.ndarray) -> None:
+    """Each row of ``routed_experts`` is all "not recorded" (the dtype's largest value) or holds ``k``
+    distinct expert ids (SPEC.md §6 rule 11)."""
+    missing = routed == np.iinfo(routed.dtype).max
+    partial = missing.any(axis=(1, 2)) & ~missing.all(axis=(1, 2))
+    if partial.any():
+        raise RecordError(f"field '{ROUTING_FIELD}': row {int(np.flatnonzero(partial)[0])} is partly recorded")
+    rows = routed[~missing.all(axis=(1, 2))]
+    if rows.size and (np.diff(np.sort(rows, axis=-1), axis=-1) == 0).any():
+        raise RecordError(f"field '{ROUTING_FIELD}': a token lists one expert twice in a layer")
 
 
 def _check_segments(segments: list, T: int, action: np.ndarray) -> None:

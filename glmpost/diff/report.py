@@ -9,7 +9,7 @@ from typing import Any, Iterable
 from glmpost.config import ConfigError
 
 GATE_METRICS = ("mean_abs", "p50_abs", "p99_abs", "max_abs", "k1", "k3", "sample_disagreement",
-                "indexer_differing_sets")
+                "indexer_differing_sets", "routing_differing_tokens")
 
 
 def parse_gates(items: Iterable[str]) -> dict[str, float]:
