@@ -1,0 +1,274 @@
+"""MoE routing closure (issue 33): one deterministic router top-k, recording, ``diff-logprobs --routing``
+and routing replay (R3) on tiny GLM-5 (``GlmMoeDsaForCausalLM``) and Qwen3-MoE / GLM-4.5 / DeepSeek-V3."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_plan_architectures import _model
+
+from glmpost.diff.routing_probe import kth_margin
+from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
+from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.logprobs import sequence_log_probs
+from glmpost.kernel.routing import (
+    RoutingSession,
+    gate_weights,
+    group_limited_choice,
+    install_routing,
+    routers,
+    routing_session,
+)
+from glmpost.rl.batches import train_example
+from glmpost.rl.micro_batches import collate
+from glmpost.rl.routing_replay import attach_routing, replay_context
+from glmpost.rollout.records import RolloutPrompt, rollout_record
+
+ARCHITECTURES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+
+
+def _glm5():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from glmpost.models.tiny import TINY_GLM5
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", **TINY_GLM5))
+
+
+def test_gate_weights_group_limit_and_margin_hand_computed():
+    scores = torch.tensor([[0.9, 0.6, 0.3, 0.2]])
+    ids = torch.tensor([[2, 0]])
+    # sigmoid family: w = s[ids] / (sum + 1e-20) * scale; a replayed set gets the same formula.
+    assert torch.allclose(gate_weights(scores, ids, family="sigmoid", norm_topk_prob=True, scaling=2.5),
+                          torch.tensor([[0.3 / 1.2 * 2.5, 0.9 / 1.2 * 2.5]]))
+    assert torch.allclose(gate_weights(scores, ids, family="sigmoid", norm_topk_prob=False, scaling=2.0),
+                          torch.tensor([[0.6, 1.8]]))
+    assert torch.allclose(gate_weights(scores, ids, family="softmax", norm_topk_prob=True), torch.tensor([[0.25, 0.75]]))
+    # Two groups of two: group scores 0.9+0.6 = 1.5 and 0.3+0.2 = 0.5; topk_group 1 keeps group 0.
+    kept = group_limited_choice(scores, 2, 1)
+    assert kept[0, :2].tolist() == pytest.approx([0.9, 0.6]) and torch.isinf(kept[0, 2:]).all()
+    # Tied groups (1.0 each): the lower group index wins.
+    tied = group_limited_choice(torch.tensor([[0.5, 0.5, 0.7, 0.3]]), 2, 1)
+    assert torch.isfinite(tied[0, :2]).all() and torch.isinf(tied[0, 2:]).all()
+    # k-th margin: sorted 0.9, 0.6, 0.3, 0.2 -> k=2: 0.6 - 0.3.
+    assert kth_margin(scores, 2).item() == pytest.approx(0.3)
+    assert kth_margin(scores, 4).item() == float("inf")
+
+
+@pytest.mark.parametrize("name", (*ARCHITECTURES, "glm_moe_dsa"))
+def test_patched_routers_compute_the_transformers_forward_bit_for_bit(name):
+    """Replay off and no ties: the deterministic rule changes nothing (today's results unchanged)."""
+    model = (_glm5() if name == "glm_moe_dsa" else _model(name)).eval()
+    ids = torch.randint(0, 512, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        assert install_routing(model) == len(routers(model)) > 0
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "glm4_moe"))
+def test_router_ties_go_to_the_lower_expert_id(name):
+    model = _model(name).eval()
+    install_routing(model)
+    router = routers(model)[0][1]
+    with torch.no_grad():
+        router.weight.zero_()  # every expert scores the same
+        session = RoutingSession()
+        with routing_session(model, session):
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert session.chosen[0].sort(dim=-1).values.tolist() == [[0, 1]] * 3
+
+
+def _expert_inputs(model):
+    """The hidden states each MoE layer's router sees, captured by forward hooks."""
+    seen, hooks = {}, []
+    for layer, (_, router) in enumerate(routers(model)):
+        hooks.append(router.register_forward_hook(lambda m, args, out, layer=layer: seen.__setitem__(layer, args[0].reshape(-1, args[0].shape[-1]))))
+    return seen, hooks
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "glm_moe_dsa"))
+def test_engine_records_the_experts_of_each_sampled_token(name):
+    """fp32 engine (incremental, left padded) vs the trainer's full forward (right padded): the same experts."""
+    model = (_glm5() if name == "glm_moe_dsa" else _model(name)).eval()
+    install_routing(model)
+    engine = LocalEngine(model, batch_size=4, record_routing=True)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    completions = engine.generate(prompts, ["a", "b", "c"], SamplingParams(max_new_tokens=6))
+    layers = len(routers(model))
+    for prompt, completion in zip(prompts, completions):
+        routed = completion.routed_experts
+        assert routed.dtype == np.uint8 and routed.shape == (len(completion.token_ids), layers, 2)
+        session = RoutingSession()
+        with torch.no_grad(), routing_session(model, session):
+            model(input_ids=torch.tensor([prompt + completion.token_ids]))
+        own = session.experts()[len(prompt) - 1 : len(prompt) - 1 + len(completion.token_ids)]
+        assert (own.sort(-1).values.numpy() == np.sort(routed, -1)).all()
+
+
+def _records(model, prompts, *, max_new_tokens=8):
+    engine = LocalEngine(model, batch_size=8, record_routing=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, seed=3)
+    completions = engine.generate(prompts, [str(i) for i in range(len(prompts))], params)
+    return [rollout_record(RolloutPrompt(f"p{i}", p), c, sample_index=0, params=params, policy_version=0,
+                           tokenizer_revision="t", engine={"engine": "glmpost-local"})
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+def _replayed_forward(model, records, *, replay: bool):
+    """The trainer's forward of ``records`` (one micro-batch, right padded) with or without replay:
+    per-record log-probs of the response, and the experts the experts module actually used."""
+    examples = [train_example(r, 0.0) for r in records]
+    attach_routing(examples, records)
+    batch = collate(examples, pad_token_id=0, device=torch.device("cpu"))
+    used = {}
+    experts = [m for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]
+    hooks = [e.register_forward_hook(lambda m, args, out, i=i: used.__setitem__(i, args[1])) for i, e in enumerate(experts)]
+    try:
+        with torch.no_grad(), replay_context(model, batch, replay):
+            scored = sequence_log_probs(model, batch.input_ids, batch.attention_mask).log_probs
+    finally:
+        for hook in hooks:
+            hook.remove()
+    width = batch.input_ids.shape[1]
+    out = []
+    for row, r in enumerate(records):
+        at, n = len(r["prompt_token_ids"]) - 1, len(r["response_token_ids"])
+        ids = torch.stack([used[i].view(len(records), width, -1)[row, at : at + n] for i in sorted(used)], dim=1)
+        out.append((scored[row, at : at + n].double().numpy(), ids.numpy()))
+    return out
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "glm_moe_dsa"))
+def test_bf16_rollout_fp32_trainer_routing_differs_and_replay_closes_it(name):
+    """A bf16 engine's records scored by an fp32 trainer: some tokens route differently; with replay
+    the trainer's experts equal the record's on every recorded token, and the log-prob delta of
+    the tokens that routed differently drops."""
+    fp32 = (_glm5() if name == "glm_moe_dsa" else _model(name)).eval()
+    install_routing(fp32)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 512, (int(n),), generator=generator).tolist() for n in torch.randint(3, 9, (24,), generator=generator)]
+    records = _records(bf16, prompts, max_new_tokens=12)
+    free = _replayed_forward(fp32, records, replay=False)
+    replayed = _replayed_forward(fp32, records, replay=True)
+    differs, delta_free, delta_replayed = [], [], []
+    for r, (lp_free, ids_free), (lp_replayed, ids_replayed) in zip(records, free, replayed):
+        routed = r["routed_experts"].astype(np.int64)
+        assert (np.sort(ids_replayed, -1) == np.sort(routed, -1)).all()  # replay: the record's experts, every token
+        differs.append((np.sort(ids_free, -1) != np.sort(routed, -1)).any(axis=(1, 2)))
+        delta_free.append(np.abs(lp_free - r["rollout_log_probs"]))
+        delta_replayed.append(np.abs(lp_replayed - r["rollout_log_probs"]))
+    differs, delta_free, delta_replayed = map(np.concatenate, (differs, delta_free, delta_replayed))
+    assert 0 < differs.mean() < 0.5, differs.mean()
+    # Where routing differed, replay removes the routing part of the delta (bf16 rounding remains).
+    assert delta_replayed[differs].mean() < 0.8 * delta_free[differs].mean(), (delta_replayed[differs].mean(), delta_free[differs].mean())
+
+
+def _perturbed_bias_checkpoint(checkpoint, path, *, shift=0.02):
+    """``checkpoint`` with every router's ``e_score_correction_bias`` shifted: a trainer whose
+    aux-free balancing bias moved since the rollout (routing differs only where the margin is small)."""
+    shutil.copytree(checkpoint, path)
+    weights = path / "model.safetensors"
+    state = load_file(weights)
+    names = [n for n in state if n.endswith("e_score_correction_bias")]
+    assert names
+    for n in names:
+        state[n] = state[n] + shift * torch.arange(state[n].numel(), dtype=state[n].dtype)
+    save_file(state, weights, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def routed_shards(tiny_checkpoint, tmp_path_factory):
+    from conftest import run_glmpost
+
+    tmp = tmp_path_factory.mktemp("routing")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d} {d}"}) + "\n" for d in range(6)))
+    result = run_glmpost("rollout", prompts, "--checkpoint", tiny_checkpoint, "--out", tmp / "rollout", "--group-size", "2",
+                         "--max-new-tokens", "12", "--stop-token-ids", "none", "--record-routing")
+    assert result.exit_code == 0, result.stderr
+    return tmp / "rollout"
+
+
+def test_diff_logprobs_routing_reports_differences_verified_by_hand(glmpost_cli, routed_shards, tiny_checkpoint, tmp_path):
+    shifted = _perturbed_bias_checkpoint(tiny_checkpoint, tmp_path / "shifted")
+    same = glmpost_cli("diff-logprobs", routed_shards, "--checkpoint", tiny_checkpoint, "--routing", "--out", tmp_path / "same",
+                       "--no-plots")
+    assert same.exit_code == 0, same.stderr
+    assert json.loads((tmp_path / "same" / "report.json").read_text())["routing"]["overall"]["differing_tokens"] == 0.0
+    out = glmpost_cli("diff-logprobs", routed_shards, "--checkpoint", shifted, "--routing", "--out", tmp_path / "d", "--no-plots")
+    assert out.exit_code == 0, out.stderr
+    report = json.loads((tmp_path / "d" / "report.json").read_text())["routing"]
+    overall = report["overall"]
+    assert 0 < overall["differing_tokens"] < 1 and overall["tokens"] == 6 * 2 * 12
+    assert overall["delta_differing"]["tokens"] == round(overall["differing_tokens"] * overall["tokens"])
+    # By hand: the shifted router's choice (sigmoid(W h) + bias, top 2, ties to the lower id) at
+    # each token's producing position, against the record.
+    from glmpost.kernel.loading import load_model
+
+    model = load_model(shifted)
+    router = routers(model)[0][1]
+    records = [r for path in resolve_shard_paths([routed_shards]) for r in ShardReader(path)]
+    seen, hooks = _expert_inputs(model)
+    differing = 0
+    for r in records:
+        ids = np.concatenate([r["prompt_token_ids"], r["response_token_ids"]]).astype(np.int64)
+        with torch.no_grad():
+            model(input_ids=torch.from_numpy(ids)[None])
+        h = seen[0]
+        choice = torch.sigmoid(h.float() @ router.weight.float().T) + router.e_score_correction_bias
+        at = len(r["prompt_token_ids"]) - 1
+        for t in range(len(r["response_token_ids"])):
+            mine = sorted(torch.sort(choice[at + t], descending=True, stable=True).indices[:2].tolist())
+            differing += mine != sorted(r["routed_experts"][t, 0].tolist())
+    for hook in hooks:
+        hook.remove()
+    assert differing == round(overall["differing_tokens"] * overall["tokens"]) > 0
+    assert overall["margin_where_differing"]["max"] < 0.02 * 3  # the shift decided only close calls
+    replay = glmpost_cli("diff-logprobs", routed_shards, "--checkpoint", shifted, "--routing", "--routing-replay",
+                         "--out", tmp_path / "r", "--no-plots")
+    assert replay.exit_code == 0, replay.stderr
+    replayed = json.loads((tmp_path / "r" / "report.json").read_text())["routing"]["overall"]
+    # The shift moves only the choice (gate weights use sigmoid scores without the bias), and GLM-5's
+    # one MoE layer is the last: replay leaves the incremental-vs-full-forward rounding only.
+    assert replayed["delta_differing"]["max_abs"] < 1e-4 < overall["delta_differing"]["max_abs"]
+
+
+def test_routing_replay_trains_and_refuses_records_without_routing(glmpost_cli, routed_shards, tiny_checkpoint, tmp_path):
+    judged = tmp_path / "judged"
+    plain = tmp_path / "plain"
+    judged.mkdir()
+    plain.mkdir()
+    for path in resolve_shard_paths([routed_shards]):
+        reader = ShardReader(path)
+        records = list(reader)
+        for out, strip in ((judged, False), (plain, True)):
+            with ShardWriter(out / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+                for i, r in enumerate(records):
+                    reward = float(i % 2) + float(np.mean(r["response_token_ids"] % 2))
+                    kept = {k: v for k, v in r.items() if not (strip and k == "routed_experts")}
+                    writer.write({**kept, "reward": reward, "rewards": {"correct": reward}, "reward_info": {}})
+    common = ["--checkpoint", str(tiny_checkpoint), "--lr", "1e-3", "--mini-batches", "2", "--json"]
+    refused = glmpost_cli("train-grpo", plain, *common, "--out", tmp_path / "x", "--routing-replay")
+    assert refused.exit_code == 1 and len(refused.stderr.strip().splitlines()) == 1
+    assert "record 'q" in refused.stderr and "has no routed_experts" in refused.stderr
+    # Replay off: a record with routing trains exactly as one without.
+    for name, data in (("with", judged), ("without", plain)):
+        assert glmpost_cli("train-grpo", data, *common, "--out", tmp_path / name).exit_code == 0
+    a, b = (load_file(tmp_path / n / "v000001" / "model.safetensors") for n in ("with", "without"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    replayed = glmpost_cli("train-grpo", judged, *common, "--out", tmp_path / "replayed", "--routing-replay")
+    assert replayed.exit_code == 0, replayed.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "replayed" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "routing/replayed_fraction" in m]
+    assert steps and steps[0]["routing/replayed_fraction"] == 1.0 and steps[0]["routing/would_differ_fraction"] == 0.0
