@@ -34,8 +34,8 @@ from glmpost.formats.windows import CONTEXT_KEY
 
 
 def validate_record(record: Mapping[str, Any]) -> None:
-    """Raise :class:`RecordError` unless ``record`` is an exact schema-v2 record (see SPEC.md §6); a
-    version-1 record (no ``context`` segments) is one too."""
+    """Raise :class:`RecordError` unless ``record`` is an exact schema-v3 record (see SPEC.md §6); a
+    version-1 or version-2 record (no ``context`` segments, no ``routed_experts``) is one too."""
     if not isinstance(record, Mapping):
         raise RecordError(f"a record must be a map, got {type(record).__name__}")
     _check_keys(record)
