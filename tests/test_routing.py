@@ -272,3 +272,32 @@ def test_routing_replay_trains_and_refuses_records_without_routing(glmpost_cli, 
     metrics = [json.loads(line) for line in (tmp_path / "replayed" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "routing/replayed_fraction" in m]
     assert steps and steps[0]["routing/replayed_fraction"] == 1.0 and steps[0]["routing/would_differ_fraction"] == 0.0
+
+
+def test_wide_routing_replays_through_the_int16_view():
+    """uint16 experts (>= 255 routed experts) ride in micro-batches as int16 bits and come back exact."""
+    from glmpost.rl.routing_replay import replay_session
+
+    record = {"id": "r", "prompt_token_ids": np.array([1, 2], dtype=np.int32), "response_token_ids": np.array([3, 4, 5], dtype=np.int32),
+              "action_mask": np.ones(3, dtype=bool), "observation_mask": np.zeros(3, dtype=bool),
+              "rollout_log_probs": np.zeros(3, dtype=np.float32), "group_id": "g",
+              "routed_experts": np.array([[[300, 40000]], [[65535, 65535]], [[7, 255]]], dtype=np.uint16)}
+    example = train_example(record, 0.0)
+    attach_routing([example], [record])
+    session = replay_session(collate([example], pad_token_id=0, device=torch.device("cpu")))
+    # Input positions 0..4; token j's experts at position 1 + j; the unrecorded row and the rest free.
+    assert session.replay.tolist() == [False, True, False, True, False]
+    assert session.forced[1, 0].tolist() == [300, 40000] and session.forced[3, 0].tolist() == [7, 255]
+
+
+def test_plan_counts_the_routing_field(glmpost_cli, tmp_path):
+    from pathlib import Path
+
+    recipe = (Path(__file__).parent.parent / "recipes" / "tiny-reasoning-rl.toml").read_text()
+    (tmp_path / "r.toml").write_text(recipe.replace("[rollout]\n", "[rollout]\nrecord_routing = true\n", 1))
+    glm5 = json.loads(glmpost_cli("plan", tmp_path / "r.toml", "--model", "glm5", "--json").stdout)["roles"]["routed_experts"]
+    assert glm5["used"] and glm5["details"]["bytes_per_token"] == 75 * 8 * 2  # 78 layers, 3 dense; 8 of 256: uint16
+    tiny = json.loads(glmpost_cli("plan", tmp_path / "r.toml", "--json").stdout)["roles"]["routed_experts"]
+    assert tiny["details"]["bytes_per_token"] == 1 * 2 * 1  # one MoE layer, 2 of 4 experts: uint8
+    off = json.loads(glmpost_cli("plan", Path(__file__).parent.parent / "recipes" / "tiny-reasoning-rl.toml", "--json").stdout)
+    assert not off["roles"]["routed_experts"]["used"]

@@ -53,16 +53,24 @@ def check_routing_records(records: Sequence[dict[str, Any]], stage: str) -> None
 
 
 def attach_routing(examples: Sequence[TrainExample], records: Sequence[dict[str, Any]]) -> None:
-    """Give each example its record's experts (int64 ``[n, L, k]``, 0 where not recorded) and which
-    rows replay (bool ``[n]``), cut to its context window."""
+    """Give each example its record's experts (``[n, L, k]``, 0 where not recorded; :func:`_held`)
+    and which rows replay (bool ``[n]``), cut to its context window."""
     by_id = {record["id"]: record for record in records}
     for example in examples:
         record = by_id[example.trajectory]
         window = context_windows(record)[example.window]
         routed = record[ROUTING][window.start : window.end]
         rows = recorded_rows(routed)
-        example.token_fields[EXPERTS] = np.where(rows[:, None, None], routed, 0).astype(np.int64)
+        example.token_fields[EXPERTS] = _held(routed, rows)
         example.token_fields[REPLAYED] = rows
+
+
+def _held(routed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A record's experts as a trainer holds them, in the record's width: 0 where not recorded;
+    uint8 as it is, uint16 viewed as int16 (torch has no full uint16; :func:`replay_session` masks
+    the bits back to 0..65535 when it widens one micro-batch)."""
+    held = np.where(rows[:, None, None], routed, 0).astype(routed.dtype)
+    return held.view(np.int16) if held.dtype == np.uint16 else held
 
 
 def replay_session(batch: Any) -> RoutingSession:
@@ -72,7 +80,8 @@ def replay_session(batch: Any) -> RoutingSession:
     rows, entries = replay.shape
     forced = torch.cat([forced, forced.new_zeros((rows, 1, *forced.shape[2:]))], dim=1)
     replay = torch.cat([replay, replay.new_zeros((rows, 1))], dim=1)
-    return RoutingSession(forced.reshape(rows * (entries + 1), *forced.shape[2:]).long(), replay.reshape(-1))
+    forced = forced.reshape(rows * (entries + 1), *forced.shape[2:]).long() & 0xFFFF  # uint16 held as int16
+    return RoutingSession(forced, replay.reshape(-1))
 
 
 def replay_context(model: torch.nn.Module, batch: Any, enabled: bool):
