@@ -142,15 +142,13 @@ def _check_topk_log_probs(values: np.ndarray) -> None:
 
 
 def _check_routing(routed: np.ndarray) -> None:
-    """Each row of ``routed_experts`` is all "not recorded" (the dtype's largest value) or holds ``k``
-    distinct expert ids (SPEC.md §6 rule 11)."""
-    missing = routed == np.iinfo(routed.dtype).max
-    partial = missing.any(axis=(1, 2)) & ~missing.all(axis=(1, 2))
-    if partial.any():
-        raise RecordError(f"field '{ROUTING_FIELD}': row {int(np.flatnonzero(partial)[0])} is partly recorded")
-    rows = routed[~missing.all(axis=(1, 2))]
-    if rows.size and (np.diff(np.sort(rows, axis=-1), axis=-1) == 0).any():
-        raise RecordError(f"field '{ROUTING_FIELD}': a token lists one expert twice in a layer")
+    """A row (token) of ``routed_experts`` whose every entry is the dtype's largest value was not
+    recorded; every other row lists ``k`` distinct ids per layer (SPEC.md §6 rule 11)."""
+    recorded = ~(routed == np.iinfo(routed.dtype).max).all(axis=(1, 2))
+    repeats = np.zeros(len(routed), dtype=bool)
+    repeats[recorded] = (np.diff(np.sort(routed[recorded], axis=-1), axis=-1) == 0).any(axis=(1, 2))
+    if repeats.any():
+        raise RecordError(f"field '{ROUTING_FIELD}': token {int(np.flatnonzero(repeats)[0])} lists one expert twice in a layer")
 
 
 def _check_segments(segments: list, T: int, action: np.ndarray) -> None:

@@ -23,6 +23,8 @@ from glmpost.formats import (
     ShardError,
     ShardReader,
     ShardWriter,
+    compactions,
+    context_windows,
     iter_records,
     normalize_record,
     read_shard,
@@ -30,15 +32,14 @@ from glmpost.formats import (
     record_to_json,
     require_fields,
     resolve_shard_paths,
+    schema,
     select_shards,
+    shards,
     synthetic_record,
-    compactions,
-    context_windows,
     validate_record,
     window_inputs,
     write_shard,
 )
-from glmpost.formats import schema, shards
 
 REV = "synthetic-tokenizer"
 
@@ -488,11 +489,14 @@ def test_routed_experts_rules() -> None:
     wide = {**record, "routed_experts": record["routed_experts"].astype(np.uint16)}
     wide["routed_experts"][-1] = 0xFFFF  # uint16: its own largest value means "not recorded"
     validate_record(wide)
+    # 256 experts, k >= 2, in uint8: id 255 is an expert; only a row of nothing else is "not recorded".
+    validate_record({**record, "routed_experts": np.where(np.arange(2)[None, None, :] == 0, 255, record["routed_experts"]).astype(np.uint8)})
     for change, message in (
         (lambda r: r.astype(np.int32), "dtype int32, expected uint16 or uint8"),
         (lambda r: r[:-1], "length 39, expected T=40"),
-        (lambda r: np.where(np.arange(2)[None, None, :] == 0, 255, r).astype(np.uint8), "row 0 is partly recorded"),
-        (lambda r: np.repeat(r[:, :, :1], 2, axis=2), "a token lists one expert twice in a layer"),
+        (lambda r: np.repeat(r[:, :, :1], 2, axis=2), "token 0 lists one expert twice in a layer"),
+        (lambda r: np.where((np.arange(40)[:, None, None] == 3) & (np.arange(2)[None, :, None] == 0), 255, r).astype(np.uint8),
+         "token 3 lists one expert twice"),  # layer 0 all 255, layer 1 not: a recorded row with a repeat
     ):
         with pytest.raises(RecordError, match=message):
             validate_record({**record, "routed_experts": change(record["routed_experts"])})

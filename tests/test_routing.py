@@ -274,6 +274,14 @@ def test_routing_replay_trains_and_refuses_records_without_routing(glmpost_cli, 
     assert steps and steps[0]["routing/replayed_fraction"] == 1.0 and steps[0]["routing/would_differ_fraction"] == 0.0
 
 
+def test_record_dtype_and_order():
+    from glmpost.kernel.routing import compact_ids, routing_dtype
+
+    assert routing_dtype(4, 2) == routing_dtype(256, 8) == np.uint8  # 255 is an id; a row of 8 x 255 is not
+    assert routing_dtype(256, 1) == routing_dtype(257, 2) == np.uint16
+    assert compact_ids(torch.tensor([[[3, 1]], [[-1, -1]]]), 4).tolist() == [[[1, 3]], [[255, 255]]]
+
+
 def test_wide_routing_replays_through_the_int16_view():
     """uint16 experts (>= 255 routed experts) ride in micro-batches as int16 bits and come back exact."""
     from glmpost.rl.routing_replay import replay_session
@@ -296,8 +304,68 @@ def test_plan_counts_the_routing_field(glmpost_cli, tmp_path):
     recipe = (Path(__file__).parent.parent / "recipes" / "tiny-reasoning-rl.toml").read_text()
     (tmp_path / "r.toml").write_text(recipe.replace("[rollout]\n", "[rollout]\nrecord_routing = true\n", 1))
     glm5 = json.loads(glmpost_cli("plan", tmp_path / "r.toml", "--model", "glm5", "--json").stdout)["roles"]["routed_experts"]
-    assert glm5["used"] and glm5["details"]["bytes_per_token"] == 75 * 8 * 2  # 78 layers, 3 dense; 8 of 256: uint16
+    assert glm5["used"] and glm5["details"]["bytes_per_token"] == 75 * 8 * 1  # 78 layers, 3 dense; 8 of 256: uint8
     tiny = json.loads(glmpost_cli("plan", tmp_path / "r.toml", "--json").stdout)["roles"]["routed_experts"]
     assert tiny["details"]["bytes_per_token"] == 1 * 2 * 1  # one MoE layer, 2 of 4 experts: uint8
     off = json.loads(glmpost_cli("plan", Path(__file__).parent.parent / "recipes" / "tiny-reasoning-rl.toml", "--json").stdout)
     assert not off["roles"]["routed_experts"]["used"]
+
+
+def _judge(src, dst, *, strip=False):
+    dst.mkdir()
+    for path in resolve_shard_paths([src]):
+        reader = ShardReader(path)
+        with ShardWriter(dst / path.name, stage="judge", tokenizer_revision=reader.header["tokenizer_revision"]) as writer:
+            for i, r in enumerate(reader):
+                reward = float(i % 2) + float(np.mean(r["response_token_ids"] % 2))
+                kept = {k: v for k, v in r.items() if not (strip and k == "routed_experts")}
+                writer.write({**kept, "reward": reward, "rewards": {"correct": reward}, "reward_info": {}})
+    return dst
+
+
+def test_opd_merge_and_train_sao_replay_and_refuse(glmpost_cli, routed_shards, tiny_checkpoint, tmp_path):
+    judged, plain = _judge(routed_shards, tmp_path / "judged"), _judge(routed_shards, tmp_path / "plain", strip=True)
+    for name, data in (("scored", judged), ("scored-plain", plain)):
+        result = glmpost_cli("score-teacher", data, "--out", tmp_path / name, "--teacher", tiny_checkpoint)
+        assert result.exit_code == 0, result.stderr
+    runs = {"opd-merge": lambda data, out: ("opd-merge", data, "--checkpoint", tiny_checkpoint, "--out", out),
+            "train-sao": lambda data, out: ("train-sao", data, "--checkpoint", tiny_checkpoint, "--critic", tmp_path / f"{out.name}-critic",
+                                            "--init-critic", "--out", out)}
+    inputs = {"opd-merge": (tmp_path / "scored", tmp_path / "scored-plain"), "train-sao": (judged, plain)}
+    for stage, args in runs.items():
+        with_routing, without = inputs[stage]
+        refused = glmpost_cli(*args(without, tmp_path / f"{stage}-x"), "--routing-replay")
+        assert refused.exit_code == 1 and "has no routed_experts" in refused.stderr, (stage, refused.stderr)
+        assert len(refused.stderr.strip().splitlines()) == 1
+        done = glmpost_cli(*args(with_routing, tmp_path / stage), "--routing-replay")
+        assert done.exit_code == 0, (stage, done.stderr)
+        lines = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
+        replayed = [m for m in lines if "routing/replayed_fraction" in m]
+        assert replayed and replayed[0]["routing/replayed_fraction"] == 1.0, stage
+
+
+def test_multi_turn_records_route_actions_and_leave_observations_unrecorded(glmpost_cli, tiny_checkpoint, tmp_path):
+    from test_agentic import STOPS, _prompts
+
+    from glmpost.kernel.loading import load_model
+
+    out = tmp_path / "ro"
+    result = glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", tiny_checkpoint, "--out", out, "--env", "test_agentic:Countdown",
+                         "--group-size", "2", "--max-new-tokens", "16", "--max-turns", "4", "--stop-token-ids", STOPS,
+                         "--temperature", "0.8", "--record-routing")
+    assert result.exit_code == 0, result.stderr
+    records = [r for p in resolve_shard_paths([out]) for r in ShardReader(p)]
+    assert any(r["observation_mask"].any() for r in records)
+    model = load_model(tiny_checkpoint)
+    for r in records:
+        routed = r["routed_experts"]
+        assert (routed[r["observation_mask"]] == 255).all() and (routed[r["action_mask"]] != 255).all()
+        session = RoutingSession()
+        ids = np.concatenate([r["prompt_token_ids"], r["response_token_ids"]]).astype(np.int64)
+        with torch.no_grad(), routing_session(model, session):
+            model(input_ids=torch.from_numpy(ids)[None])
+        at = len(r["prompt_token_ids"]) - 1
+        own = session.experts()[at : at + len(routed)].sort(-1).values.numpy()
+        actions = r["action_mask"]
+        # The engine decoded each turn on its KV cache; the trainer runs the whole sequence at once.
+        assert (own[actions] == routed[actions]).all()

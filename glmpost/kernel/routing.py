@@ -200,20 +200,24 @@ def moe_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     return len(found), int(first.top_k), int(first.num_experts)
 
 
-def routing_dtype(experts: int) -> np.dtype:
-    """The record's id dtype: uint8 up to 255 experts, else uint16 (its largest value means "not recorded")."""
-    if experts < 0xFF:
-        return np.dtype(np.uint8)
-    if experts < 0xFFFF:
-        return np.dtype(np.uint16)
+def routing_dtype(experts: int, k: int) -> np.dtype:
+    """The record's id dtype: the narrowest of uint8 / uint16 whose largest value can mean "not
+    recorded": a row of it is no real row when it is no expert id (``experts`` below it) or when
+    ``k >= 2`` (a layer's ids are distinct), so GLM-5's 256 experts, 8 per token, fit uint8."""
+    for dtype in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        largest = int(np.iinfo(dtype).max)
+        if experts <= largest or (experts == largest + 1 and k >= 2):
+            return dtype
     raise ValueError(f"{experts} experts do not fit a uint16 routing record")
 
 
 def compact_ids(ids: torch.Tensor | np.ndarray, experts: int) -> np.ndarray:
-    """Expert ids ``[..., k]`` as the record stores them (:func:`routing_dtype`); a row of ``-1`` is "not recorded"."""
+    """Expert ids ``[..., k]`` as the record stores them: each layer's set in ascending id order (a
+    set: replay recomputes the gate weights; sorted ids compress better), in :func:`routing_dtype`;
+    a row of ``-1`` is "not recorded"."""
     values = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-    dtype = routing_dtype(experts)
-    return np.where(values < 0, NOT_RECORDED[dtype], values).astype(dtype)
+    dtype = routing_dtype(experts, values.shape[-1])
+    return np.where(values < 0, NOT_RECORDED[dtype], np.sort(values, axis=-1)).astype(dtype)
 
 
 def recorded_rows(routed: np.ndarray) -> np.ndarray:

@@ -196,10 +196,12 @@ def _rollout_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
 
 def routing_bytes_per_token(shape: ModelShape) -> int:
     """A record's ``routed_experts`` per token before compression (formats/SPEC.md "Routing"):
-    MoE layers x experts per token x 1 byte (uint8, under 255 routed experts) or 2 (uint16)."""
+    MoE layers x experts per token x 1 byte (uint8: up to 255 routed experts, or 256 with k >= 2,
+    GLM-5's) or 2 (uint16)."""
     if not shape.experts or not shape.experts_per_token:
         return 0
-    return shape.moe_layers * shape.experts_per_token * (1 if shape.experts < 0xFF else 2)
+    narrow = shape.experts <= 0xFF or (shape.experts == 0x100 and shape.experts_per_token >= 2)
+    return shape.moe_layers * shape.experts_per_token * (1 if narrow else 2)
 
 
 def _transfer_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
