@@ -369,3 +369,17 @@ def test_multi_turn_records_route_actions_and_leave_observations_unrecorded(glmp
         actions = r["action_mask"]
         # The engine decoded each turn on its KV cache; the trainer runs the whole sequence at once.
         assert (own[actions] == routed[actions]).all()
+
+
+def test_refusals_are_one_line(glmpost_cli, tiny_checkpoint, routed_shards, tmp_path):
+    sglang = glmpost_cli("rollout", routed_shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "s", "--engine", "sglang",
+                         "--server", "http://127.0.0.1:9", "--record-routing")
+    assert sglang.exit_code == 2 and len(sglang.stderr.strip().splitlines()) == 1
+    assert "--record-routing needs --engine local" in sglang.stderr and not (tmp_path / "s").exists()
+    plain = _judge(routed_shards, tmp_path / "plain", strip=True)
+    diff = glmpost_cli("diff-logprobs", plain, "--checkpoint", tiny_checkpoint, "--routing", "--out", tmp_path / "d")
+    assert diff.exit_code == 1 and len(diff.stderr.strip().splitlines()) == 1
+    assert "record 'q" in diff.stderr and "has no routed_experts (rollout --record-routing records them)" in diff.stderr
+    gate = glmpost_cli("diff-logprobs", routed_shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "g",
+                       "--fail-above", "routing_differing_tokens=0")
+    assert gate.exit_code == 2 and "add --routing" in gate.stderr
