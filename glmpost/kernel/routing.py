@@ -5,8 +5,9 @@ The brief asks training to optimise the policy the rollout executed ("训练-推
 experts per token by a top-k just as the DSA indexer picks keys, so glmpost gives routers the same
 treatment (issue 33):
 
-* **one rule**: every router selects with :func:`glmpost.npu.topk.deterministic_topk` (larger score
-  first, ties to the lower expert id), on the rollout engine and in the trainer alike;
+* **one rule**: every router selects by :func:`glmpost.npu.topk.deterministic_topk`'s rule (larger
+  score first, ties to the lower expert id; :func:`router_topk`), on the rollout engine and in the
+  trainer alike;
 * **record**: inside :func:`routing_session` a router reports the experts it chose for every
   position (``[N, k]`` per MoE layer, ``N`` the forward's flattened positions);
 * **replay**: a session may carry forced expert ids for some positions; the router then uses them
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from glmpost.npu.topk import deterministic_topk
+from glmpost.npu.topk import composite_topk, deterministic_topk
 
 ROUTER_SUFFIXES = ("TopkRouter", "TopKRouter")
 # The record's "not recorded" row (formats/SPEC.md, ``routed_experts``): the dtype's largest value.
@@ -64,10 +65,26 @@ def group_limited_choice(choice: torch.Tensor, n_group: int, topk_group: int) ->
         return choice
     grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
     group_scores = torch.topk(grouped, 2, dim=-1)[0].sum(dim=-1)
-    kept = deterministic_topk(group_scores, topk_group).long()
+    kept = router_topk(group_scores, topk_group)
     group_mask = torch.zeros_like(group_scores).scatter_(1, kept, 1)
     score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, choice.shape[-1])
     return choice.masked_fill(~score_mask.bool(), float("-inf"))
+
+
+def router_topk(choice: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`~glmpost.npu.topk.deterministic_topk`'s rule (larger first, ties to the lower index,
+    NaN last) as int64 ``[N, k]``, for a router's few columns: one ``torch.topk`` of ``k + 1``; a row
+    whose ``k + 1`` largest values are not all distinct (a tie that could change the set, a NaN, or
+    a group-limited ``-inf`` boundary) takes the composite-key top-k."""
+    if k >= choice.shape[-1]:
+        return deterministic_topk(choice, k).long()
+    top = torch.topk(choice, k + 1, dim=-1)
+    distinct = (top.values[..., :-1] > top.values[..., 1:]).all(-1)
+    indices = top.indices[..., :k]
+    if not bool(distinct.all()):
+        indices = indices.clone()
+        indices[~distinct] = composite_topk(choice[~distinct], k).long()
+    return indices
 
 
 def gate_weights(scores: torch.Tensor, ids: torch.Tensor, *, family: str, norm_topk_prob: bool,
@@ -152,7 +169,7 @@ def _routed_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
     """A router's forward under the deterministic rule: ``(logits, weights [N, k], ids [N, k])``,
     the ids replaced by a session's forced ones where it replays."""
     logits, scores, choice = router_scores(router, hidden_states)
-    ids = deterministic_topk(choice, router.top_k).long()
+    ids = router_topk(choice, router.top_k)
     session = router._glmpost_routing
     if session is not None:
         ids = session.route(router._glmpost_routing_layer, ids, choice)
@@ -163,7 +180,7 @@ def _routed_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
 
 
 def install_routing(model: torch.nn.Module) -> int:
-    """Make every MoE router of ``model`` select by :func:`deterministic_topk` and answer to
+    """Make every MoE router of ``model`` select by :func:`router_topk` and answer to
     :func:`routing_session`. Returns the number of routers (0 for a dense model); installing twice
     changes nothing."""
     found = routers(model)
@@ -172,6 +189,7 @@ def install_routing(model: torch.nn.Module) -> int:
             router.forward = _routed_forward.__get__(router)
             router._glmpost_routing = None
         router._glmpost_routing_layer = layer
+    model._glmpost_routers = [router for _, router in found]  # routing_session's list, without a walk per forward
     return len(found)
 
 
@@ -179,8 +197,10 @@ def install_routing(model: torch.nn.Module) -> int:
 def routing_session(model: torch.nn.Module, session: RoutingSession) -> Iterator[RoutingSession]:
     """Open ``session`` on every router of ``model`` (installing the rule first); the previous one
     comes back on exit. Keep it open over a backward that recomputes checkpointed activations."""
-    install_routing(model)
-    found = [router for _, router in routers(model)]
+    found = getattr(model, "_glmpost_routers", None)
+    if found is None:
+        install_routing(model)
+        found = model._glmpost_routers
     previous = [router._glmpost_routing for router in found]
     for router in found:
         router._glmpost_routing = session
@@ -225,26 +245,30 @@ def recorded_rows(routed: np.ndarray) -> np.ndarray:
     return ~(routed == NOT_RECORDED[routed.dtype]).all(axis=tuple(range(1, routed.ndim)))
 
 
-class StepRouting:
+class StepRouting(RoutingSession):
     """The rollout engine's routing record: per decode step, the experts of each row's last position
     (the forward whose logits sampled the row's next token), attached to the completions as
     ``routed_experts`` ``[n, L, k]`` (:func:`compact_ids`)."""
 
     def __init__(self, model: torch.nn.Module):
+        super().__init__()
         self.model = model
-        self.experts = moe_shape(model)[2]
-        self.steps: list[torch.Tensor] = []
+        self.experts_count = moe_shape(model)[2]
+        self.rows = 0
+        self.steps: dict[int, list[torch.Tensor]] = {}
 
-    @contextlib.contextmanager
-    def step(self, rows: int) -> Iterator[None]:
+    def route(self, layer: int, chosen: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        self.steps.setdefault(layer, []).append(chosen.view(self.rows, -1, chosen.shape[-1])[:, -1])
+        return chosen
+
+    def step(self, rows: int):
         """Record the routers of the forward run inside (a batch of ``rows`` rows)."""
-        with routing_session(self.model, RoutingSession()) as session:
-            yield
-        chosen = session.experts()
-        self.steps.append(chosen.view(rows, -1, *chosen.shape[1:])[:, -1].cpu())
+        self.rows = rows
+        return routing_session(self.model, self)
 
     def attach(self, completions: list) -> None:
         """Give each completion (a batch's rows, in order) the experts of its sampled tokens."""
-        steps = compact_ids(torch.stack(self.steps, dim=1), self.experts)  # [B, steps, L, k]
+        layers = [torch.stack(self.steps[layer], dim=1) for layer in sorted(self.steps)]  # [B, steps, k] each
+        steps = compact_ids(torch.stack(layers, dim=2), self.experts_count)  # [B, steps, L, k]
         for row, completion in enumerate(completions):
             completion.routed_experts = steps[row, : len(completion.token_ids)].copy()
