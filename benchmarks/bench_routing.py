@@ -1,7 +1,10 @@
 """MoE routing closure (issue 33): what recording and replaying routing cost, and what the field weighs.
 
-Both sides of each comparison run in one process on the same model and inputs, timed interleaved
-(best of ``--repeats``, the side that goes first alternating); the figures to read are ratios.
+Both sides of each comparison run in one process on the same model and inputs, in rounds (one
+untimed warm-up, then ``--repeats`` rounds, every side once per round, the order alternating),
+timed in CPU seconds of this process (``time.process_time``, one thread by default: the dev machine
+is shared, and wall time there measures the neighbours); the figures are medians, the ratios the
+median of the per-round ratios.
 
 * **rollout**: ``LocalEngine.generate`` of ``--sequences`` x ``--new-tokens`` (no stop ids) with
   ``record_routing`` off vs on (the routers run glmpost's deterministic rule either way); also the
@@ -51,18 +54,22 @@ GOAL_RECORD, GOAL_REPLAY = 0.95, 0.90
 GLM5_MOE_LAYERS, GLM5_EXPERTS, GLM5_TOPK = 75, 256, 8  # GlmMoeDsaConfig defaults: 78 layers, 3 dense
 
 
-def best_of(sides: dict, repeats: int) -> dict[str, float]:
-    """Seconds of each side's ``run()``: the best of ``repeats``, interleaved, the first side alternating."""
-    best = {name: float("inf") for name in sides}
+def paired(sides: dict, repeats: int, baseline: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Each side's CPU seconds per ``run()`` (``time.process_time``: what other processes on the
+    machine take does not count) as the median of ``repeats`` rounds, every side once per round
+    (one untimed warm-up first; the order alternating), and each side's speed relative to
+    ``baseline`` as the median of the per-round ratios (a round's sides ran under the same load)."""
+    for run in sides.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
-    for name in names:  # warm-up, untimed
-        sides[name]()
     for repeat in range(repeats):
         for name in (names if repeat % 2 == 0 else names[::-1]):
-            started = time.perf_counter()
+            started = time.process_time()
             sides[name]()
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best
+            times[name].append(time.process_time() - started)
+    ratios = {name: float(np.median([b / t for b, t in zip(times[baseline], times[name])])) for name in sides}
+    return {name: float(np.median(t)) for name, t in times.items()}, ratios
 
 
 def rollout_side(model, prompts, keys, params, *, record: bool):
@@ -129,16 +136,17 @@ def measure_model(name: str, config, args) -> dict:
     keys = [f"s{i}" for i in range(len(prompts))]
     params = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
     tokens = len(prompts) * args.new_tokens
-    rollout = best_of({"transformers_router": rollout_side(reference, prompts, keys, params, record=False),
-                       "plain": rollout_side(model, prompts, keys, params, record=False),
-                       "recording": rollout_side(model, prompts, keys, params, record=True)}, args.repeats)
+    rollout, rollout_ratios = paired({"transformers_router": rollout_side(reference, prompts, keys, params, record=False),
+                                      "plain": rollout_side(model, prompts, keys, params, record=False),
+                                      "recording": rollout_side(model, prompts, keys, params, record=True)},
+                                     args.repeats, "plain")
     records = records_of(model, prompts, keys, params)
     examples = [train_example(r, 0.0) for r in records]
     attach_routing(examples, records)
     batch = collate(examples, pad_token_id=0, device=torch.device("cpu"))
     model.train()
-    training = best_of({"plain": training_side(model, batch, replay=False),
-                        "replay": training_side(model, batch, replay=True)}, args.repeats)
+    training, training_ratios = paired({"plain": training_side(model, batch, replay=False),
+                                        "replay": training_side(model, batch, replay=True)}, args.repeats, "plain")
     trained = int(batch.attention_mask.sum())
     with tempfile.TemporaryDirectory() as tmp:
         sizes = field_bytes(records, Path(tmp))
@@ -146,20 +154,20 @@ def measure_model(name: str, config, args) -> dict:
     return {
         "model": name, "moe_layers": layers, "experts": experts, "experts_per_token": k,
         "rollout_tokens_per_s": {side: tokens / s for side, s in rollout.items()},
-        "recording_speed_ratio": rollout["plain"] / rollout["recording"],
-        "rule_speed_ratio": rollout["transformers_router"] / rollout["plain"],
+        "recording_speed_ratio": rollout_ratios["recording"],
+        "rule_speed_ratio": 1.0 / rollout_ratios["transformers_router"],  # plain vs transformers' routers
         "training_tokens_per_s": {side: trained / s for side, s in training.items()},
-        "replay_speed_ratio": training["plain"] / training["replay"],
+        "replay_speed_ratio": training_ratios["replay"],
         "field": sizes,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--glm5-records", type=int, default=16)
     parser.add_argument("--glm5-response", type=int, default=2000)
     parser.add_argument("--out", type=Path)
