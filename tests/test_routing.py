@@ -208,6 +208,7 @@ def test_diff_logprobs_routing_reports_differences_verified_by_hand(glmpost_cli,
     assert json.loads((tmp_path / "same" / "report.json").read_text())["routing"]["overall"]["differing_tokens"] == 0.0
     out = glmpost_cli("diff-logprobs", routed_shards, "--checkpoint", shifted, "--routing", "--out", tmp_path / "d", "--no-plots")
     assert out.exit_code == 0, out.stderr
+    assert "routing: 144 tokens x 1 MoE layers, experts differ on " in out.stdout
     report = json.loads((tmp_path / "d" / "report.json").read_text())["routing"]
     overall = report["overall"]
     assert 0 < overall["differing_tokens"] < 1 and overall["tokens"] == 6 * 2 * 12
