@@ -384,3 +384,21 @@ def test_refusals_are_one_line(glmpost_cli, tiny_checkpoint, routed_shards, tmp_
     gate = glmpost_cli("diff-logprobs", routed_shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "g",
                        "--fail-above", "routing_differing_tokens=0")
     assert gate.exit_code == 2 and "add --routing" in gate.stderr
+
+
+def test_routing_of_another_shape_is_refused(tmp_path):
+    from glmpost.diff.routing_probe import path_routing
+    from glmpost.errors import GlmpostError
+
+    model = _model("qwen3_moe").eval()  # 2 MoE layers, 2 experts per token
+    records = _records(model, [[5, 6, 7]], max_new_tokens=3)
+    records[0]["routed_experts"] = records[0]["routed_experts"][:, :1]
+    with pytest.raises(GlmpostError, match="the records route 2 experts in 1 MoE layers; Qwen3MoeForCausalLM routes 2 in 2"):
+        path_routing(model, records, batch_size=1, replay=True, where="diff-logprobs")
+    examples = [train_example(records[0], 0.0)]
+    attach_routing(examples, records)
+    batch = collate(examples, pad_token_id=0, device=torch.device("cpu"))
+    with pytest.raises(GlmpostError, match="--routing-replay: the records route"):
+        replay_context(model, batch, True)
+    with pytest.raises(GlmpostError, match="has no MoE router"):
+        path_routing(_model("qwen3").eval(), records, batch_size=1, replay=False, where="diff-logprobs")

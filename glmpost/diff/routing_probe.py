@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from glmpost.errors import GlmpostError
-from glmpost.kernel.routing import RoutingSession, recorded_rows, routing_session, same_expert_sets
+from glmpost.kernel.routing import RoutingSession, check_routing_fits, recorded_rows, routing_session, same_expert_sets
 
 ROUTING = "routed_experts"
 
@@ -157,6 +157,10 @@ def path_routing(model: torch.nn.Module, records: Sequence[dict[str, Any]], *, b
     """Path A's :class:`PathRouting` (replaying the records' experts with ``replay``) and the context
     that opens it on ``model``'s routers; the records are checked first."""
     check_routing_records(records, where)
+    try:
+        check_routing_fits(model, *records[0][ROUTING].shape[1:])
+    except ValueError as exc:
+        raise GlmpostError(f"{where}: --routing: {exc}") from None
     capture = PathRouting(batch_forced(records, batch_size) if replay else ())
     return capture, routing_session(model, capture)
 

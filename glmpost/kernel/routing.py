@@ -211,6 +211,19 @@ def routing_session(model: torch.nn.Module, session: RoutingSession) -> Iterator
             router._glmpost_routing = before
 
 
+def check_routing_fits(model: torch.nn.Module, layers: int, k: int) -> None:
+    """ValueError unless ``model`` routes ``k`` experts in each of ``layers`` MoE layers (what a
+    record's ``routed_experts`` ``[T, layers, k]`` says), naming both shapes."""
+    if getattr(model, "_glmpost_routers", None) is None:
+        install_routing(model)
+    found = model._glmpost_routers
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no MoE router to route the records' experts")
+    if (len(found), int(found[0].top_k)) != (layers, k):
+        raise ValueError(f"the records route {k} experts in {layers} MoE layers; {type(model).__name__} routes "
+                         f"{int(found[0].top_k)} in {len(found)}")
+
+
 def moe_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     """``(moe_layers, k, experts)`` of ``model``'s routers, or None for a dense model."""
     found = routers(model)

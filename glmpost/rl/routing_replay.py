@@ -27,7 +27,7 @@ import torch
 from glmpost.config import setting
 from glmpost.errors import GlmpostError
 from glmpost.formats.windows import context_windows
-from glmpost.kernel.routing import RoutingSession, recorded_rows, routing_session
+from glmpost.kernel.routing import RoutingSession, check_routing_fits, recorded_rows, routing_session
 from glmpost.rl.batches import TrainExample
 
 ROUTING = "routed_experts"
@@ -89,6 +89,10 @@ def replay_context(model: torch.nn.Module, batch: Any, enabled: bool):
     routers), or nothing when ``enabled`` is false. Yields the session (None when off)."""
     if not enabled:
         return contextlib.nullcontext()
+    try:
+        check_routing_fits(model, *batch.token_fields[EXPERTS].shape[2:])
+    except ValueError as exc:
+        raise GlmpostError(f"--routing-replay: {exc}") from None
     return routing_session(model, replay_session(batch))
 
 
