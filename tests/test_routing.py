@@ -6,38 +6,43 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_glmpost
 from safetensors.torch import load_file, save_file
+from test_agentic import STOPS, _prompts
 from test_plan_architectures import _model
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from glmpost.diff.routing_probe import kth_margin
+from glmpost.diff.routing_probe import kth_margin, path_routing
+from glmpost.errors import GlmpostError
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 from glmpost.kernel.engine import LocalEngine, SamplingParams
+from glmpost.kernel.loading import load_model
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.routing import (
     RoutingSession,
+    compact_ids,
     gate_weights,
     group_limited_choice,
     install_routing,
     routers,
+    routing_dtype,
     routing_session,
 )
+from glmpost.models.tiny import TINY_GLM5
 from glmpost.rl.batches import train_example
 from glmpost.rl.micro_batches import collate
-from glmpost.rl.routing_replay import attach_routing, replay_context
+from glmpost.rl.routing_replay import attach_routing, replay_context, replay_session
 from glmpost.rollout.records import RolloutPrompt, rollout_record
 
 ARCHITECTURES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def _glm5():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from glmpost.models.tiny import TINY_GLM5
-
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", **TINY_GLM5))
 
@@ -189,8 +194,6 @@ def _perturbed_bias_checkpoint(checkpoint, path, *, shift=0.02):
 
 @pytest.fixture(scope="module")
 def routed_shards(tiny_checkpoint, tmp_path_factory):
-    from conftest import run_glmpost
-
     tmp = tmp_path_factory.mktemp("routing")
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d} {d}"}) + "\n" for d in range(6)))
@@ -215,8 +218,6 @@ def test_diff_logprobs_routing_reports_differences_verified_by_hand(glmpost_cli,
     assert overall["delta_differing"]["tokens"] == round(overall["differing_tokens"] * overall["tokens"])
     # By hand: the shifted router's choice (sigmoid(W h) + bias, top 2, ties to the lower id) at
     # each token's producing position, against the record.
-    from glmpost.kernel.loading import load_model
-
     model = load_model(shifted)
     router = routers(model)[0][1]
     records = [r for path in resolve_shard_paths([routed_shards]) for r in ShardReader(path)]
@@ -276,8 +277,6 @@ def test_routing_replay_trains_and_refuses_records_without_routing(glmpost_cli, 
 
 
 def test_record_dtype_and_order():
-    from glmpost.kernel.routing import compact_ids, routing_dtype
-
     assert routing_dtype(4, 2) == routing_dtype(256, 8) == np.uint8  # 255 is an id; a row of 8 x 255 is not
     assert routing_dtype(256, 1) == routing_dtype(257, 2) == np.uint16
     assert compact_ids(torch.tensor([[[3, 1]], [[-1, -1]]]), 4).tolist() == [[[1, 3]], [[255, 255]]]
@@ -285,8 +284,6 @@ def test_record_dtype_and_order():
 
 def test_wide_routing_replays_through_the_int16_view():
     """uint16 experts (>= 255 routed experts) ride in micro-batches as int16 bits and come back exact."""
-    from glmpost.rl.routing_replay import replay_session
-
     record = {"id": "r", "prompt_token_ids": np.array([1, 2], dtype=np.int32), "response_token_ids": np.array([3, 4, 5], dtype=np.int32),
               "action_mask": np.ones(3, dtype=bool), "observation_mask": np.zeros(3, dtype=bool),
               "rollout_log_probs": np.zeros(3, dtype=np.float32), "group_id": "g",
@@ -300,8 +297,6 @@ def test_wide_routing_replays_through_the_int16_view():
 
 
 def test_plan_counts_the_routing_field(glmpost_cli, tmp_path):
-    from pathlib import Path
-
     recipe = (Path(__file__).parent.parent / "recipes" / "tiny-reasoning-rl.toml").read_text()
     (tmp_path / "r.toml").write_text(recipe.replace("[rollout]\n", "[rollout]\nrecord_routing = true\n", 1))
     glm5 = json.loads(glmpost_cli("plan", tmp_path / "r.toml", "--model", "glm5", "--json").stdout)["roles"]["routed_experts"]
@@ -346,10 +341,6 @@ def test_opd_merge_and_train_sao_replay_and_refuse(glmpost_cli, routed_shards, t
 
 
 def test_multi_turn_records_route_actions_and_leave_observations_unrecorded(glmpost_cli, tiny_checkpoint, tmp_path):
-    from test_agentic import STOPS, _prompts
-
-    from glmpost.kernel.loading import load_model
-
     out = tmp_path / "ro"
     result = glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", tiny_checkpoint, "--out", out, "--env", "test_agentic:Countdown",
                          "--group-size", "2", "--max-new-tokens", "16", "--max-turns", "4", "--stop-token-ids", STOPS,
@@ -387,9 +378,6 @@ def test_refusals_are_one_line(glmpost_cli, tiny_checkpoint, routed_shards, tmp_
 
 
 def test_routing_of_another_shape_is_refused(tmp_path):
-    from glmpost.diff.routing_probe import path_routing
-    from glmpost.errors import GlmpostError
-
     model = _model("qwen3_moe").eval()  # 2 MoE layers, 2 experts per token
     records = _records(model, [[5, 6, 7]], max_new_tokens=3)
     records[0]["routed_experts"] = records[0]["routed_experts"][:, :1]
