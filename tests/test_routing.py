@@ -274,6 +274,16 @@ def test_routing_replay_trains_and_refuses_records_without_routing(glmpost_cli, 
     metrics = [json.loads(line) for line in (tmp_path / "replayed" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "routing/replayed_fraction" in m]
     assert steps and steps[0]["routing/replayed_fraction"] == 1.0 and steps[0]["routing/would_differ_fraction"] == 0.0
+    # A trainer whose router bias moved since the rollout: without replay its old log-probs (what
+    # IcePop compares) are off where routing differs; with replay they are the rollout's again.
+    shifted = _perturbed_bias_checkpoint(tiny_checkpoint, tmp_path / "shifted")
+    moved = ["--checkpoint", str(shifted), "--lr", "1e-3", "--json"]
+    first = {}
+    for name, extra in (("free", []), ("replay", ["--routing-replay"])):
+        assert glmpost_cli("train-grpo", judged, *moved, "--out", tmp_path / f"moved-{name}", *extra).exit_code == 0
+        first[name] = json.loads((tmp_path / f"moved-{name}" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 < first["replay"]["routing/would_differ_fraction"] < 1
+    assert first["replay"]["train/mismatch_abs_logp_mean"] < 1e-6 < first["free"]["train/mismatch_abs_logp_mean"]
 
 
 def test_record_dtype_and_order():
