@@ -1,5 +1,5 @@
 """``diff-logprobs --routing``: the MoE experts a record's tokens were routed to against path A's
-(issue 33; brief, "训练-推理一致性": routing is a discrete control object like the DSA top-k).
+(issue 33; brief, "DSA Indexer 的确定性为什么是 RL 问题": routing is a discrete control object like the DSA top-k).
 
 A record's ``routed_experts[t]`` (formats/SPEC.md) are the experts, per MoE layer, of the forward
 position whose logits gave token ``t`` (prompt length ``P``: input position ``P + t - 1``). Path A

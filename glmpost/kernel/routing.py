@@ -1,6 +1,6 @@
 """MoE routing as a discrete control object: one deterministic top-k rule, recording and replay (R3).
 
-The brief asks training to optimise the policy the rollout executed ("训练-推理一致性", "DSA Indexer 的
+The brief asks training to optimise the policy the rollout executed ("四层一致性：从状态到梯度", "DSA Indexer 的
 确定性为什么是 RL 问题": top-k is "a discrete control object"). An MoE layer's router picks ``k``
 experts per token by a top-k just as the DSA indexer picks keys, so glmpost gives routers the same
 treatment (issue 33):
@@ -76,6 +76,7 @@ def router_topk(choice: torch.Tensor, k: int) -> torch.Tensor:
     NaN last) as int64 ``[N, k]``, for a router's few columns: one ``torch.topk`` of ``k + 1``; a row
     whose ``k + 1`` largest values are not all distinct (a tie that could change the set, a NaN, or
     a group-limited ``-inf`` boundary) takes the composite-key top-k."""
+    # brief, "稀疏与版本契约": a top-k fixes its tie, order and NaN rules; routers get the DSA one.
     if k >= choice.shape[-1]:
         return deterministic_topk(choice, k).long()
     top = torch.topk(choice, k + 1, dim=-1)

@@ -1,6 +1,6 @@
 """Routing replay (R3) in training: every recorded token is routed to the experts the rollout chose.
 
-The brief's thesis ("训练-推理一致性") is that training optimises the policy the rollout executed;
+The brief's thesis ("四层一致性：从状态到梯度") is that training optimises the policy the rollout executed;
 MoE routing is a discrete part of that policy (issue 33), so with ``--routing-replay`` the trainer's
 forward takes, at each position that produced a recorded token, the record's ``routed_experts`` in
 every MoE layer (:mod:`glmpost.kernel.routing`), with the gate weights recomputed from the current
