@@ -23,7 +23,11 @@ sampled-token agreement (both paths resample every action position with the reco
 uniforms; the fraction where they pick the same token), a breakdown by response position and by
 status, and the worst tokens with their decoded context. --indexer also compares the GLM-5 DSA
 indexer's selected key sets between two local paths (mean Jaccard, identical sets and orders,
-boundary ties). Writes DIR/report.json, plots (delta_hist.png, abs_delta_vs_position.png,
+boundary ties). --routing compares each action token's MoE experts (per layer) between the record
+(rollout --record-routing) and path A: the fraction that differ per layer and overall, path A's
+router-score margin at the k-th expert where they differ, and the log-prob delta of those tokens
+beside the rest's; --routing-replay makes path A route every recorded token to the record's
+experts (R3, as the trainers' --routing-replay). Writes DIR/report.json, plots (delta_hist.png, abs_delta_vs_position.png,
 scatter.png), DIR/metrics.jsonl and DIR/stage.json; prints a table (or --json).
 
 --by-version ROOT (against the rollout log-probs) separates the two ratios asynchronous RL mixes:

@@ -1,10 +1,10 @@
-"""Trajectory records and shards (schema version 2; ``formats/SPEC.md`` is the normative byte-level spec).
+"""Trajectory records and shards (schema version 3; ``formats/SPEC.md`` is the normative byte-level spec).
 
 Records are plain dicts of Python values and numpy arrays (:mod:`glmpost.formats.schema`); a
 record's context windows (CompactionRL's rebuilt contexts, new in version 2) are
 :mod:`glmpost.formats.windows`. Shards are ``*.msgpack.zst`` files of records with a header and a
 checksummed footer, written by :mod:`glmpost.formats.shards` and read by
-:mod:`glmpost.formats.shard_reader` (writers write version 2; the reader also reads version 1).
+:mod:`glmpost.formats.shard_reader` (writers write version 3, which adds ``routed_experts``; the reader also reads versions 1 and 2).
 Datasets of shards (files, directories, globs) are :mod:`glmpost.formats.datasets`; the JSON form
 of records is :mod:`glmpost.formats.json_form`.
 """

@@ -26,7 +26,9 @@ def record_to_json(record: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in record.items():
         spec = FIELDS.get(name)
-        if spec is not None and spec.kind == "array":
+        if spec is not None and spec.kind == "array" and value.dtype in spec.also:
+            out[name] = _tag(value)  # a tagged $array keeps the narrower dtype (routed_experts in uint8)
+        elif spec is not None and spec.kind == "array":
             out[name] = _nan_to_none(value.tolist()) if value.dtype.kind == "f" else value.tolist()
         elif name == "reward":
             out[name] = None if math.isnan(value) else value

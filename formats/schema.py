@@ -1,10 +1,11 @@
-"""The trajectory record, schema version 2 (DESIGN.md §3; ``formats/SPEC.md`` is normative).
+"""The trajectory record, schema version 3 (DESIGN.md §3; ``formats/SPEC.md`` is normative).
 
 A record is a plain ``dict``; numeric arrays are numpy arrays of the exact dtype in :data:`FIELDS`.
 ``T`` = ``len(response_token_ids)``, ``P`` = ``len(prompt_token_ids)``, ``k`` = teacher top-k width.
 Version 2 adds context windows (CompactionRL, :mod:`glmpost.formats.windows`): a segment after the
 first may carry ``context``, the int32 ids its window was rebuilt from; version-1 records have none
-and read as they are.
+and read as they are. Version 3 adds ``routed_experts`` (uint8 or uint16 ``[T, L, k]``): the MoE
+experts that chose each token (issue 33; :mod:`glmpost.kernel.routing`).
 
 - :func:`normalize_record` converts what a stage hands over (Python lists, other int/float widths,
   numpy scalars) into the exact dtypes; it runs on the write path only.
@@ -26,7 +27,9 @@ import numpy as np
 from glmpost.errors import GlmpostError
 from glmpost.formats.windows import CONTEXT_KEY
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# The field each schema version after 1 added (a reader refuses it in an older version's shard).
+ROUTING_FIELD = "routed_experts"
 STATUSES = ("completed", "truncated", "aborted", "env_error")
 SEGMENT_KINDS = ("action", "observation", "summary")
 SEGMENT_KEYS = ("start", "end", "kind", "turn")
@@ -60,6 +63,7 @@ class Field:
     dtype: np.dtype | None = None
     shape: tuple[str, ...] = ()
     doc: str = ""
+    also: tuple[np.dtype, ...] = ()  # further dtypes an array may have (``routed_experts``: uint8 besides uint16)
 
 
 def _array(name: str, dtype: str, shape: tuple[str, ...], producer: str, required: bool, doc: str) -> Field:
@@ -93,6 +97,9 @@ FIELDS: dict[str, Field] = {
         _array("teacher_topk_ids", "int32", ("T", "k"), TEACHER, False, "teacher top-k token ids"),
         _array("teacher_topk_log_probs", "float32", ("T", "k"), TEACHER, False, "teacher top-k log-probs"),
         Field("teacher", "map", TEACHER, doc="teacher id, checkpoint revision, payload kind"),
+        Field(ROUTING_FIELD, "array", ROLLOUT, False, np.dtype("uint16"), ("T", "L", "k"),
+              "MoE experts that chose each token, per MoE layer; a row of the dtype's largest value = not recorded",
+              also=(np.dtype("uint8"),)),
         Field(EXTRA, "map", "any stage", doc="free-form additions; unknown top-level keys are refused"),
     ]
 }
@@ -172,7 +179,7 @@ def _to_array(name: str, value: Any, spec: Field) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise RecordError(f"field '{name}': cannot convert to an array ({exc})") from None
     want = spec.dtype
-    if arr.dtype == want:
+    if arr.dtype == want or arr.dtype in spec.also:
         return arr
     if arr.size == 0 and arr.dtype.kind in "fiub":
         return arr.astype(want)
@@ -180,7 +187,7 @@ def _to_array(name: str, value: Any, spec: Field) -> np.ndarray:
     if want.kind == "b":
         if kind in "iu" and np.isin(arr, (0, 1)).all():
             return arr.astype(want)
-    elif want.kind == "i":
+    elif want.kind in "iu":
         if kind in "iu":
             info = np.iinfo(want)
             if arr.min() >= info.min and arr.max() <= info.max:

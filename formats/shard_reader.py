@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import msgpack
 import zstandard
 
-from glmpost.formats.schema import SCHEMA_VERSION, RecordError
+from glmpost.formats.schema import ROUTING_FIELD, SCHEMA_VERSION, RecordError
 from glmpost.formats.shards import (
     FORMAT_NAME,
     HEADER_KEYS,
@@ -208,6 +208,9 @@ class ShardReader:
             validate_record(obj)
             if self.header["schema_version"] == 1:
                 _check_version_1(obj)
+            if self.header["schema_version"] < 3 and ROUTING_FIELD in obj:
+                raise RecordError(f"field '{ROUTING_FIELD}' needs schema version 3, the header says "
+                                  f"{self.header['schema_version']}")
         except RecordError as exc:
             record_id = obj.get("id") if isinstance(obj, dict) else None
             raise ShardError(self.path, str(exc), index, record_id) from None

@@ -2,7 +2,7 @@
 
 One zstd frame holding a stream of msgpack objects::
 
-    header  {"format": "glmpost-trajectories", "schema_version": 2, "stage", "options",
+    header  {"format": "glmpost-trajectories", "schema_version": 3, "stage", "options",
              "tokenizer_revision", "created", "glmpost_version"}
     record  (one msgpack map per trajectory, numeric arrays as ExtType 1)
     ...

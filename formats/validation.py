@@ -20,6 +20,7 @@ from glmpost.formats.schema import (
     REQUIRED_FIELDS,
     REWARD_FAILURE_KEY,
     ROLE_KEY,
+    ROUTING_FIELD,
     SEGMENT_KEYS,
     SEGMENT_KINDS,
     STATUSES,
@@ -33,8 +34,8 @@ from glmpost.formats.windows import CONTEXT_KEY
 
 
 def validate_record(record: Mapping[str, Any]) -> None:
-    """Raise :class:`RecordError` unless ``record`` is an exact schema-v2 record (see SPEC.md §6); a
-    version-1 record (no ``context`` segments) is one too."""
+    """Raise :class:`RecordError` unless ``record`` is an exact schema-v3 record (see SPEC.md §6); a
+    version-1 or version-2 record (no ``context`` segments, no ``routed_experts``) is one too."""
     if not isinstance(record, Mapping):
         raise RecordError(f"a record must be a map, got {type(record).__name__}")
     _check_keys(record)
@@ -52,6 +53,8 @@ def validate_record(record: Mapping[str, Any]) -> None:
             _check_log_probs(name, record[name], action)
     if "teacher_topk_log_probs" in record:
         _check_topk_log_probs(record["teacher_topk_log_probs"])
+    if ROUTING_FIELD in record:
+        _check_routing(record[ROUTING_FIELD])
     if "segments" in record:
         _check_segments(record["segments"], T, action)
     if record["status"] not in STATUSES:
@@ -77,8 +80,9 @@ def _check_type(name: str, value: Any, spec: Field) -> None:
     if spec.kind == "array":
         if not isinstance(value, np.ndarray):
             raise RecordError(f"field '{name}': expected a {spec.dtype} array, got {type(value).__name__}")
-        if value.dtype != spec.dtype:
-            raise RecordError(f"field '{name}': dtype {value.dtype}, expected {spec.dtype}")
+        if value.dtype != spec.dtype and value.dtype not in spec.also:
+            expected = " or ".join(str(d) for d in (spec.dtype, *spec.also))
+            raise RecordError(f"field '{name}': dtype {value.dtype}, expected {expected}")
         if value.ndim != len(spec.shape):
             raise RecordError(f"field '{name}': {value.ndim}-D, expected shape [{','.join(spec.shape)}]")
         return
@@ -135,6 +139,16 @@ def _check_topk_log_probs(values: np.ndarray) -> None:
         raise RecordError(
             f"field 'teacher_topk_log_probs': [{t},{j}] has {float(values[t, j])}, not a log-prob (<= 0)"
         )
+
+
+def _check_routing(routed: np.ndarray) -> None:
+    """A row (token) of ``routed_experts`` whose every entry is the dtype's largest value was not
+    recorded; every other row lists ``k`` distinct ids per layer (SPEC.md §6 rule 11)."""
+    recorded = ~(routed == np.iinfo(routed.dtype).max).all(axis=(1, 2))
+    repeats = np.zeros(len(routed), dtype=bool)
+    repeats[recorded] = (np.diff(np.sort(routed[recorded], axis=-1), axis=-1) == 0).any(axis=(1, 2))
+    if repeats.any():
+        raise RecordError(f"field '{ROUTING_FIELD}': token {int(np.flatnonzero(repeats)[0])} lists one expert twice in a layer")
 
 
 def _check_segments(segments: list, T: int, action: np.ndarray) -> None:

@@ -31,8 +31,13 @@ ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao"
 # ... and micro-batches by a token budget, off by default.
 ADDED |= {(command, name) for command in ("train-grpo", "opd-merge", "train-sao", "qat")
           for name in ("micro_batch_tokens", "pack_sequences")}
+# MoE routing closure (issue 33), off by default: recording in the rollout, the comparison in
+# diff-logprobs, replay (R3) in the policy-gradient trainers.
+ADDED |= {("rollout", "record_routing"), ("diff-logprobs", "routing"), ("diff-logprobs", "routing_replay")}
+ADDED |= {(command, "routing_replay") for command in ("train-grpo", "opd-merge", "train-sao")}
 ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False,
-                  "micro_batch_tokens": 0, "pack_sequences": False}
+                  "micro_batch_tokens": 0, "pack_sequences": False, "record_routing": False, "routing": False,
+                  "routing_replay": False}
 # Commands added since: bringing your own model (issue 31).
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
 # The server's limits under load (issue 30).
@@ -54,6 +59,10 @@ CONSUMER_HELP |= {(command, "lease_s") for command in ("train-grpo", "opd-merge"
 ADDED_32 = {("rollout", "admin_api_key"): None, ("rollout", "unversioned_server"): "refuse",
             ("rollout", "max_continuations"): 3, ("serve", "admin_api_key"): None, ("sync-weights", "admin_api_key"): None,
             ("sync-weights", "abort_in_flight"): True}
+# Issue 33's new record field and diff-logprobs gate, named in help texts that list them.
+HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "indexer_differing_sets, routing_differing_tokens)"),
+                  ("shards cat", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
+                  ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra.")}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -71,6 +80,8 @@ def _expected(stored: dict) -> dict:
         row["help"] = row["help"].replace("eps-low", "dis-low").replace("eps-high", "dis-high")
     for command, name in CONSUMER_HELP:
         table[command][name]["help"] = setting_of(FollowSettings, name)[1]["help"]
+    for (command, name), (old, new) in HELP_ADDITIONS.items():
+        table[command][name]["help"] = table[command][name]["help"].replace(old, new)
     for (command, name), bounds in BOUNDS.items():
         table[command][name].update(bounds)
     table["serve"]["log_prob_kind"].update(default="tempered", help=setting_of(ServeConfig, "log_prob_kind")[1]["help"])

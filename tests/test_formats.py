@@ -23,6 +23,8 @@ from glmpost.formats import (
     ShardError,
     ShardReader,
     ShardWriter,
+    compactions,
+    context_windows,
     iter_records,
     normalize_record,
     read_shard,
@@ -30,15 +32,14 @@ from glmpost.formats import (
     record_to_json,
     require_fields,
     resolve_shard_paths,
+    schema,
     select_shards,
+    shards,
     synthetic_record,
-    compactions,
-    context_windows,
     validate_record,
     window_inputs,
     write_shard,
 )
-from glmpost.formats import schema, shards
 
 REV = "synthetic-tokenizer"
 
@@ -65,6 +66,11 @@ def full_record(i: int = 0) -> dict[str, Any]:
         "scalar": np.array(3.25),
     }
     record["segments"][0]["context_token_ids"] = np.arange(5, dtype=np.int32)
+    # Schema version 3: the MoE experts per token and layer (uint8; the last row not recorded).
+    routed = np.arange(len(record["response_token_ids"]) * 2 * 2, dtype=np.int64).reshape(-1, 2, 2) % 250
+    routed[:, :, 1] = (routed[:, :, 0] + 1) % 250
+    routed[-1] = 255
+    record["routed_experts"] = routed.astype(np.uint8)
     return record
 
 
@@ -180,7 +186,7 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
     path = write_shard(tmp_path / "a.msgpack.zst", records, stage="rollout", options={"n": 3, "t": [1.0]}, tokenizer_revision=REV)
     shard = read_shard(path)
     assert shard.header["format"] == "glmpost-trajectories"
-    assert shard.header["schema_version"] == SCHEMA_VERSION == 2
+    assert shard.header["schema_version"] == SCHEMA_VERSION == 3
     assert shard.header["stage"] == "rollout"
     assert shard.header["options"] == {"n": 3, "t": [1.0]}
     assert shard.header["tokenizer_revision"] == REV
@@ -361,7 +367,7 @@ def test_compacted_record_round_trips_bitwise(tmp_path: Path) -> None:
     validate_record(record)
     path = write_shard(tmp_path / "c.msgpack.zst", [record, make(1)], stage="rollout", tokenizer_revision=REV)
     shard = read_shard(path)
-    assert shard.header["schema_version"] == 2
+    assert shard.header["schema_version"] == 3
     got = shard.records[0]
     assert_same(record, got)
     context = got["segments"][3]["context"]
@@ -459,13 +465,41 @@ def test_reader_refuses_a_bad_context_in_the_file(tmp_path: Path, mutate, fragme
 
 
 def test_reads_a_version_1_shard_as_it_is(tmp_path: Path) -> None:
-    records = [normalize_record(full_record(0)), normalize_record(make(1))]
+    records = [normalize_record({k: v for k, v in full_record(0).items() if k != "routed_experts"}), normalize_record(make(1))]
     path = write_raw(tmp_path / "v1.msgpack.zst", [header(schema_version=1), *records, footer(records)])
     shard = read_shard(path)
     assert shard.header["schema_version"] == 1
     for a, b in zip(records, shard.records):
         assert_same(a, b)
     assert [len(context_windows(r)) for r in shard.records] == [1, 1]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_refuses_routed_experts_before_version_3(tmp_path: Path, version: int) -> None:
+    records = [normalize_record(full_record(0))]
+    path = write_raw(tmp_path / "v2.msgpack.zst", [header(schema_version=version), *records, footer(records)])
+    with pytest.raises(ShardError) as exc:
+        list(ShardReader(path))
+    one_line_naming(exc, path, "record 0", f"field 'routed_experts' needs schema version 3, the header says {version}")
+
+
+def test_routed_experts_rules() -> None:
+    record = normalize_record(full_record(0))
+    validate_record(record)
+    wide = {**record, "routed_experts": record["routed_experts"].astype(np.uint16)}
+    wide["routed_experts"][-1] = 0xFFFF  # uint16: its own largest value means "not recorded"
+    validate_record(wide)
+    # 256 experts, k >= 2, in uint8: id 255 is an expert; only a row of nothing else is "not recorded".
+    validate_record({**record, "routed_experts": np.where(np.arange(2)[None, None, :] == 0, 255, record["routed_experts"]).astype(np.uint8)})
+    for change, message in (
+        (lambda r: r.astype(np.int32), "dtype int32, expected uint16 or uint8"),
+        (lambda r: r[:-1], "length 39, expected T=40"),
+        (lambda r: np.repeat(r[:, :, :1], 2, axis=2), "token 0 lists one expert twice in a layer"),
+        (lambda r: np.where((np.arange(40)[:, None, None] == 3) & (np.arange(2)[None, :, None] == 0), 255, r).astype(np.uint8),
+         "token 3 lists one expert twice"),  # layer 0 all 255, layer 1 not: a recorded row with a repeat
+    ):
+        with pytest.raises(RecordError, match=message):
+            validate_record({**record, "routed_experts": change(record["routed_experts"])})
 
 
 def test_refuses_a_context_in_a_version_1_shard(tmp_path: Path) -> None:
@@ -622,10 +656,10 @@ def test_refuses_an_empty_file_and_a_directory(tmp_path: Path) -> None:
 
 
 def test_refuses_a_newer_schema_version(tmp_path: Path) -> None:
-    path = write_raw(tmp_path / "v3.msgpack.zst", [header(schema_version=3), footer([])])
+    path = write_raw(tmp_path / "v4.msgpack.zst", [header(schema_version=4), footer([])])
     with pytest.raises(ShardError) as exc:
         ShardReader(path)
-    one_line_naming(exc, path, "written by a newer glmpost: schema version 3 > 2 (upgrade glmpost)")
+    one_line_naming(exc, path, "written by a newer glmpost: schema version 4 > 3 (upgrade glmpost)")
 
 
 def test_refuses_a_header_without_stage(tmp_path: Path) -> None:

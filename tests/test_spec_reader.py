@@ -80,6 +80,10 @@ def records() -> list[dict[str, Any]]:
     out[3]["teacher_topk_log_probs"] = out[3]["teacher_topk_log_probs"][:0]
     out[3]["segments"] = []
     out.append(compacted_record(5, windows=3))  # schema version 2: segments carrying `context`, a `role`
+    # schema version 3: the MoE experts of each token (uint16 [T, moe_layers, k]; row 0 not recorded)
+    routed = np.stack([np.arange(40) % 300, np.arange(40) % 300 + 1], axis=-1)[:, None, :].repeat(3, axis=1)
+    routed[0] = 0xFFFF
+    out[5]["routed_experts"] = routed.astype(np.uint16)
     return out
 
 
@@ -90,7 +94,7 @@ def test_reference_reader_matches_shard_reader(tmp_path: Path, spec_read_shard, 
     reader = ShardReader(path)
     expected = list(reader)
     assert_identical(reader.header, header)
-    assert header["schema_version"] == 2
+    assert header["schema_version"] == 3
     assert len(got) == len(expected) == 6
     for a, b in zip(expected, got):
         assert_identical(a, b)
@@ -125,7 +129,7 @@ def test_reference_reader_refuses_truncated_and_corrupt_shards(tmp_path: Path, s
         spec_read_shard(path)
 
 
-def test_reference_reader_reads_version_1_and_refuses_version_3(tmp_path: Path, spec_read_shard) -> None:
+def test_reference_reader_reads_version_1_and_refuses_version_4(tmp_path: Path, spec_read_shard) -> None:
     packer = shards._packer()
     recs = [normalize_record(r) for r in records()[:5]]  # no context windows: a version-1 shard's records
     body = b"".join(packer.pack(r) for r in recs)
@@ -141,5 +145,5 @@ def test_reference_reader_reads_version_1_and_refuses_version_3(tmp_path: Path, 
     assert header["schema_version"] == 1 and len(got) == 5
     for a, b in zip(recs, got):
         assert_identical(a, b)
-    with pytest.raises(ValueError, match="not a version-1 or version-2 glmpost shard"):
-        spec_read_shard(shard(3))
+    with pytest.raises(ValueError, match="not a version-1, -2 or -3 glmpost shard"):
+        spec_read_shard(shard(4))

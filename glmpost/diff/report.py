@@ -9,7 +9,7 @@ from typing import Any, Iterable
 from glmpost.config import ConfigError
 
 GATE_METRICS = ("mean_abs", "p50_abs", "p99_abs", "max_abs", "k1", "k3", "sample_disagreement",
-                "indexer_differing_sets")
+                "indexer_differing_sets", "routing_differing_tokens")
 
 
 def parse_gates(items: Iterable[str]) -> dict[str, float]:
@@ -66,7 +66,7 @@ def diff_table(report: dict[str, Any], out: Path) -> str:
             lines.append(f"{label:12} {stats['tokens']:>7} {stats['mean_abs']:9.2e} {stats['p99_abs']:9.2e} {stats['max_abs']:9.2e} "
                          f"{stats['k3']:9.2e} {stats['icepop_kept']:7.1%} {stats['dis_kept']:7.1%}"
                          + (f" {stats['sample_agreement']:7.1%}" if agree else ""))
-    lines += _indexer_lines(report)
+    lines += _indexer_lines(report) + _routing_lines(report)
     for lag, row in report.get("by_version", {}).get("by_lag", {}).items():
         lines.append(f"lag {lag}: {row['tokens']} tokens, engine mean|d| {row['engine_mean_abs']:.2e} max {row['engine_max_abs']:.2e}, "
                      f"lag mean|d| {row['lag_mean_abs']:.2e} max {row['lag_max_abs']:.2e}, DIS keeps {row['dis_kept']:.1%}, "
@@ -87,3 +87,19 @@ def _indexer_lines(report: dict[str, Any]) -> list[str]:
         return []
     return [f"indexer: {ix['rows']} rows x layers, mean Jaccard {ix['mean_jaccard']:.4f}, identical sets {ix['identical_sets']:.1%}, "
             f"identical order {ix['identical_order']:.1%}, boundary ties A {ix['boundary_ties_a']:.1%} B {ix['boundary_ties_b']:.1%}"]
+
+
+def _routing_lines(report: dict[str, Any]) -> list[str]:
+    """The table's MoE routing line (none without ``--routing``): record vs path A."""
+    routing = report.get("routing", {}).get("overall", {})
+    if not routing.get("tokens"):
+        return []
+    margin = routing.get("margin_where_differing") or {}
+    differing, same = routing["delta_differing"], routing["delta_same"]
+    line = (f"routing: {routing['tokens']} tokens x {routing['layers']} MoE layers, experts differ on {routing['differing_tokens']:.1%} "
+            f"of tokens ({routing['differing_token_layers']:.1%} of token-layers)")
+    if margin:
+        line += f", A's k-th margin there median {margin['median']:.3g}"
+    if differing.get("tokens") and same.get("tokens"):
+        line += f"; mean|d| {differing['mean_abs']:.3g} where they differ vs {same['mean_abs']:.3g}"
+    return [line + (" (path A replayed the record's experts)" if routing.get("replayed") else "")]

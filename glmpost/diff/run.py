@@ -4,18 +4,17 @@ action tokens (:mod:`glmpost.diff.mismatch` measures; this module runs the compa
     check the settings -> resolve the checkpoints -> read the records -> score path A, then path B
     -> compare (and the DSA indexers) -> check the gates -> write the caller's staging directory
 
-* **path A** is always the trainer's forward of ``checkpoint`` (in ``dtype``, on ``device``, with its
-  DSA top-k rule and ``batch_size``).
-* **path B** (``mode``): ``rollout`` (the shards' recorded ``rollout_log_probs``), ``checkpoint``
-  (``against``, dequantized), ``local`` (the same checkpoint in another dtype, device, top-k rule or
-  batch size) or ``server`` (``against_server``, prefill log-probs).
+* **path A**: the trainer's forward of ``checkpoint`` (``dtype``, ``device``, top-k rule, ``batch_size``).
+* **path B** (``mode``): ``rollout`` (the recorded ``rollout_log_probs``), ``checkpoint`` (``against``,
+  dequantized), ``local`` (another dtype, device, top-k rule or batch size) or ``server``
+  (``against_server``, prefill log-probs).
 * **output**: :meth:`LogprobDiff.write` writes ``report.json``, the plots, ``metrics.jsonl`` and
-  ``stage.json`` into a staging directory the caller provides (and moves into place);
-  :meth:`LogprobDiff.check_gates` raises when a ``fail_above`` gate failed.
+  ``stage.json`` into the caller's staging directory; :meth:`LogprobDiff.check_gates` raises on a failed gate.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,6 +39,7 @@ from glmpost.diff.mismatch import (
 )
 from glmpost.diff.plots import write_mismatch_plots
 from glmpost.diff.report import GATE_METRICS, apply_gates, metrics_row, parse_gates
+from glmpost.diff.routing_probe import path_routing, routing_report
 from glmpost.errors import GlmpostError
 from glmpost.formats import iter_checked_records
 from glmpost.formats.windows import window_views
@@ -81,6 +81,8 @@ class DiffConfig:
     batch_size: int = setting(8, "Path A trajectories per forward pass.", min=1)
     against_batch_size: Optional[int] = setting(None, "Path B trajectories per forward pass (default: path A's).", min=1)
     indexer: bool = setting(False, "Also compare the DSA indexer's selected top-k key sets (two local paths).")
+    routing: bool = setting(False, "Also compare each action token's MoE experts per layer, record (rollout --record-routing) vs path A: differing fractions, A's router-score margin at the k-th expert, the log-prob delta of differing tokens vs the rest.")
+    routing_replay: bool = setting(False, "Path A routes each recorded token to the record's experts (R3, as train-grpo --routing-replay does), gate weights from its own router.")
     by_version: Optional[Path] = setting(
         None, "Against the rollout log-probs: also re-score each action token with the checkpoint of the version that "
         "sampled it (this root's versions, or the first one's parent) and report per version lag the engine mismatch "
@@ -139,6 +141,8 @@ class DiffConfig:
             raise ConfigError("{by_version} splits the mismatch against the rollout log-probs: drop {against}, "
                               "{against_server}, {against_dtype}, {against_device}, {against_topk}, {against_attention} "
                               "and {against_batch_size}")
+        if "routing_differing_tokens" in gates and not self.routing:
+            raise ConfigError("{fail_above} routing_differing_tokens: not measured in this comparison (add {routing})")
         if "indexer_differing_sets" in gates and not self.indexer:
             raise ConfigError("{fail_above} indexer_differing_sets: not measured in this comparison (add {indexer})")
         return gates
@@ -306,6 +310,9 @@ class LogprobDiff:
                 for label in ("fresh", "stale") if (labels == label).any()}
         if c.by_version is not None:
             report["by_version"] = self._by_version(records, path_a, distribution)
+        if c.routing:
+            report["routing"] = routing_report(self.routing, records, c.batch_size, deltas, replayed=c.routing_replay)
+            report["overall"]["routing_differing_tokens"] = report["routing"]["overall"]["differing_tokens"]
         if c.indexer:
             report["indexer"] = compare_indexers(path_a, path_b)
             report["overall"]["indexer_differing_sets"] = report["indexer"]["overall"].get("differing_sets", 0)
@@ -323,7 +330,8 @@ class LogprobDiff:
             if c.indexer and not any(True for _ in indexers(model_a)):
                 raise ConfigError("{indexer} compares DSA indexer selections, but {checkpoint} ({architecture}) has no DSA "
                                   "indexer", checkpoint=self.version_dir, architecture=type(model_a).__name__)
-            path_a = side_a.score(model_a, records, distribution=distribution, label="A", indexer=c.indexer, progress=progress.update)
+            with self._routing(model_a, records):
+                path_a = side_a.score(model_a, records, distribution=distribution, label="A", indexer=c.indexer, progress=progress.update)
             if c.mode == "rollout":
                 path_b = rollout_path(records, resample=bool(engines) and engines <= set(REPRODUCIBLE_ENGINES))
                 progress.update(len(records))
@@ -341,6 +349,13 @@ class LogprobDiff:
                 model_b = side_b.load()
             path_b = side_b.score(model_b, records, distribution=distribution, label="B", indexer=c.indexer, progress=progress.update)
             return path_a, path_b, side_a.describe(), side_b.describe()
+
+    def _routing(self, model, records):
+        """Path A's routing session (``routing`` / ``routing_replay``: :mod:`glmpost.diff.routing_probe`), or none."""
+        if not (self.config.routing or self.config.routing_replay):
+            return contextlib.nullcontext()
+        self.routing, session = path_routing(model, records, batch_size=self.config.batch_size, replay=self.config.routing_replay, where=STAGE)
+        return session
 
     def _by_version(self, records, path_a: PathScores, distribution: ScoredDistribution) -> dict[str, Any]:
         """:func:`glmpost.diff.by_version.version_split` with path A's settings."""

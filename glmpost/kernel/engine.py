@@ -19,6 +19,7 @@ log-probs of given tokens under the model's own distribution, by the trainer's f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from glmpost.kernel.distribution import (
     scored_distribution,
 )
 from glmpost.kernel.logprobs import sequence_log_probs
+from glmpost.kernel.routing import StepRouting, moe_shape
 
 
 @dataclass
@@ -115,6 +117,9 @@ class Completion:
     # The policy version of each token's weights where they differ within the completion (a
     # server's aborted sequence continued after a weight switch); None: one version for all.
     token_versions: list[int] | None = None
+    # With ``record_routing``: the MoE experts that chose each token, uint8/uint16 [n, moe_layers, k]
+    # (glmpost.kernel.routing; formats/SPEC.md ``routed_experts``).
+    routed_experts: object = None
 
 
 @dataclass
@@ -147,10 +152,12 @@ class LocalEngine:
 
     name = "glmpost-local"
 
-    def __init__(self, model, *, batch_size: int = 16, pad_token_id: int = 0):
+    def __init__(self, model, *, batch_size: int = 16, pad_token_id: int = 0, record_routing: bool = False):
         self.model = model.eval()
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
+        # Record each sampled token's MoE experts (a dense model has none to record).
+        self.record_routing = record_routing and moe_shape(model) is not None
         self._cache_kwarg = _cache_kwarg(model)
         # Only the last position's logits are sampled from: skip the [B, L, V] prefill logits.
         accepts = inspect.signature(model.forward).parameters
@@ -297,15 +304,11 @@ class LocalEngine:
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         aborted = torch.zeros(batch, dtype=torch.bool, device=device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+        routing = StepRouting(self.model) if self.record_routing else None
         for step in range(params.max_new_tokens):
-            outputs = self.model(
-                input_ids=step_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                use_cache=True,
-                **self._logits_to_keep,
-                **({self._cache_kwarg: cache} if cache is not None else {}),
-            )
+            with routing.step(batch) if routing else contextlib.nullcontext():
+                outputs = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                                     **self._logits_to_keep, **({self._cache_kwarg: cache} if cache is not None else {}))
             cache = getattr(outputs, self._cache_kwarg, None) or outputs.past_key_values
             chosen, chosen_log_probs, top = self._sample(outputs.logits[:, -1, :].float(), uniforms[:, step], params, top_logprobs_num)
             top_steps.append(top)
@@ -326,6 +329,8 @@ class LocalEngine:
         results = _completions(recorded, log_prob_steps, top_steps if top_logprobs_num > 0 else None, params)
         for row in aborted.nonzero().flatten().tolist():
             results[row].finish_reason = "abort"
+        if routing:
+            routing.attach(results)
         if not keep_cache:
             return results, ()
         # The cache holds every token fed after the first forward (all chosen ones but the last); a

@@ -11,6 +11,7 @@ from glmpost.checkpoints import MANIFEST, CheckpointError, read_manifest, resolv
 from glmpost.config import ConfigError
 from glmpost.errors import first_line
 from glmpost.kernel.partitioned_loading import load_partitioned
+from glmpost.kernel.routing import install_routing
 from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
 from glmpost.models.packed_attention import use_packed_sdpa
 from glmpost.npu.topk import install_deterministic_topk
@@ -49,7 +50,8 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
 
     With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
     :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
-    and the trainer attend to the same keys for the same tokens. ``attention`` ``native`` (the
+    and the trainer attend to the same keys for the same tokens; MoE routers select experts by the same
+    rule (:func:`glmpost.kernel.routing.install_routing`). ``attention`` ``native`` (the
     default) runs GLM-5 attention through :mod:`glmpost.models.native_attention`, ``reference``
     through transformers' modules (ConfigError naming ``attention`` for anything else).
     """
@@ -87,6 +89,7 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     check_finite(model, directory)
     if deterministic_topk:
         install_deterministic_topk(model)
+        install_routing(model)  # MoE routers: the same rule (ties to the lower expert id), recordable, replayable
     apply_attention(model, attention)
     if partitioned(model):  # ZeRO-3 created its parameters in place, partitioned over the ranks
         return model.eval()

@@ -55,7 +55,7 @@ from glmpost.memory.units import dtype_bytes
 GIB = 2**30
 
 COMPONENTS = ("model_state", "saved_activations", "workspace", "communication", "live_io")
-ROLES = ("actor", "reference", "teacher", "critic", "rollout_kv", "dsa_index", "teacher_payload", "weight_sync")
+ROLES = ("actor", "reference", "teacher", "critic", "rollout_kv", "dsa_index", "teacher_payload", "routed_experts", "weight_sync")
 
 
 GLM5_MODEL_TYPE = "glm_moe_dsa"

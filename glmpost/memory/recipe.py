@@ -76,6 +76,7 @@ def workload_from_recipe(values: dict[str, dict[str, Any]], settings: dict[str, 
         training=any(s in values for s in TRAINING_STAGES),
         rollout="rollout" in values,
         margin=settings["margin"],
+        routing=bool(rollout.get("record_routing") or train.get("routing_replay")),
     )
     ds_path = train.get("deepspeed_config")
     if ds_path and Path(ds_path).is_file():

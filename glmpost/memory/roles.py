@@ -60,6 +60,7 @@ class Workload:
     reduce_bucket: int = DEFAULT_REDUCE_BUCKET
     allgather_bucket: int = DEFAULT_ALLGATHER_BUCKET
     margin: float = 0.0
+    routing: bool = False  # rollout --record-routing / a trainer's --routing-replay (issue 33)
     micro_batch_tokens: int = 0  # a token budget instead of micro_batch sequences
     pack_sequences: bool = False
 
@@ -193,12 +194,28 @@ def _rollout_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     return rows
 
 
+def routing_bytes_per_token(shape: ModelShape) -> int:
+    """A record's ``routed_experts`` per token before compression (formats/SPEC.md "Routing"):
+    MoE layers x experts per token x 1 byte (uint8: up to 255 routed experts, or 256 with k >= 2,
+    GLM-5's) or 2 (uint16)."""
+    if not shape.experts or not shape.experts_per_token:
+        return 0
+    narrow = shape.experts <= 0xFF or (shape.experts == 0x100 and shape.experts_per_token >= 2)
+    return shape.moe_layers * shape.experts_per_token * (1 if narrow else 2)
+
+
 def _transfer_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
     """The teacher payload of an update and the weight sync's buffers."""
     rows: list[RoleMemory] = []
     payload = teacher_payload_bytes(records=w.records_per_update, tokens=w.response_tokens, payload=w.teacher_payload, topk=w.teacher_topk)
     rows.append(RoleMemory("teacher_payload", w.teacher, 0, 0, 0, 0, payload,
                            details={"records": w.records_per_update, "kind": w.teacher_payload}))
+    per_token = routing_bytes_per_token(shape)
+    rows.append(RoleMemory("routed_experts", w.routing and per_token > 0, 0, 0, 0, 0,
+                           w.micro_rows() * w.seq * per_token,  # the trainer's copy for one micro-batch
+                           details={"bytes_per_token": per_token, "moe_layers": shape.moe_layers,
+                                    "experts_per_token": shape.experts_per_token,
+                                    "per_update": w.records_per_update * w.response_tokens * per_token}))
     sync = weight_sync_bytes(shape, quantize=w.sync_quantize, dtype=w.rollout_dtype)
     rows.append(RoleMemory("weight_sync", w.sync, 0, 0, 0, sync, 0, details={"quantize": w.sync_quantize}))
     return rows
@@ -289,6 +306,11 @@ def memory_objects(attention: str = "native") -> dict[str, MemoryObject]:
             "per action token a float32 sampled log-prob, or top-k int32 ids + float32 log-probs, in zstd shards",
             "score-teacher", "opd-merge's distillation loss", "the shard files; opd-merge holds one micro-batch's",
             "on disk until the merge; in memory one micro-batch"),
+        "routed_experts": MemoryObject(
+            "per token and MoE layer the k expert ids the router chose, uint8 (< 255 experts) or uint16, in zstd "
+            "shards (formats/SPEC.md Routing)", "the rollout engine (rollout --record-routing)",
+            "diff-logprobs --routing; the trainers' --routing-replay (each micro-batch's copy)",
+            "the shard files; a trainer holds one micro-batch's", "on disk with the records; in memory one micro-batch"),
         "weight_sync": MemoryObject(
             "a full copy of the weights in the rollout format (train dtype, fp8 block scales or int4 + bf16 scales)",
             "sync-weights (or the trainer publishing a version)", "glmpost serve / SGLang update_weights_from_disk",

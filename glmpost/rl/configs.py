@@ -13,6 +13,7 @@ from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
 from glmpost.rl.masks import TRUST_MASKS
 from glmpost.rl.micro_batches import micro_batch_tokens_setting, pack_sequences_setting
+from glmpost.rl.routing_replay import routing_replay_setting
 
 LOSS_DENOMINATORS = ("trusted", "action")
 PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not once before the update
@@ -67,6 +68,7 @@ class PolicyGradientConfig(OptimizerConfig):
         "up-weighted) or segment (each context window's mean, then the mean over windows: the per-segment mean it "
         "replaces).")
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
+    routing_replay: bool = routing_replay_setting()  # issue 33: MoE routing is part of the executed policy (R3)
     # The distribution of the records' rollout log-probs (glmpost.rl.updates.sampled_distribution);
     # the trainer's log-probs are of it too.
     temperature: float = 1.0

@@ -42,6 +42,7 @@ from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.losses import LOSS_NORMALIZATIONS, LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
 from glmpost.rl.masks import TRUST_MASKS
 from glmpost.rl.micro_batches import MicroBatch, collate, micro_batch_plan, pack
+from glmpost.rl.routing_replay import replay_context, replay_counts, replay_metrics
 
 
 @dataclass
@@ -103,8 +104,14 @@ class PolicyTrainer:
                                     *(name for t in self.terms for name in t.metrics)})
 
     def _log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool = False):
-        with self.backend.compute():
+        with self.backend.compute(), self._replay(batch, model) as session:
+            self.routing_session = session
             return self._sequence_log_probs(model, batch, entropy=entropy)
+
+    def _replay(self, batch: MicroBatch, model: torch.nn.Module | None = None):
+        """The policy's forward of ``batch`` with the records' experts replayed (``routing_replay``;
+        :mod:`glmpost.rl.routing_replay`): the old log-probs, the masks and the loss all see it."""
+        return replay_context(self.model, batch, self.config.routing_replay and model in (None, self.model))
 
     def _sequence_log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool):
         return sequence_log_probs(
@@ -154,8 +161,10 @@ class PolicyTrainer:
         per-step masks on these weights: the first step's)."""
         self.model.eval()
         old, trust, base = {}, {}, {}
+        self.routing_totals = torch.zeros(5, dtype=torch.float64)
         for chunk, batch in self._micro_batches(examples, indices):
             result = self._log_probs(self.model, batch)
+            self.routing_totals += replay_counts(self.routing_session, batch)
             mask = batch.action_mask.clone()
             for trust_mask in self.masks:
                 mask &= trust_mask(result.log_probs, batch.rollout_log_probs, self.config)[0]
@@ -209,6 +218,8 @@ class PolicyTrainer:
         diagnostics: dict[str, float] = {}
         for diagnostic in self.diagnostics:
             diagnostics.update(diagnostic(examples, old, self.backend.all_reduce_sum))
+        if self.config.routing_replay:
+            diagnostics.update(replay_metrics(self.backend.all_reduce_sum(self.routing_totals)))
         ref = self.reference_log_probs(examples, mine) if any(t is LOSS_TERMS["kl"] for t in self.terms) else None
         return PreparedUpdate(list(examples), old, ref, diagnostics)
 
@@ -319,7 +330,8 @@ class PolicyTrainer:
                 # This rank's share ran out: a zero-weighted pass over a real example touches the same
                 # parameters as the other ranks' passes, so the collective reductions line up.
                 batch = collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device)
-                self.backend.backward(self._log_probs(self.model, batch).log_probs.sum() * 0.0)
+                with self._replay(batch):
+                    self.backend.backward(self._log_probs(self.model, batch).log_probs.sum() * 0.0)
                 continue
             batch = self.micro_batch([examples[i] for i in chunk_idx])
             old_lp = batch.lay([old.old_log_probs[i] for i in chunk_idx])
@@ -327,7 +339,8 @@ class PolicyTrainer:
             used += int(trust.sum())
             ref_lp = None if ref is None else batch.lay([ref[i] for i in chunk_idx])
             weights = None if weight_of is None else batch.spread([weight_of[i] for i in chunk_idx], dtype=torch.float64)
-            self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums, weights))
+            with self._replay(batch):  # open over the backward too: a checkpointed layer recomputes under it
+                self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums, weights))
         if used != local_trusted:  # numerator and denominator must count the same final mask (ROLL#444, verl#4852)
             raise RuntimeError(f"the loss summed {used} trusted tokens but its denominator counted {local_trusted}")
         grad_norm = self.backend.step()

@@ -36,6 +36,7 @@ from glmpost.rl.configs import GRPOConfig, OPDConfig
 from glmpost.rl.critic import CriticVersions
 from glmpost.rl.jobs import RunResult, TrainingJob, Update
 from glmpost.rl.precision import checkpoint_layers
+from glmpost.rl.routing_replay import prepare_replay
 from glmpost.rl.run import RunOptions, TrainingRun
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import PolicyTrainer
@@ -169,6 +170,7 @@ def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int
     batch = prepare_batch(records, advantage_eps=config.advantage_eps)
     if not batch.examples:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
+    prepare_replay(config, records, batch.examples, stage)
     segments, segment_lines = segment_accounting(batch.examples, config.segment_decay_base())
     return UpdateBatch(
         len(records), batch.examples, batch.excluded,
@@ -246,6 +248,7 @@ def opd_batch(inputs: Sequence[str], config: OPDConfig, *, parent_version: int, 
                               advantage_eps=config.advantage_eps)
     if not batch.examples:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
+    prepare_replay(config, records, batch.examples, stage)
     if config.task_advantage_weight > 0 and batch.zero_advantage_groups == batch.groups:
         log("warning: every group has one member or equal rewards, so the task advantage is 0; sample groups of G > 1 for it")
     domains: dict[str, dict[str, int]] = {}
@@ -307,6 +310,7 @@ def sao_batch(inputs: Sequence[str], config: SAOConfig, *, parent_version: int, 
     if not usable:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {excluded})", stale)
     examples = [e for r in usable for e in train_examples(r, 0.0, reward=float(r["reward"]), domain=r.get("domain", ""))]
+    prepare_replay(config, usable, examples, stage)
     rewards = np.array([float(r["reward"]) for r in usable])
     failed = failure_counts(records)
     segments, segment_lines = segment_accounting(examples, config.segment_decay_base())

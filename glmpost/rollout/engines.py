@@ -82,8 +82,10 @@ class LocalBackend:
 
     seed_reproducible = True
 
-    def __init__(self, model: Any, *, batch_size: int, pad_token_id: int, version: int | None = None):
+    def __init__(self, model: Any, *, batch_size: int, pad_token_id: int, version: int | None = None,
+                 record_routing: bool = False):
         self.model = model
+        self.record_routing = record_routing  # each sampled token's MoE experts (glmpost.kernel.routing)
         self.model_config = model.config
         self.default_stops = model.generation_config.eos_token_id
         self.batch_size = batch_size
@@ -99,7 +101,7 @@ class LocalBackend:
         model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
                            attention=config.attention)
         return cls(model, batch_size=config.batch_size, pad_token_id=checkpoint.tokenizer.pad_token_id,
-                   version=checkpoint.policy_version)
+                   version=checkpoint.policy_version, record_routing=config.record_routing)
 
     def switch(self, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any, *, keep_cache: bool) -> None:
         """Sample with ``checkpoint``'s weights from now on, trajectories in flight included (the KV
@@ -110,15 +112,19 @@ class LocalBackend:
         self.model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
                                 attention=config.attention)
         if self.engine is not None:
-            self.engine = LocalEngine(self.model, batch_size=self.batch_size, pad_token_id=self.pad_token_id)
+            self.engine = self._engine()
         self.version = self.turn_caches.version = checkpoint.policy_version
         if not keep_cache:
             self.turn_caches.clear()
 
     def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
         """Sample with ``params`` from now on."""
-        self.engine = LocalEngine(self.model, batch_size=self.batch_size, pad_token_id=self.pad_token_id)
+        self.engine = self._engine()
         self.params = params
+
+    def _engine(self) -> LocalEngine:
+        return LocalEngine(self.model, batch_size=self.batch_size, pad_token_id=self.pad_token_id,
+                           record_routing=self.record_routing)
 
     def engine_name(self) -> str:
         """The name stamped in each record's engine map."""

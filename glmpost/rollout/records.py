@@ -134,6 +134,7 @@ def rollout_record(
         "tokenizer_revision": tokenizer_revision,
         "segments": [{"start": 0, "end": length, "kind": "action", "turn": 0}],
         "status": "completed" if completion.finish_reason == "stop" else "truncated",
+        **({"routed_experts": completion.routed_experts} if completion.routed_experts is not None else {}),
     }
 
 
@@ -202,7 +203,25 @@ def trajectory_record(
         "status": trajectory.status,
     })
     record["extra"] = _trajectory_extra(trajectory, env_name=env_name, drift=drift, compaction=compaction, stale=stale)
+    routed = _trajectory_routing(trajectory)
+    if routed is not None:
+        record["routed_experts"] = routed
     return record
+
+
+def _trajectory_routing(trajectory: Any) -> np.ndarray | None:
+    """A multi-turn record's ``routed_experts``: each action's recorded experts, observation rows
+    "not recorded" (the dtype's largest value), in :func:`trajectory_record`'s token order; None
+    when no turn recorded routing."""
+    recorded = [t.action.routed_experts for t in trajectory.turns if t.action.routed_experts is not None]
+    if not recorded:
+        return None
+    like = recorded[0]
+    rows = []
+    for turn in trajectory.turns:
+        for routed, count in ((turn.action.routed_experts, len(turn.action.token_ids)), (None, len(turn.observation_ids))):
+            rows.append(routed if routed is not None else np.full((count, *like.shape[1:]), np.iinfo(like.dtype).max, like.dtype))
+    return np.concatenate(rows).astype(like.dtype)
 
 
 def _trajectory_extra(trajectory: Any, *, env_name: str, drift: int | None, compaction: Any, stale: list[dict]) -> dict[str, Any]:
