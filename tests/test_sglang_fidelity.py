@@ -371,3 +371,56 @@ def test_a_quantized_version_is_refused_for_a_server_launched_in_another_format(
     assert "is not quantized, but the server was launched with --quantization fp8" in check_server_format(Fake("fp8"),
                                                                                                          tiny_checkpoint)
     assert check_server_format(Fake(None), tiny_checkpoint) is None
+
+
+# ------------------------------------------------------------------ routing through a server (issue 33)
+
+def test_sglang_rollout_records_the_servers_routed_experts_as_the_local_engine_does(glmpost_cli, tiny_checkpoint, tmp_path):
+    """--record-routing through --engine sglang: the server's return_routed_experts rows (serve
+    answers them as SGLang shapes them: base64 int32 [prompt + output - 1, L, k]) give the local
+    engine's routed_experts, token for token."""
+    common = [_prompts(tmp_path, 2), "--checkpoint", tiny_checkpoint, "--group-size", "2", "--max-new-tokens", "5",
+              "--seed", "7", "--batch-size", "4", "--record-routing"]
+    local = glmpost_cli("rollout", *common, "--out", tmp_path / "local")
+    assert local.exit_code == 0, local.stderr
+    proc, url = start_server(tiny_checkpoint, "--batch-size", "8", "--log-prob-kind", "sampled")
+    try:
+        answer = SGLangClient(url, retries=0).generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True},
+                                                       return_routed_experts=True)
+        import base64
+
+        rows = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32)
+        layers, k = _records(tmp_path / "local")[0]["routed_experts"].shape[1:]
+        assert rows.size == (3 + 3 - 1) * layers * k  # SGLang's shape: every position but the last
+        remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", url)
+        assert remote.exit_code == 0, remote.stderr
+    finally:
+        stop_server(proc)
+    a, b = _records(tmp_path / "local"), _records(tmp_path / "remote")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert x["response_token_ids"].tolist() == y["response_token_ids"].tolist()
+        assert x["routed_experts"].dtype == y["routed_experts"].dtype
+        assert np.array_equal(x["routed_experts"], y["routed_experts"])
+
+
+def test_a_server_without_routed_experts_is_refused_for_record_routing():
+    from glmpost.config import ConfigError
+    from glmpost.kernel.routing import routed_from_sglang
+    from glmpost.rollout.servers import check_routing_returned
+
+    class Plain:  # an SGLang launched without --enable-return-routed-experts
+        url = "http://x"
+
+        def generate(self, *args, **kwargs):
+            return {"output_ids": [3], "meta_info": {"finish_reason": {"type": "length", "length": 1}}}
+
+    with pytest.raises(ConfigError, match="returns no routed_experts"):
+        check_routing_returned(Plain(), [5, 6])
+    import base64
+
+    rows = base64.b64encode(np.arange(4 * 2 * 2, dtype=np.int32)[::-1].copy().tobytes()).decode()  # 4 positions
+    got = routed_from_sglang(rows, prompt_tokens=3, tokens=2, shape=(2, 2, 16))  # positions 2, 3
+    assert got.tolist() == [[[6, 7], [4, 5]], [[2, 3], [0, 1]]] and got.dtype == np.uint8
+    with pytest.raises(ValueError, match="fewer than"):
+        routed_from_sglang(rows, prompt_tokens=3, tokens=3, shape=(2, 2, 16))

@@ -32,6 +32,7 @@ as before.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -286,3 +287,43 @@ class StepRouting(RoutingSession):
         steps = compact_ids(torch.stack(layers, dim=2), self.experts_count)  # [B, steps, L, k]
         for row, completion in enumerate(completions):
             completion.routed_experts = steps[row, : len(completion.token_ids)].copy()
+
+
+def prompt_routing(model: torch.nn.Module, prompt_ids: list[int]) -> np.ndarray:
+    """The experts of a prompt's positions ``0 .. P-2`` ``[P-1, L, k]`` (one forward of its first
+    ``P - 1`` tokens, each row a position's routers' own choice): what SGLang's
+    ``return_routed_experts`` gives for a prompt, before the rows of the generated tokens."""
+    layers, k, _ = moe_shape(model)
+    if len(prompt_ids) < 2:
+        return np.zeros((0, layers, k), dtype=np.int64)
+    device = next(model.parameters()).device
+    with torch.no_grad(), routing_session(model, RoutingSession()) as session:
+        model(input_ids=torch.tensor([prompt_ids[:-1]], device=device))
+        return session.experts().cpu().numpy()
+
+
+def routed_from_sglang(encoded: str, prompt_tokens: int, tokens: int, shape: tuple[int, int, int]) -> np.ndarray:
+    """The record's ``routed_experts`` ``[tokens, L, k]`` from SGLang's ``meta_info.routed_experts``
+    (``return_routed_experts``: base64 of int32 ``[prompt + output - 1, L, k]``, row ``i`` the
+    experts of position ``i``; read in slime's ``sglang_rollout.py``): the rows of the positions
+    whose logits sampled the output tokens, ``prompt_tokens - 1`` on. Raises ValueError when the
+    payload does not hold them."""
+    layers, k, experts = shape
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if flat.size % (layers * k):
+        raise ValueError(f"routed_experts holds {flat.size} ids, not rows of {layers} MoE layers x {k}")
+    rows = flat.reshape(-1, layers, k)[prompt_tokens - 1 : prompt_tokens - 1 + tokens]
+    if rows.shape[0] != tokens:
+        raise ValueError(f"routed_experts holds {flat.size // (layers * k)} positions, fewer than the prompt's "
+                         f"{prompt_tokens} and the {tokens} output tokens need")
+    return compact_ids(rows, experts)
+
+
+def config_moe_shape(config) -> tuple[int, int, int] | None:
+    """:func:`moe_shape` of the model ``config`` describes, from a skeleton on the meta device (no
+    weights: a rollout on servers holds none)."""
+    from transformers import AutoModelForCausalLM  # the server engines only; transformers is heavy
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return moe_shape(model)

@@ -22,6 +22,7 @@ from glmpost.config import ConfigError
 from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.routing import config_moe_shape, routed_from_sglang
 from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts, rejected_field
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.sglang_sampling import FIELD_SINCE, refused_message
@@ -29,6 +30,7 @@ from glmpost.rollout.records import as_version, completion_from_sglang, sglang_s
 from glmpost.rollout.servers import (
     Outcome,
     api_key_error,
+    check_routing_returned,
     checked_sampling,
     connect_servers,
     continued,
@@ -177,7 +179,7 @@ class SGLangBackend:
 
     def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int,
                  settings: Sequence[Any] = (), kind_setting: str = "auto", probe_prompts: Sequence[list[int]] = (),
-                 stamp: Any = None, max_continuations: int = 3):
+                 stamp: Any = None, max_continuations: int = 3, routing: Any = None):
         self.pool = pool
         self.model_config = model_config
         self.default_stops = default_stops
@@ -188,6 +190,7 @@ class SGLangBackend:
         self.seed_reproducible = bool(self.settings) and all(s.seed_reproducible for s in self.settings)
         self.stamp = stamp or (lambda version: as_version(version))
         self.max_continuations = max_continuations
+        self.routing = routing  # (moe_layers, k, experts): record each token's experts (return_routed_experts)
         self.params: SamplingParams | None = None
         self.sglang_params: dict[str, Any] = {}
         self._served: dict[str, str] = {}
@@ -211,7 +214,8 @@ class SGLangBackend:
         return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size,
                    settings=settings, kind_setting=config.engine.server_log_prob_kind,
                    probe_prompts=probe_prompts(checkpoint.tokenizer), stamp=stamps[0],
-                   max_continuations=config.engine.max_continuations)
+                   max_continuations=config.engine.max_continuations,
+                   routing=config_moe_shape(model_config) if config.record_routing else None)
 
     def server_facts(self) -> list[dict]:
         """Each server's URL, engine and release, as stage.json records them."""
@@ -229,6 +233,8 @@ class SGLangBackend:
         probe = self.probe_prompts[0] if self.probe_prompts else [0]
         for client, settings in zip(self.pool.clients, self.settings):
             self.sglang_params = checked_sampling(client, settings, self.sglang_params, probe, self._run_error)
+            if self.routing is not None:
+                check_routing_returned(client, probe)
         kinds = {client.url: self._server_kind(client, settings) for client, settings in zip(self.pool.clients, self.settings)}
         if len(set(kinds.values())) > 1:
             shown = ", ".join(f"{url} {kind}" for url, kind in kinds.items())
@@ -348,7 +354,8 @@ class SGLangBackend:
                     "sampling_seed": sequence_seed(params.seed, keys[i] + suffix)} for i in chunk]
         ids = [sequences[i] for i in chunk]
         rids = [f"glmpost-{self._run_id}-{keys[i]}{suffix}" for i in chunk]
-        return self.pool.submit(number, lambda c: (c.url, one_by_one(c, ids, per_seq, rids)))
+        fields = {"return_routed_experts": True} if self.routing is not None else {}
+        return self.pool.submit(number, lambda c: (c.url, one_by_one(c, ids, per_seq, rids, **fields)))
 
     def _answers(self, answers: Any, expected: int) -> list[Outcome]:
         """A chunk's answers as outcomes, each version stamped; the wrong number of answers is a failed request."""
@@ -362,6 +369,13 @@ class SGLangBackend:
                 outcomes.append((None, None, str(answer)))
                 continue
             completion, version, reason = completion_from_sglang(answer, self.params.stop_token_ids)
+            if completion is not None and self.routing is not None:
+                meta = answer.get("meta_info") or {}
+                try:
+                    completion.routed_experts = routed_from_sglang(meta["routed_experts"], int(meta["prompt_tokens"]),
+                                                                   len(completion.token_ids), self.routing)
+                except (KeyError, TypeError, ValueError) as exc:
+                    completion, reason = None, f"server answer without the routed experts of its tokens ({exc})"
             outcomes.append((completion, self.stamp(version), reason))
         return outcomes
 

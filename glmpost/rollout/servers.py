@@ -22,6 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import numpy as np
+
 from glmpost.config import ConfigError
 from glmpost.kernel.engine import Completion
 from glmpost.kernel.server_settings import ServerSettings
@@ -150,18 +152,18 @@ def _without_refused(client: Any, sampling: dict[str, Any], probe: list[int], ex
     return {k: v for k, v in sampling.items() if k not in refused}
 
 
-def one_by_one(client: Any, ids: list[list[int]], sampling: list[dict], rids: list[str]) -> list[Any]:
+def one_by_one(client: Any, ids: list[list[int]], sampling: list[dict], rids: list[str], **fields: Any) -> list[Any]:
     """One batch request; when the server refuses it whole with HTTP 400 (SGLang fails a batch for
     one bad sequence), each sequence alone, a refused one answered by its :class:`ServerError`."""
     try:
-        return client.generate(ids, sampling, return_logprob=True, rid=rids)
+        return client.generate(ids, sampling, return_logprob=True, rid=rids, **fields)
     except ServerError as exc:
         if exc.status != 400 or len(ids) == 1:
             raise
     answers = []
     for one, sp, rid in zip(ids, sampling, rids):
         try:
-            answers.append(client.generate([one], [sp], return_logprob=True, rid=[rid])[0])
+            answers.append(client.generate([one], [sp], return_logprob=True, rid=[rid], **fields)[0])
         except ServerError as exc:
             if exc.status != 400:
                 raise
@@ -179,10 +181,21 @@ def continued(first: Outcome, then: Outcome) -> Outcome:
         return done, version, reason
     versions = ((done.token_versions or [version] * len(done.token_ids))
                 + (more.token_versions or [new_version] * len(more.token_ids)))
+    routed = (np.concatenate([done.routed_experts, more.routed_experts])
+              if done.routed_experts is not None and more.routed_experts is not None else None)
     merged = Completion(done.token_ids + more.token_ids, done.log_probs + more.log_probs, more.finish_reason,
-                        token_versions=versions if len(set(versions)) > 1 else None)
+                        token_versions=versions if len(set(versions)) > 1 else None, routed_experts=routed)
     return merged, new_version, reason
 
 
-__all__ = ["UNVERSIONED", "Outcome", "api_key_error", "check_server", "checked_sampling", "connect_servers", "continued", "one_by_one",
+def check_routing_returned(client: Any, probe: list[int]) -> None:
+    """Refuse a server that does not answer ``return_routed_experts`` (SGLang launched without
+    ``--enable-return-routed-experts``), with one 1-token request."""
+    answer = client.generate(probe, {"max_new_tokens": 1}, return_logprob=True, return_routed_experts=True)
+    if "routed_experts" not in (answer.get("meta_info") or {}):
+        raise ConfigError("{server} {url} returns no routed_experts ({record_routing}): launch SGLang with "
+                          "enable_return_routed_experts", url=client.url, exit_code=1)
+
+
+__all__ = ["UNVERSIONED", "Outcome", "api_key_error", "check_routing_returned", "check_server", "checked_sampling", "connect_servers", "continued", "one_by_one",
            "version_stamp"]

@@ -160,7 +160,8 @@ class RolloutConfig:
     record_routing: bool = setting(
         False, "Record the MoE experts each sampled token was routed to, per MoE layer, as the record's routed_experts "
         "(uint8/uint16 [T, moe_layers, k]; formats/SPEC.md): what diff-logprobs --routing compares and --routing-replay "
-        "replays in training. --engine local only; nothing is recorded for a dense model.",
+        "replays in training. --engine local, or sglang (its return_routed_experts: a server launched with "
+        "--enable-return-routed-experts); nothing is recorded for a dense model.",
         flag="--record-routing/--no-record-routing")
     engine: EngineConfig = section(EngineConfig)
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
@@ -210,11 +211,11 @@ class RolloutConfig:
         return params
 
     def check_engine(self) -> None:
-        """:meth:`EngineConfig.check`; ``record_routing`` needs the local engine."""
+        """:meth:`EngineConfig.check`; ``record_routing`` needs the local engine or SGLang's."""
         self.engine.check()
-        if self.record_routing and self.engine.engine_name != "local":
-            raise ConfigError("{record_routing} needs {engine_name} local (an SGLang server's routed experts are not "
-                              "read yet)")
+        if self.record_routing and self.engine.engine_name == "vllm":
+            raise ConfigError("{record_routing} needs {engine_name} local or sglang (vLLM's OpenAI server returns no "
+                              "routed experts)")
 
     def as_options(self) -> dict[str, Any]:
         """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,

@@ -18,11 +18,15 @@ its end, so the cut sequence is token for token the one an engine stopping there
 
 from __future__ import annotations
 
+import base64
 import uuid
 from typing import Any, Sequence
 
+import numpy as np
+
 from glmpost.kernel.engine import Completion, Scores
-from glmpost.server.parsing import SequenceRequest
+from glmpost.kernel.routing import moe_shape, prompt_routing
+from glmpost.server.parsing import RequestError, SequenceRequest
 
 
 def stop_string_cut(token_ids: Sequence[int], stops: Sequence[str], tokenizer, *, stopped_by_token: bool) -> tuple[int, str] | None:
@@ -68,7 +72,7 @@ def response_text(token_ids: list[int], finish: dict, tokenizer, *, no_stop_trim
 
 
 def sequence_answer(item: SequenceRequest, completion: Completion | None, scores: Scores | None, *, tokenizer,
-                    weight_version: str, latency: float, cached_tokens: int = 0) -> dict[str, Any]:
+                    weight_version: str, latency: float, cached_tokens: int = 0, prompt_routing: Any = None) -> dict[str, Any]:
     """``{"text", "output_ids", "meta_info"}`` of one sequence: ``completion`` is None for a
     prefill-only one (max_new_tokens 0); ``scores`` its input log-probs (None when not asked for,
     or when the window holds only the first, ``None``, entry); ``cached_tokens`` the prompt tokens
@@ -94,8 +98,20 @@ def sequence_answer(item: SequenceRequest, completion: Completion | None, scores
                             "weight_version": weight_version, "e2e_latency": round(latency, 6)}
     if item.return_logprob:
         meta.update(_log_prob_meta(item, completion, scores, tokenizer))
+    if item.return_routed_experts and prompt_routing is not None:  # SGLang: int32 [P + n - 1, L, k], base64
+        rows = [prompt_routing] + ([completion.routed_experts] if completion is not None and completion.routed_experts is not None else [])
+        meta["routed_experts"] = base64.b64encode(np.concatenate(rows).astype(np.int32).tobytes()).decode("ascii")
     return {"text": response_text(out_ids, finish, tokenizer, no_stop_trim=item.no_stop_trim), "output_ids": out_ids,
             "meta_info": meta}
+
+
+def prompt_rows(model, items: Sequence[SequenceRequest]) -> dict[int, Any]:
+    """The prompt rows of SGLang's ``routed_experts`` for the items that ask for them (one forward
+    each); refused for a dense model (SGLang's is launched with --enable-return-routed-experts)."""
+    wanted = [i for i, it in enumerate(items) if it.return_routed_experts]
+    if wanted and moe_shape(model) is None:
+        raise RequestError("return_routed_experts: the served model has no MoE routers")
+    return {i: prompt_routing(model, items[i].prompt) for i in wanted}
 
 
 def _log_prob_meta(item: SequenceRequest, completion: Completion | None, scores: Scores | None, tokenizer) -> dict[str, Any]:
@@ -136,6 +152,7 @@ def input_start(item: SequenceRequest) -> int:
 
 __all__ = [
     "cut_completion",
+    "prompt_rows",
     "input_start",
     "response_text",
     "sequence_answer",

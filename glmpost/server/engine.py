@@ -21,8 +21,9 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
   lacks is answered as SGLang does, a bare HTTP 500),
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``
   (entries ``[logprob, id, token_text]``), ``rid`` (echoed as ``meta_info["id"]``; a batch's string
-  ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence). Answer per sequence
-  ``{"text", "output_ids", "meta_info"}`` (:mod:`glmpost.server.answers`).
+  ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence), ``return_routed_experts``
+  (MoE models: ``meta_info.routed_experts``). Answer per sequence ``{"text", "output_ids",
+  "meta_info"}`` (:mod:`glmpost.server.answers`).
 * ``POST /update_weights_from_disk``: ``model_path``, ``weight_version``, ``flush_cache``,
   ``abort_all_requests`` (the queued and running requests stop first, answered ``abort`` with their
   partial output); answer ``{"success", "message", "num_paused_requests"}`` (HTTP 400 when
@@ -30,14 +31,10 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
 * ``POST /abort_request``: ``rid`` (a batch's ``rid`` stops each ``rid_i``) or ``abort_all``; a
   queued sequence answers at once, a running one after its current decode step, each with
   ``finish_reason`` ``{"type": "abort", "message", "status_code", "err_type"}`` and the tokens it has.
-* ``GET /get_weight_version``, ``GET /model_info``, ``GET /health``; ``GET /server_info`` (also
-  ``/get_server_info``, its older name): the model info, ``enable_deterministic_inference`` (always
-  true: a sequence's tokens and log-probs follow from its ``sampling_seed``), ``log_prob_kind``,
-  ``version`` (glmpost's), and counters since start (requests, engine batches, sequences, generated
-  tokens, seconds the engine was busy).
-* With an API key every route but ``/health`` wants ``Authorization: Bearer KEY`` (or
-  ``x-api-key: KEY``) and answers HTTP 401 ``{"error": "Unauthorized"}`` without it, as SGLang's
-  ``add_api_key_middleware`` (srt/utils/auth.py) does.
+* ``GET /get_weight_version``, ``/model_info``, ``/health``; ``/server_info`` (``/get_server_info``):
+  the model info, ``enable_deterministic_inference`` (always true), ``log_prob_kind``, ``version``
+  (glmpost's) and counters since start.
+* Keys: :mod:`glmpost.server.http` (SGLang's ``--api-key`` and ``--admin-api-key`` rules).
 
 One worker thread owns the :class:`~glmpost.kernel.engine.LocalEngine`; HTTP threads only parse, queue and
 wait. Concurrent single-sequence requests are merged into one engine batch (up to ``batch_size``); a
@@ -47,10 +44,8 @@ batches. Output log-probs are of the server's ``log_prob_kind`` (:mod:`glmpost.k
 by default ``tempered``, as SGLang's: ``log_softmax(z / T)`` before top-k and top-p; greedy requests
 ``raw``); input log-probs are the model's own (temperature 1), by the trainer's formula.
 
-This module holds :class:`EngineServer` (the worker, request batching, weight swaps) and checkpoint
-loading. Parsing and validating ``/generate`` requests is :mod:`glmpost.server.parsing`, shaping
-each sequence's answer :mod:`glmpost.server.answers`; the HTTP
-routes, the listening server and its signal-driven lifetime are :mod:`glmpost.server.http`.
+This module holds :class:`EngineServer` (the worker, request batching, weight swaps); parsing is
+:mod:`glmpost.server.parsing`, answers :mod:`glmpost.server.answers`, HTTP :mod:`glmpost.server.http`.
 """
 
 from __future__ import annotations
@@ -69,7 +64,7 @@ from glmpost.checkpoints import resolve_checkpoint, tokenizer_revision
 from glmpost.errors import GlmpostError
 from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
 from glmpost.kernel.engine import Completion, Scores
-from glmpost.server.answers import input_start, sequence_answer
+from glmpost.server.answers import input_start, prompt_rows, sequence_answer
 from glmpost.server.loading import load_checkpoint
 from glmpost.server.parsing import RequestError, SequenceRequest, parse_generate
 
@@ -315,12 +310,17 @@ class EngineServer:
                        it.top_logprobs_num)
                 groups.setdefault(key, []).append(i)
         completions, cached = {}, {}
+        routed = prompt_rows(engine.model, items)
         with self._cond:
             self._running = list(items)
         for key, idx in groups.items():
-            outs = engine.generate([items[i].prompt for i in idx], None, items[idx[0]].params,
-                                   seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1], caches=loaded.caches,
-                                   abort=lambda j, idx=idx: items[idx[j]].abort_message is not None)
+            engine.record_routing = any(items[i].return_routed_experts for i in idx)
+            try:
+                outs = engine.generate([items[i].prompt for i in idx], None, items[idx[0]].params,
+                                       seeds=[items[i].seed for i in idx], top_logprobs_num=key[-1], caches=loaded.caches,
+                                       abort=lambda j, idx=idx: items[idx[j]].abort_message is not None)
+            finally:
+                engine.record_routing = False
             completions.update(zip(idx, outs))
             if loaded.caches is not None:
                 cached.update(zip(idx, loaded.caches.last_reused))
@@ -329,7 +329,8 @@ class EngineServer:
         latency = time.perf_counter() - started
         for i, it in enumerate(items):
             it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
-                                        weight_version=self.weight_version, latency=latency, cached_tokens=cached.get(i, 0))
+                                        weight_version=self.weight_version, latency=latency, cached_tokens=cached.get(i, 0),
+                                        prompt_routing=routed.get(i))
             out_ids = it.result["output_ids"]
             self.stats["generated_tokens"] += len(out_ids)
             self.stats["cached_tokens"] += cached.get(i, 0)

@@ -58,6 +58,7 @@ class SequenceRequest:
     return_text_in_logprobs: bool = False  # log-prob entries carry each token's text
     result: dict | None = None
     abort_message: str | None = None  # set when /abort_request (or an update's abort_all_requests) stops it
+    return_routed_experts: bool = False  # meta_info.routed_experts (SGLang's, base64 int32 [P + n - 1, L, k])
 
 
 def parse_generate(body: Any, loaded: LoadedCheckpoint, *, log_prob_kind: str = DEFAULT_LOG_PROB_KIND) -> tuple[list[SequenceRequest], bool]:
@@ -80,13 +81,13 @@ def parse_generate(body: Any, loaded: LoadedCheckpoint, *, log_prob_kind: str = 
     if body.get("stream"):
         raise RequestError("stream is not supported by glmpost serve")
     rids = _rids(body.get("rid"), len(prompts), batch)
-    with_text = body.get("return_text_in_logprobs", False)
-    if not isinstance(with_text, bool):
-        raise RequestError("return_text_in_logprobs must be true or false")
+    with_text, routed = body.get("return_text_in_logprobs", False), body.get("return_routed_experts", False)
+    if not isinstance(with_text, bool) or not isinstance(routed, bool):
+        raise RequestError("return_text_in_logprobs and return_routed_experts must be true or false")
     items = [_parse_item(prompts[i], per_item[i], flags["return_logprob"][i], flags["logprob_start_len"][i],
                          flags["top_logprobs_num"][i], loaded) for i in range(len(prompts))]
     for item, rid in zip(items, rids):
-        item.rid, item.return_text_in_logprobs = rid, with_text
+        item.rid, item.return_text_in_logprobs, item.return_routed_experts = rid, with_text, routed
         item.params.log_prob_kind = log_prob_kind
     return items, batch
 
