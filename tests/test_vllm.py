@@ -20,9 +20,9 @@ import pytest
 from serve_process import start_server, stop_server
 from test_agentic import STOPS
 from test_agentic import _prompts as _turn_prompts
+from test_serve import _prompts, _records
 
 from glmpost.config import ConfigError
-from glmpost.formats import ShardReader, resolve_shard_paths
 from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.fingerprint import checkpoint_fingerprint, confirm_server, previous_version_dir
 from glmpost.kernel.loading import load_model
@@ -32,25 +32,25 @@ from glmpost.kernel.vllm_client import VLLMClient, vllm_settings
 ATOL = 1e-6  # float32 engine on both sides
 
 
-def _prompts(tmp_path, count=4):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}", "domain": "count"}) + "\n" for d in range(count)))
-    return path
-
-
-def _records(directory):
-    return [r for p in resolve_shard_paths([directory]) for r in ShardReader(p)]
-
-
-def _post(url, path, body, key=None):
+def _call(url, path, body=None, key=None):
+    """``(status, decoded JSON or None)`` of a POST of ``body`` (a GET without one)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers=headers)
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             raw = response.read()
             return response.status, json.loads(raw) if raw else None
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null")
+
+
+def _post(url, path, body, key=None):
+    return _call(url, path, body, key)
+
+
+def _get(url, path, key=None):
+    return _call(url, path, None, key)
 
 
 def _get(url, path, key=None):
