@@ -10,6 +10,7 @@ import typer
 from glmpost import __version__
 from glmpost.commands import (
     diff_logprobs,
+    eval,
     import_model,
     init_critic,
     init_model,
@@ -68,6 +69,7 @@ app.command("init-critic", help=init_critic.__doc__)(spelled_with_flags(init_cri
 app.command("qat", help=qat.__doc__)(spelled_with_flags(qat.qat))
 app.command("rollout", help=rollout.__doc__)(spelled_with_flags(rollout.rollout))
 app.command("judge", help=judge.__doc__)(spelled_with_flags(judge.judge))
+app.command("eval", help=eval.__doc__)(spelled_with_flags(eval.eval_command))
 app.command("train-grpo", help=train_grpo.__doc__)(spelled_with_flags(train_grpo.train_grpo))
 app.command("train-sao", help=train_sao.__doc__)(spelled_with_flags(train_sao.train_sao))
 app.command("sync-weights", help=sync_weights.__doc__)(spelled_with_flags(sync_weights.sync_weights))

@@ -38,8 +38,18 @@ ADDED |= {(command, "routing_replay") for command in ("train-grpo", "opd-merge",
 ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False,
                   "micro_batch_tokens": 0, "pack_sequences": False, "record_routing": False, "routing": False,
                   "routing_replay": False}
-# Commands added since: bringing your own model (issue 31).
-ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"}}
+# Commands added since: bringing your own model (issue 31); evaluating a checkpoint (issue 34: rollout's
+# sampling and engine options but --group-size, the task split and refills, then n, k, threshold and the
+# judge's verifier routing).
+ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"},
+                  "eval": {"inputs", "checkpoint", "out", "as_json", "config", "n", "k", "threshold", "domains",
+                           "default_verifier", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed",
+                           "batch_size", "prompts_per_shard", "limit", "device", "deterministic_topk", "attention",
+                           "record_routing", "engine_name", "server", "concurrency", "timeout", "retries", "api_key",
+                           "admin_api_key", "server_log_prob_kind", "unversioned_server", "max_continuations",
+                           "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
+                           "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
+                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 # --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,
