@@ -422,5 +422,7 @@ def test_a_server_without_routed_experts_is_refused_for_record_routing():
     rows = base64.b64encode(np.arange(4 * 2 * 2, dtype=np.int32)[::-1].copy().tobytes()).decode()  # 4 positions
     got = routed_from_sglang(rows, prompt_tokens=3, tokens=2, shape=(2, 2, 16))  # positions 2, 3
     assert got.tolist() == [[[6, 7], [4, 5]], [[2, 3], [0, 1]]] and got.dtype == np.uint8
-    with pytest.raises(ValueError, match="fewer than"):
+    with pytest.raises(ValueError, match="not 5 positions x 2 MoE layers x 2"):
         routed_from_sglang(rows, prompt_tokens=3, tokens=3, shape=(2, 2, 16))
+    with pytest.raises(ValueError, match="not 4 positions x 3 MoE layers x 2"):  # rows of all layers, say: refused
+        routed_from_sglang(rows, prompt_tokens=3, tokens=2, shape=(3, 2, 16))

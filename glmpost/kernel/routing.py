@@ -310,13 +310,10 @@ def routed_from_sglang(encoded: str, prompt_tokens: int, tokens: int, shape: tup
     payload does not hold them."""
     layers, k, experts = shape
     flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
-    if flat.size % (layers * k):
-        raise ValueError(f"routed_experts holds {flat.size} ids, not rows of {layers} MoE layers x {k}")
-    rows = flat.reshape(-1, layers, k)[prompt_tokens - 1 : prompt_tokens - 1 + tokens]
-    if rows.shape[0] != tokens:
-        raise ValueError(f"routed_experts holds {flat.size // (layers * k)} positions, fewer than the prompt's "
-                         f"{prompt_tokens} and the {tokens} output tokens need")
-    return compact_ids(rows, experts)
+    positions = prompt_tokens + tokens - 1
+    if flat.size != positions * layers * k:  # another layout (all layers, another k) is refused, never guessed
+        raise ValueError(f"routed_experts holds {flat.size} ids, not {positions} positions x {layers} MoE layers x {k}")
+    return compact_ids(flat.reshape(positions, layers, k)[prompt_tokens - 1 :], experts)
 
 
 def config_moe_shape(config) -> tuple[int, int, int] | None:
