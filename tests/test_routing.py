@@ -374,10 +374,10 @@ def test_multi_turn_records_route_actions_and_leave_observations_unrecorded(glmp
 
 
 def test_refusals_are_one_line(glmpost_cli, tiny_checkpoint, routed_shards, tmp_path):
-    sglang = glmpost_cli("rollout", routed_shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "s", "--engine", "sglang",
-                         "--server", "http://127.0.0.1:9", "--record-routing")
-    assert sglang.exit_code == 2 and len(sglang.stderr.strip().splitlines()) == 1
-    assert "--record-routing needs --engine local" in sglang.stderr and not (tmp_path / "s").exists()
+    vllm = glmpost_cli("rollout", routed_shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "s", "--engine", "vllm",
+                       "--server", "http://127.0.0.1:9", "--record-routing")
+    assert vllm.exit_code == 2 and len(vllm.stderr.strip().splitlines()) == 1
+    assert "--record-routing needs --engine local or sglang" in vllm.stderr and not (tmp_path / "s").exists()
     plain = _judge(routed_shards, tmp_path / "plain", strip=True)
     diff = glmpost_cli("diff-logprobs", plain, "--checkpoint", tiny_checkpoint, "--routing", "--out", tmp_path / "d")
     assert diff.exit_code == 1 and len(diff.stderr.strip().splitlines()) == 1
