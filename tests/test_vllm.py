@@ -53,16 +53,6 @@ def _get(url, path, key=None):
     return _call(url, path, None, key)
 
 
-def _get(url, path, key=None):
-    request = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
-
-
 @pytest.fixture(scope="module")
 def vllm_server(wide_checkpoint):
     """``glmpost serve --api vllm --logprobs-mode processed_logprobs --max-logprobs -1`` of the wide
