@@ -220,14 +220,16 @@ def check_server_format(client: SGLangClient, model_path: Path) -> str | None:
             f"launch it with {wanted} (or sync with the --quantize it was launched for)")
 
 
-def sync_servers(urls: list[str], model_path: Path, weight_version: str, **kwargs: Any) -> list[ServerResult]:
-    """:func:`sync_server` on every server at once (threads); results in the order of ``urls``."""
+def sync_servers(urls: list[str], model_path: Path, weight_version: str, *, one: Any = None,
+                 **kwargs: Any) -> list[ServerResult]:
+    """``one`` (default :func:`sync_server`) on every server at once (threads); results in the order of ``urls``."""
     if not urls:
         return []
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor  # threads only when there are servers
 
+    one = one or sync_server
     with ThreadPoolExecutor(max_workers=min(16, len(urls)), thread_name_prefix="sync") as pool:
-        return list(pool.map(lambda u: sync_server(u, model_path, weight_version, **kwargs), urls))
+        return list(pool.map(lambda u: one(u, model_path, weight_version, **kwargs), urls))
 
 
 # ---------------------------------------------------------------------------------------- load

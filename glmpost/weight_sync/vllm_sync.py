@@ -20,14 +20,13 @@ stamped with once the rollout confirms the same fingerprint.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 from glmpost.kernel.fingerprint import Fingerprint, confirm_server
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.vllm_client import VLLMClient
-from glmpost.weight_sync.sync import ServerResult
+from glmpost.weight_sync.sync import ServerResult, sync_servers
 
 __all__ = ["sync_vllm_server", "sync_vllm_servers"]
 
@@ -68,7 +67,4 @@ def sync_vllm_server(url: str, model_path: Path, weight_version: str, *, expecte
 
 def sync_vllm_servers(urls: list[str], model_path: Path, weight_version: str, **kwargs: Any) -> list[ServerResult]:
     """:func:`sync_vllm_server` on every server at once (threads); results in the order of ``urls``."""
-    if not urls:
-        return []
-    with ThreadPoolExecutor(max_workers=min(16, len(urls)), thread_name_prefix="sync") as pool:
-        return list(pool.map(lambda u: sync_vllm_server(u, model_path, weight_version, **kwargs), urls))
+    return sync_servers(urls, model_path, weight_version, one=sync_vllm_server, **kwargs)
