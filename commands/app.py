@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import typer
 
@@ -62,23 +63,27 @@ def root(
     """GLM-style post-training beyond SFT as Unix-style stages."""
 
 
-# In the order of GLM-5's pipeline, then the tools around it.
-app.command("init-model", help=init_model.__doc__)(spelled_with_flags(init_model.init_model))
-app.command("import-model", help=import_model.__doc__)(spelled_with_flags(import_model.import_model))
-app.command("init-critic", help=init_critic.__doc__)(spelled_with_flags(init_critic.init_critic))
-app.command("qat", help=qat.__doc__)(spelled_with_flags(qat.qat))
-app.command("rollout", help=rollout.__doc__)(spelled_with_flags(rollout.rollout))
-app.command("judge", help=judge.__doc__)(spelled_with_flags(judge.judge))
-app.command("eval", help=eval.__doc__)(spelled_with_flags(eval.eval_command))
-app.command("train-grpo", help=train_grpo.__doc__)(spelled_with_flags(train_grpo.train_grpo))
-app.command("train-sao", help=train_sao.__doc__)(spelled_with_flags(train_sao.train_sao))
-app.command("sync-weights", help=sync_weights.__doc__)(spelled_with_flags(sync_weights.sync_weights))
-app.command("serve", help=serve.__doc__)(spelled_with_flags(serve.serve))
-app.command("score-teacher", help=score_teacher.__doc__)(spelled_with_flags(score_teacher.score_teacher))
-app.command("opd-merge", help=opd_merge.__doc__)(spelled_with_flags(opd_merge.opd_merge))
-app.command("quantize", help=quantize.__doc__)(spelled_with_flags(quantize.quantize))
-app.command("diff-logprobs", help=diff_logprobs.__doc__)(spelled_with_flags(diff_logprobs.diff_logprobs))
-shards.app.command("import", help=shards_import.__doc__)(spelled_with_flags(shards_import.shards_import))
+# In the order of GLM-5's pipeline, then the tools around it; every stage's metrics lines go to its --tracker.
+def _stage(name: str, module: Any, fn: Any, *, group: Any = app, section: str | None = None) -> None:
+    group.command(name, help=module.__doc__)(spelled_with_flags(fn, tracked=section or name))
+
+
+_stage("init-model", init_model, init_model.init_model)
+_stage("import-model", import_model, import_model.import_model)
+_stage("init-critic", init_critic, init_critic.init_critic)
+_stage("qat", qat, qat.qat)
+_stage("rollout", rollout, rollout.rollout)
+_stage("judge", judge, judge.judge)
+_stage("eval", eval, eval.eval_command)
+_stage("train-grpo", train_grpo, train_grpo.train_grpo)
+_stage("train-sao", train_sao, train_sao.train_sao)
+_stage("sync-weights", sync_weights, sync_weights.sync_weights)
+_stage("serve", serve, serve.serve)
+_stage("score-teacher", score_teacher, score_teacher.score_teacher)
+_stage("opd-merge", opd_merge, opd_merge.opd_merge)
+_stage("quantize", quantize, quantize.quantize)
+_stage("diff-logprobs", diff_logprobs, diff_logprobs.diff_logprobs)
+_stage("import", shards_import, shards_import.shards_import, group=shards.app, section="shards import")
 app.add_typer(shards.app, name="shards")
 app.add_typer(recipe.app, name="recipe")
 app.command("plan", help=plan.__doc__)(spelled_with_flags(plan.plan))

@@ -25,6 +25,7 @@ from glmpost.fsutil import current_umask, make_readable
 from glmpost.locks import output_lock
 from glmpost.stage import check_same_options, log, recorded_options
 from glmpost.toml import tomllib
+from glmpost.trackers import TRACKER_SETTINGS
 
 RECIPE_ARGUMENT_COMMANDS = ("plan",)  # commands reading a recipe given as their argument, not --config
 PIPELINE_SECTION = "pipeline"  # bin/pipeline's, read by no stage
@@ -153,10 +154,10 @@ def config_option() -> Any:
 def effective_options(ctx: typer.Context) -> dict[str, Any]:
     """The options a stage ran with (JSON-safe), for stage.json and shard headers.
 
-    ``--json`` and ``--overwrite`` say how to report and whether to replace, not how the output
-    was made, so they are left out (a rerun with ``--overwrite`` writes identical shards).
+    ``--json``, ``--overwrite`` and the trackers say how to report and whether to replace, not how
+    the output was made, so they are left out (a rerun with ``--overwrite`` writes identical shards).
     """
-    return recorded_options(ctx.params, leave_out=("as_json", "overwrite"))
+    return recorded_options(ctx.params, leave_out=("as_json", "overwrite", *TRACKER_SETTINGS))
 
 
 def report_update(summary: dict[str, Any] | None, *, as_json: bool, human: Any) -> None:

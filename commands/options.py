@@ -18,7 +18,8 @@ from glmpost.config import ConfigError, SettingError, from_values, leaves, setti
 from glmpost.drivers import ShardStage, follow_shards, run_shards
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.spool.settings import FollowSettings
-from glmpost.stage import log
+from glmpost.stage import log, recorded_options
+from glmpost.trackers import TRACKER_SETTINGS, TrackerSettings, tracking
 
 
 def option(cls: type, name: str, **overrides: Any) -> Any:
@@ -119,25 +120,43 @@ def flags_in_errors(ctx: typer.Context) -> Iterator[None]:
         raise error from None
 
 
-def spelled_with_flags(fn):
+def spelled_with_flags(fn, *, tracked: str | None = None):
     """``fn`` as a command whose library errors name its flags (:func:`flags_in_errors`); the app
-    registers every stage through it."""
+    registers every stage through it. ``tracked``: the stage's name, for a stage that writes metrics:
+    it takes the tracker options (:class:`~glmpost.trackers.TrackerSettings`) and its metrics lines
+    go to those trackers while it runs."""
     import functools
     import inspect
 
-    signature = inspect.signature(fn)
-    takes_ctx = "ctx" in signature.parameters
+    takes_ctx = "ctx" in inspect.signature(fn).parameters
+    inner = with_config(TrackerSettings)(fn) if tracked else fn
+    signature = inspect.signature(inner)
 
     @functools.wraps(fn)
     def command(*args, **kwargs):
         ctx = kwargs["ctx"] if takes_ctx else kwargs.pop("ctx")
         with flags_in_errors(ctx):
-            return fn(*args, **kwargs)
+            if not tracked:
+                return fn(*args, **kwargs)
+            for name in TRACKER_SETTINGS:
+                kwargs.pop(name)
+            with tracking(config_from(ctx, TrackerSettings), stage=tracked, config=tracker_config(ctx),
+                          out=ctx.params.get("out") or ctx.params.get("follow") or ctx.params.get("checkpoint")):
+                return fn(*args, **kwargs)
 
     if not takes_ctx:
         ctx_param = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
-        command.__signature__ = signature.replace(parameters=[ctx_param, *signature.parameters.values()])
+        signature = signature.replace(parameters=[ctx_param, *signature.parameters.values()])
+    command.__signature__ = signature
     return command
+
+
+NOT_TRACKER_CONFIG = ("as_json", "overwrite", "api_key", "admin_api_key", *TRACKER_SETTINGS)  # secrets stay out
+
+
+def tracker_config(ctx: typer.Context) -> dict[str, Any]:
+    """The run's options as the trackers' config: what stage.json records, without keys and tracker settings."""
+    return recorded_options(ctx.params, leave_out=NOT_TRACKER_CONFIG)
 
 
 def with_options(cls: type, names: tuple[str, ...]):

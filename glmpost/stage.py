@@ -16,6 +16,7 @@ from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 from glmpost.formats import ShardError, ShardReader
 from glmpost.fsutil import write_text_atomic
+from glmpost.trackers import track
 
 
 def recorded_options(values: dict[str, Any], *, leave_out: tuple[str, ...]) -> dict[str, Any]:
@@ -121,15 +122,18 @@ def complete_shard(target: Path, stage: str, *, redo: str) -> bool:
 
 
 class MetricsWriter:
-    """Append one JSON object per line to ``DIR/metrics.jsonl`` (stable key names, flushed per line)."""
+    """Append one JSON object per line to ``DIR/metrics.jsonl`` (stable key names, flushed per line),
+    then hand it to the stage's trackers (:mod:`glmpost.trackers`; the file is written first)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._f = open(self.path, "a")
 
     def write(self, **metrics: Any) -> None:
-        self._f.write(json.dumps({"time": round(time.time(), 3), **metrics}, sort_keys=True) + "\n")
+        row = {"time": round(time.time(), 3), **metrics}
+        self._f.write(json.dumps(row, sort_keys=True) + "\n")
         self._f.flush()
+        track(row)
 
     def close(self) -> None:
         self._f.close()

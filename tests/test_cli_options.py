@@ -73,6 +73,11 @@ ADDED_32 = {("rollout", "admin_api_key"): None, ("rollout", "unversioned_server"
 HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "indexer_differing_sets, routing_differing_tokens)"),
                   ("shards cat", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
                   ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra.")}
+# Experiment trackers on every stage that writes metrics (issue 34).
+TRACKED = ("init-model", "import-model", "init-critic", "qat", "rollout", "judge", "eval", "train-grpo", "train-sao",
+           "sync-weights", "serve", "score-teacher", "opd-merge", "quantize", "diff-logprobs", "shards import")
+TRACKER_DEFAULTS = {"tracker": [], "tracker_dir": "glmpost-trackers", "tracker_project": "glmpost", "tracker_run": None}
+ADDED_TRACKERS = {(command, name) for command in TRACKED for name in TRACKER_DEFAULTS}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -101,14 +106,14 @@ def _expected(stored: dict) -> dict:
 def test_every_command_keeps_its_options_flags_defaults_and_help():
     expected, now = _expected(json.loads(STORED.read_text())), json.loads(json.dumps(options_table()))
     for command, names in ADDED_COMMANDS.items():
-        assert set(now.pop(command)) == names
+        assert set(now.pop(command)) == names | (set(TRACKER_DEFAULTS) if command in TRACKED else set())
     assert sorted(now) == sorted(expected), "commands added or removed"
     changed = {}
     for command in expected:
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
-                    command, name) in ADDED_VLLM:
+                    command, name) in ADDED_VLLM or (command, name) in ADDED_TRACKERS:
                 continue
             if (command, name) in VLLM_HELP:
                 assert "vllm" in after["help"]
@@ -125,6 +130,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
+    for command, name in ADDED_TRACKERS - {(c, n) for c in ADDED_COMMANDS for n in TRACKER_DEFAULTS}:
+        assert now[command][name]["default"] == TRACKER_DEFAULTS[name] and now[command][name]["help"]
     for command, name in ADDED:
         assert now[command][name]["opts"] == ["--" + name.replace("_", "-")]
         assert now[command][name]["default"] == ADDED_DEFAULTS[name]

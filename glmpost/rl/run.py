@@ -56,6 +56,7 @@ from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
 from glmpost.rl.precision import MASTERS, checkpoint_layers, load_masters
 from glmpost.rl.sharded_save import master_files, source_shard_bytes
 from glmpost.stage import check_same_options, log, write_stage_json
+from glmpost.trackers import track
 
 
 @dataclass
@@ -113,6 +114,7 @@ class TrainingRun:
             raise
         self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
         self.resuming = not follow and options.resume and self.resume_state.exists()
+        self.steps_before = published_steps(self.out)  # the x-axis of train/global_step
         self.job: TrainingJob | None = None
         self.session: TrainingSession | None = None
         self.model = self.backend = self.trainer = None
@@ -253,12 +255,15 @@ class TrainingRun:
         progress = tqdm(total=total, initial=start_step, desc=self.job.stage, unit="step", leave=False,
                         disable=None if session.is_main else True)
 
+        first_step = self.steps_before + len(self.history)
+
         def on_step(step: int, metrics: dict) -> None:
-            metrics.update(step_metrics)
+            metrics.update(step_metrics, **{"train/global_step": first_step + step})
             steps.append(metrics)
             if session.is_main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics, sort_keys=True) + "\n")
+                track(metrics)
             progress.update(1)
             if not self.follow and o.save_every and (step + 1) % o.save_every == 0 and step + 1 < total:
                 if companion is not None:  # first: the policy's resume state names the step to resume at
@@ -305,6 +310,8 @@ class TrainingRun:
             if self.closing_lines:
                 with open(staging / "metrics.jsonl", "a") as f:
                     f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in self.closing_lines)
+                for line in self.closing_lines:
+                    track(line)
             if self.follow:
                 stage_extra = {**stage_extra, "updates": self.updates}
             manifest_extra = {**manifest_extra, "dtype": self.dtype, "precision": session.precision,
@@ -321,6 +328,7 @@ class TrainingRun:
             return result
         self.plan = NextVersion.plan(plan.target, self.out)
         self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
+        self.steps_before += len(self.history)
         self._clear()
         if companion is not None:
             companion.version = self.plan.version
@@ -353,6 +361,15 @@ def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOp
     dtype = "float32" if trained else None
     return load_model(checkpoint, device=session.device, dtype=dtype, deterministic_topk=options.deterministic_topk,
                       attention=options.attention)
+
+
+def published_steps(root: Path) -> int:
+    """The optimizer steps of the versions published in ``root`` (its ``metrics.jsonl`` lines of a step)."""
+    path = Path(root) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if '"train/step"' in line)
 
 
 def publish_staged(plan: NextVersion, *, stage: str, stage_options: dict[str, Any], world_size: int, stage_extra: dict[str, Any],
