@@ -20,6 +20,13 @@ Each is averaged over the prompts of each domain and over all prompts, with the 
 same scalars (eval/METRIC, eval/DOMAIN/METRIC), OUT/stage.json the options. A rerun keeps the rollout
 parts and judged shards that are complete (--overwrite redoes them) and writes the report again;
 only --k, --threshold and how it runs (--batch-size, --device, ...) may differ from OUT/stage.json's.
+
+--follow ROOT (instead of --checkpoint) evaluates every version of a checkpoint root as it is
+published, for asynchronous RL or a loop of train-grpo runs: each version vNNNNNN (a multiple of
+--every) into OUT/vNNNNNN/ as above, one OUT/metrics.jsonl line per version (policy_version, the
+trackers' x-axis). It looks at the root every --poll-s seconds and stops after --idle-timeout
+seconds without a new version (0: once every published version is evaluated), or on SIGTERM or
+Ctrl-C between two versions; a restart skips the versions already evaluated.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary
 from glmpost.commands.options import config_from, json_option, with_config
+from glmpost.errors import UsageError
+from glmpost.evaluation.follow import EvalFollowConfig, follow_eval
 from glmpost.evaluation.run import EvalConfig, run_eval
 from glmpost.kernel.sglang_client import without_api_key
 from glmpost.rollout.settings import RolloutConfig
@@ -40,20 +49,38 @@ from glmpost.rollout.settings import RolloutConfig
 NOT_FROM_ROLLOUT = ("group_size", "shard_index", "num_shards", "refill_rounds")
 
 
+@with_config(EvalFollowConfig)
 @with_config(EvalConfig)
 @with_config(RolloutConfig, exclude=NOT_FROM_ROLLOUT)
 def eval_command(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., metavar="PROMPTS", help="Prompt JSONL files, or shards / shard directories / globs."),
-    checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy checkpoint: a root (its LATEST) or a version directory."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="Policy checkpoint: a root (its LATEST) or a version directory; or --follow ROOT."),
     out: Path = typer.Option(..., "--out", help="Output directory: rollout/, judged/, report.json, metrics.jsonl, stage.json."),
     as_json: bool = json_option("the report"),
     config: Optional[Path] = config_option(),
     **settings: Any,
 ) -> None:
-    summary = run_eval(config_from(ctx, EvalConfig), config_from(ctx, RolloutConfig),
-                       options=without_api_key(effective_options(ctx)))
+    follow = config_from(ctx, EvalFollowConfig)
+    if (checkpoint is None) == (follow.follow is None):
+        raise UsageError("give --checkpoint CKPT (evaluate it) or --follow ROOT (evaluate its versions as they come)")
+    options = without_api_key(effective_options(ctx))
+    if follow.follow is not None:
+        summary = follow_eval(config_from(ctx, EvalConfig), follow, config_from(ctx, RolloutConfig), options=options)
+        print_summary(summary, as_json=as_json, human=follow_table(summary))
+        return
+    summary = run_eval(config_from(ctx, EvalConfig), config_from(ctx, RolloutConfig), options=options)
     print_summary(summary["report"], as_json=as_json, human=table(summary))
+
+
+def follow_table(summary: dict[str, Any]) -> str:
+    """One line per version evaluated by this run."""
+    lines = [f"{summary['out']}: {len(summary['evaluated'])} versions of {summary['root']} evaluated"]
+    for name, overall in summary["reports"].items():
+        lines.append(f"  {name}  " + "  ".join(f"{key} {value:.4f}" for key, value in overall.items()
+                                              if isinstance(value, float) and not math.isnan(value)))
+    return "\n".join(lines)
 
 
 def table(summary: dict[str, Any]) -> str:

@@ -133,3 +133,85 @@ def test_eval_rerun_keeps_samples_and_refuses_other_options(glmpost_cli, tiny_ch
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     refused = glmpost_cli(*args[:-4], "--n", 3)
     assert refused.exit_code == 2 and "--n" in refused.stderr and "--overwrite" in refused.stderr
+
+
+def _publish_copy(root: Path, source: Path, version: int) -> None:
+    """``source``'s weights published in ``root`` as ``version`` (a staged copy moved into place, as trainers publish)."""
+    import dataclasses
+    import shutil
+
+    from glmpost.checkpoints import read_manifest, version_dir_name, write_manifest
+
+    staging = root / f".staging-{version}"
+    shutil.copytree(source, staging)
+    write_manifest(staging, dataclasses.replace(read_manifest(source), policy_version=version))
+    staging.rename(root / version_dir_name(version))
+    (root / "LATEST").write_text(version_dir_name(version) + "\n")
+
+
+FOLLOW = ["--n", 2, "--limit", 2, "--max-new-tokens", 4, "--poll-s", 0.05]
+
+
+def test_eval_follow_evaluates_each_published_version_once(glmpost_cli, tiny_checkpoint, tmp_path):
+    root, out = tmp_path / "root", tmp_path / "eval"
+    root.mkdir()
+    _publish_copy(root, tiny_checkpoint, 0)
+    first = glmpost_cli("eval", PROMPTS, "--follow", root, "--out", out, "--idle-timeout", 0, "--json", *FOLLOW)
+    assert first.exit_code == 0, first.stderr
+    assert json.loads(first.stdout)["evaluated"] == [0]
+    for version in (1, 2, 3):
+        _publish_copy(root, tiny_checkpoint, version)
+    # A restart goes on after v0; --every 2 leaves out the odd versions.
+    again = glmpost_cli("eval", PROMPTS, "--follow", root, "--out", out, "--idle-timeout", 0, "--every", 2, "--json", *FOLLOW)
+    assert again.exit_code == 0, again.stderr
+    summary = json.loads(again.stdout)
+    assert summary["evaluated"] == [2] and not (out / "v000001").exists() and not (out / "v000003").exists()
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["policy_version"] for line in lines] == [0, 2]
+    reports = [json.loads((out / name / "report.json").read_text()) for name in ("v000000", "v000002")]
+    assert [r["policy_version"] for r in reports] == [0, 2]
+    # The same weights and seed: the same samples, the same scores.
+    assert reports[0]["overall"] == reports[1]["overall"] == summary["reports"]["v000002"]
+    assert lines[1]["eval/avg@2"] == reports[1]["overall"]["avg@2"]
+    # Other sampling options than the ones OUT was evaluated with are refused.
+    other = glmpost_cli("eval", PROMPTS, "--follow", root, "--out", out, "--idle-timeout", 0, *FOLLOW, "--temperature", 0.5)
+    assert other.exit_code == 2 and "--temperature" in other.stderr
+
+
+def test_eval_follow_waits_for_versions_and_stops_on_sigterm(tiny_checkpoint, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, out = tmp_path / "root", tmp_path / "eval"
+    root.mkdir()
+    _publish_copy(root, tiny_checkpoint, 0)
+    proc = subprocess.Popen([sys.executable, "-m", "glmpost.commands.app", "eval", str(PROMPTS), "--follow", str(root),
+                             "--out", str(out), "--json", *map(str, FOLLOW)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "v000000" / "stage.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        _publish_copy(root, tiny_checkpoint, 1)  # published while it waits
+        while not (out / "v000001" / "stage.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert json.loads(stdout)["evaluated"] == [0, 1] and "SIGTERM: stopped after 2 versions" in stderr
+
+
+def test_eval_needs_a_checkpoint_or_a_root_to_follow(glmpost_cli, tiny_checkpoint, tmp_path):
+    neither = glmpost_cli("eval", PROMPTS, "--out", tmp_path / "e")
+    both = glmpost_cli("eval", PROMPTS, "--out", tmp_path / "e", "--checkpoint", tiny_checkpoint, "--follow", tmp_path)
+    missing = glmpost_cli("eval", PROMPTS, "--out", tmp_path / "e", "--follow", tmp_path / "nope", "--idle-timeout", 0)
+    for result in (neither, both):
+        assert result.exit_code == 2 and "--checkpoint CKPT" in result.stderr and result.stderr.count("\n") == 1
+    assert missing.exit_code == 1 and "--follow" in missing.stderr and "nope" in missing.stderr
+    assert "Traceback" not in missing.stderr

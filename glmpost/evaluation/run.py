@@ -76,8 +76,10 @@ class EvalConfig:
         return ks
 
 
-def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, Any]) -> dict[str, Any]:
-    """Roll out, judge, report (module doc); returns the summary (``report`` is report.json)."""
+def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, Any],
+             metrics: MetricsWriter | None = None) -> dict[str, Any]:
+    """Roll out, judge, report (module doc); returns the summary (``report`` is report.json). The
+    metrics line goes to ``metrics`` when given (``eval --follow``: one file for every version)."""
     ks = config.ks()
     out = Path(config.out)
     rollout = dataclasses.replace(sampling, inputs=list(config.inputs), checkpoint=config.checkpoint,
@@ -96,8 +98,11 @@ def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, 
         report = build_report(samples, n=config.n, ks=ks)
         report["policy_version"] = rolled.get("policy_version")
         write_json_atomic(out / "report.json", report)
-        with MetricsWriter(out / "metrics.jsonl") as metrics:
+        if metrics is not None:
             metrics.write(**report_metrics(report))
+        else:
+            with MetricsWriter(out / "metrics.jsonl") as own:
+                own.write(**report_metrics(report))
         write_stage_json(out, STAGE, options, policy_version=rolled.get("policy_version"))
     return {"out": str(out), "records": len(samples), "report": report}
 
