@@ -79,6 +79,8 @@ def test_jsonl_is_read_as_before(tmp_path):
     with pytest.raises(PromptDataError) as now:
         _prompts(broken)
     assert str(before.value) == str(now.value) == f"{broken}:2: needs a string 'prompt' or a 'messages' list"
+    with pytest.raises(PromptDataError, match=r"jsonl:1: needs a string 'prompt' or a 'messages' list"):
+        _prompts(_jsonl(tmp_path / "no-prompt.jsonl", [{"q": 1, "a": 2}]), ColumnsConfig(answer_column="a"))
 
 
 def test_columns_are_mapped_in_every_source(tmp_path):

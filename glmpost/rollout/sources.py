@@ -24,8 +24,6 @@ from glmpost.formats.prompts import PromptDataError, jsonl_rows
 
 # Rows per record batch read from a parquet file or a datasets directory.
 BATCH_ROWS = 1024
-# What a row holds besides the mapped columns, kept under its own name.
-PASSED_KEYS = ("id", "response")
 DATASET_FILES = ("dataset_info.json", "state.json")  # a Dataset.save_to_disk directory
 DATASET_DICT_FILE = "dataset_dict.json"  # a DatasetDict.save_to_disk directory (one directory per split)
 
@@ -125,15 +123,17 @@ def map_row(obj: Any, columns: ColumnsConfig, *, where: str, missing_check: bool
     """``obj`` with its mapped columns under the keys the prompt parser reads (another object is
     left to the parser's error); the answer column goes into the task as ``answer``.
     ``missing_check``: a row holding neither the prompt nor the messages column is an error naming
-    them (a JSONL line; a table's columns are checked once, :func:`check_columns`)."""
+    them when either is renamed (a JSONL line; a table's columns are checked once, :func:`check_columns`)."""
     if not isinstance(obj, dict) or "prompt_token_ids" in obj:
         return obj
-    if missing_check and columns.prompt_column not in obj and columns.messages_column not in obj:
+    renamed = columns.mapping()
+    if (missing_check and ("prompt" in renamed or "messages" in renamed) and columns.prompt_column not in obj
+            and columns.messages_column not in obj):
         field = "prompt_column" if columns.prompt_column != "prompt" else "messages_column"
         raise ConfigError("{where}: no column {column!r} (keys: {names}); set {" + field + "}", where=where,
                           column=getattr(columns, field), names=", ".join(map(str, obj)) or "none")
     row = dict(obj)
-    for key, column in columns.mapping().items():
+    for key, column in renamed.items():
         row.pop(key, None)
         if column in obj:
             row[key] = obj[column]
