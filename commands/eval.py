@@ -1,6 +1,7 @@
 """Evaluate a checkpoint: sample --n responses per prompt, judge them, report avg@n, pass@k and maj@n.
 
-PROMPTS are rollout prompts (JSONL with `prompt` or `messages`, `domain`, `task`; or shards). Every
+PROMPTS are rollout prompts (JSONL with `prompt` or `messages`, `domain`, `task`; parquet, CSV or JSON
+files or datasets directories, their columns named by --prompt-column etc. as in rollout; or shards). Every
 prompt is sampled --n times with the rollout's sampling settings and engine (the embedded engine, or
 --engine sglang|vllm --server URL,...) into OUT/rollout, and every response is judged by its domain's
 verifier (math, count, env, --domains, --default-verifier; the judge's verifiers) into OUT/judged.
@@ -54,7 +55,7 @@ NOT_FROM_ROLLOUT = ("group_size", "shard_index", "num_shards", "refill_rounds")
 @with_config(RolloutConfig, exclude=NOT_FROM_ROLLOUT)
 def eval_command(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., metavar="PROMPTS", help="Prompt JSONL files, or shards / shard directories / globs."),
+    inputs: List[str] = typer.Argument(..., metavar="PROMPTS", help="Prompt JSONL, parquet, CSV or JSON files or datasets directories, or shards / shard directories / globs."),
     checkpoint: Optional[Path] = typer.Option(
         None, "--checkpoint", help="Policy checkpoint: a root (its LATEST) or a version directory; or --follow ROOT."),
     out: Path = typer.Option(..., "--out", help="Output directory: rollout/, judged/, report.json, metrics.jsonl, stage.json."),

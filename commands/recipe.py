@@ -6,7 +6,7 @@ an optional `[pipeline]` section. The check reads the options from the command t
 knows every stage glmpost has, and reports each problem as one line naming the file, the section
 and the key (exit 2): an unknown section or key (with the known ones), a value the option's type
 refuses (a string for an integer, a choice not allowed, a number out of range, a scalar where a
-list is expected), an input file that does not exist (data files such as *.jsonl, *.json and
+list is expected), an input file that does not exist (data files such as *.jsonl, *.json, *.parquet, *.csv and
 DeepSpeed configs; relative paths are resolved against the current directory, as the stages
 resolve them), trainer settings out of range, and batch arithmetic that does not divide.
 """

@@ -26,7 +26,7 @@ from glmpost.rl.sft import SFTConfig
 from glmpost.toml import load_recipe
 
 # Values of path parameters with these suffixes are input files no stage writes: they must exist.
-INPUT_FILE_SUFFIXES = (".jsonl", ".json", ".toml")
+INPUT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq", ".csv", ".toml")
 # Sections that are not stages.
 # Commands that read their recipe section from a positional RECIPE (not --config).
 

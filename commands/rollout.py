@@ -2,7 +2,12 @@
 
 Prompts come from JSONL (`prompt` text or chat `messages`, `domain`, `task`, optional `id`; `id` and
 `domain` are text, an integer is kept as its decimal text; rendered with the checkpoint's chat
-template) or from shards (their prompt token ids). Every prompt is
+template) or from shards (their prompt token ids). Parquet files (streamed batch by batch), CSV files
+and .json files holding one JSON array (through the `datasets` library), and directories that
+`Dataset.save_to_disk` wrote (memory-mapped) are read row by row like JSONL lines (`pip install
+'glmpost[data]'`); --prompt-column, --messages-column, --domain-column and --task-column name the
+columns to read, --answer-column one to put into the task as its answer (a column a setting names
+that the file lacks is one error naming both; a null cell is a missing value). Every prompt is
 sampled --group-size times; siblings share a group_id. Each record carries the exact token ids, the
 log-prob of each sampled token under the distribution it was sampled from (temperature, top-k,
 top-p), the checkpoint's policy version per token, the sampling settings and the tokenizer
@@ -100,7 +105,7 @@ from glmpost.rollout.settings import RolloutConfig
 @with_config(RolloutConfig)
 def rollout(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., help="Prompt JSONL files, or shards / shard directories / globs to resample."),
+    inputs: List[str] = typer.Argument(..., help="Prompt JSONL, parquet, CSV or JSON files or datasets directories, or shards / shard directories / globs to resample."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Policy checkpoint: a root (its LATEST) or a version directory."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory for rollout shards (created; existing parts are kept); not with --follow."),
     as_json: bool = json_option(),

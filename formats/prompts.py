@@ -109,12 +109,20 @@ def read_jsonl(path: Path):
                 raise PromptDataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
 
 
-def read_prompts(path: Path) -> list[PromptItem]:
-    """All prompts of a JSONL file; ids default to ``<file stem>-<line>`` and must be unique."""
+def jsonl_rows(path: Path):
+    """Yield ``(where, default id, object)`` for each line of :func:`read_jsonl`; the id defaults
+    to ``<file stem>-<line>``."""
+    for where, obj in read_jsonl(path):
+        yield where, f"{Path(path).stem}-{where.rsplit(':', 1)[1]}", obj
+
+
+def read_prompts(path: Path, rows=None) -> list[PromptItem]:
+    """All prompts of a JSONL file (or of ``rows``, ``(where, default id, object)`` read from
+    ``path``: :func:`jsonl_rows` by default); ids must be unique."""
     items: list[PromptItem] = []
     seen: dict[str, str] = {}
-    for where, obj in read_jsonl(path):
-        item = parse_prompt_line(obj, where=where, default_id=f"{Path(path).stem}-{where.rsplit(':', 1)[1]}")
+    for where, default_id, obj in jsonl_rows(path) if rows is None else rows:
+        item = parse_prompt_line(obj, where=where, default_id=default_id)
         if item.id in seen:
             raise PromptDataError(f"{where}: id {item.id!r} repeats {seen[item.id]}")
         seen[item.id] = where

@@ -38,6 +38,12 @@ ADDED |= {(command, "routing_replay") for command in ("train-grpo", "opd-merge",
 ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "auto", "activation_checkpointing": False,
                   "micro_batch_tokens": 0, "pack_sequences": False, "record_routing": False, "routing": False,
                   "routing_replay": False}
+# Prompts from parquet, CSV, JSON arrays and datasets directories (issue 34, "Data"): the column
+# mapping in rollout, eval and shards import, and the inputs' help that names the new sources.
+DATA_COLUMNS = {"prompt_column": "prompt", "messages_column": "messages", "answer_column": None,
+                "domain_column": "domain", "task_column": "task"}
+ADDED_DATA = {(command, name): default for command in ("rollout", "shards import") for name, default in DATA_COLUMNS.items()}
+DATA_HELP = {("rollout", "inputs"), ("shards import", "source")}
 # Commands added since: bringing your own model (issue 31); evaluating a checkpoint (issue 34: rollout's
 # sampling and engine options but --group-size, the task split and refills, then n, k, threshold and the
 # judge's verifier routing).
@@ -49,7 +55,7 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
                            "admin_api_key", "server_log_prob_kind", "unversioned_server", "max_continuations",
                            "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
                            "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
-                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite",
+                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite", *DATA_COLUMNS,
                            "follow", "every", "poll_s", "idle_timeout"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
@@ -114,8 +120,11 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
-                    command, name) in ADDED_VLLM or (command, name) in ADDED_TRACKERS:
+                    command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS:
                 continue
+            if (command, name) in DATA_HELP:
+                assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
+                before, after = ({k: v for k, v in row.items() if k != "help"} for row in (before, after))
             if (command, name) in VLLM_HELP:
                 assert "vllm" in after["help"]
                 before, after = ({k: v for k, v in row.items() if k != "help"} for row in (before, after))
@@ -128,6 +137,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for (command, name), default in ADDED_32.items():
         assert now[command][name]["default"] == default and now[command][name]["help"]
     for (command, name), default in ADDED_VLLM.items():
+        assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
+    for (command, name), default in ADDED_DATA.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1

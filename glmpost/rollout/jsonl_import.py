@@ -1,6 +1,7 @@
-"""One ``glmpost shards import`` run: a JSONL file of records or text conversations as trajectory shards.
+"""One ``glmpost shards import`` run: a file of records or text conversations as trajectory shards.
 
-A line is a record in the JSON form ``glmpost shards cat`` prints, or a text conversation (``prompt``
+The file is JSONL, parquet, CSV or a JSON array, or a ``datasets`` directory (read row by row, its
+columns mapped: :mod:`glmpost.rollout.sources`). A line (row) is a record in the JSON form ``glmpost shards cat`` prints, or a text conversation (``prompt``
 or chat ``messages``, an optional reference ``response``) that the checkpoint's tokenizer and chat
 template encode (:func:`glmpost.formats.prompts.conversation_record`). Records go into shards of
 ``records_per_shard`` in the caller's staging directory, one ``metrics.jsonl`` line per shard and a
@@ -15,11 +16,12 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from glmpost.config import ConfigError, setting, shared
+from glmpost.config import ConfigError, section, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.formats import ShardWriter, record_from_json
-from glmpost.formats.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.formats.prompts import conversation_record, parse_prompt_line
 from glmpost.kernel.loading import load_tokenizer
+from glmpost.rollout.sources import ColumnsConfig, source_rows
 from glmpost.stage import MetricsWriter, write_stage_json
 
 STAGE = "shards.import"
@@ -29,11 +31,12 @@ STAGE = "shards.import"
 class ImportConfig:
     """The settings of one import: the options of ``glmpost shards import``; refusals name these fields."""
 
-    source: Optional[Path] = None  # the JSONL file
+    source: Optional[Path] = None  # the JSONL, parquet, CSV or JSON file, or datasets directory
     out: Optional[Path] = None  # the shard directory (the caller stages it)
     checkpoint: Optional[Path] = setting(
         None, "Checkpoint (root or version) whose tokenizer and chat template encode text lines.")
     records_per_shard: int = setting(1024, "Records in each output shard.", min=1)
+    columns: ColumnsConfig = section(ColumnsConfig)
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
 
@@ -49,7 +52,7 @@ class JsonlImport:
             self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
 
     def write(self, staging: Path, options: dict[str, Any]) -> dict[str, int]:
-        """Every line of ``source`` as a record in shards under ``staging``, with ``metrics.jsonl`` and
+        """Every line (row) of ``source`` as a record in shards under ``staging``, with ``metrics.jsonl`` and
         ``stage.json`` (recording ``options``); the counts (records, shards, prompt and response tokens)."""
         c = self.config
         counts = {"records": 0, "shards": 0, "prompt_tokens": 0, "response_tokens": 0}
@@ -63,8 +66,9 @@ class JsonlImport:
                 counts["shards"] += 1
 
             try:
-                for where, obj in tqdm(read_jsonl(c.source), desc="import", unit="rec", leave=False, disable=None):
-                    record = self._record(obj, where=where)
+                rows = source_rows(c.source, c.columns)
+                for where, default_id, obj in tqdm(rows, desc="import", unit="rec", leave=False, disable=None):
+                    record = self._record(obj, where=where, default_id=default_id)
                     if writer is None:
                         writer = ShardWriter(staging / f"shard-{counts['shards']:05d}.msgpack.zst", stage=STAGE, options=options,
                                              tokenizer_revision=record["tokenizer_revision"], level=c.zstd_level)
@@ -92,7 +96,7 @@ class JsonlImport:
         write_stage_json(staging, STAGE, options, **counts)
         return counts
 
-    def _record(self, obj: Any, *, where: str) -> dict[str, Any]:
+    def _record(self, obj: Any, *, where: str, default_id: str) -> dict[str, Any]:
         """The record of one line: a JSON-form record as it is (its tokenizer revision checked), or a
         text conversation encoded with the checkpoint's tokenizer."""
         if isinstance(obj, dict) and "prompt_token_ids" in obj:
@@ -107,8 +111,7 @@ class JsonlImport:
         if self.tokenizer is None:
             raise ConfigError("{where}: a text line needs {checkpoint} (its tokenizer and chat template encode the text)",
                               where=where)
-        stem = Path(where.rsplit(":", 1)[0]).stem
-        item = parse_prompt_line(obj, where=where, default_id=f"{stem}-{where.rsplit(':', 1)[1]}")
+        item = parse_prompt_line(obj, where=where, default_id=default_id)
         return conversation_record(item, self.tokenizer, self.revision)
 
 

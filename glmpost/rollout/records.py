@@ -16,10 +16,11 @@ import numpy as np
 
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
-from glmpost.formats import SHARD_SUFFIX, iter_checked_records, resolve_shard_paths
+from glmpost.formats import iter_checked_records, resolve_shard_paths
 from glmpost.formats.prompts import encode_prompt, read_prompts
 from glmpost.kernel.engine import Completion, SamplingParams
 from glmpost.kernel.sglang_sampling import explicit
+from glmpost.rollout.sources import ColumnsConfig, is_prompt_source, source_rows
 
 
 @dataclass
@@ -46,8 +47,10 @@ def as_version(value: Any) -> int | None:
         return None
 
 
-def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str) -> list[RolloutPrompt]:
-    """Prompts from JSONL files (rendered with the chat template) or shards (their prompt ids).
+def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
+                         columns: ColumnsConfig | None = None) -> list[RolloutPrompt]:
+    """Prompts from JSONL, parquet, CSV or JSON files or datasets directories (their ``columns``
+    mapped, :mod:`glmpost.rollout.sources`; rendered with the chat template) or shards (their prompt ids).
 
     Shards are accepted so a stage can resample the prompts of earlier trajectories; their records
     must have been tokenized with the same tokenizer revision. Prompt ids must be unique across
@@ -57,8 +60,8 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str)
     seen: dict[str, str] = {}
     for item in inputs:
         path = Path(item)
-        if path.is_file() and not path.name.endswith(SHARD_SUFFIX):
-            for prompt in read_prompts(path):
+        if is_prompt_source(path):
+            for prompt in read_prompts(path, source_rows(path, columns)):
                 where = f"{path}: prompt {prompt.id!r}"
                 _add(prompts, seen, RolloutPrompt(prompt.id, encode_prompt(tokenizer, prompt.messages), prompt.domain, prompt.task, where))
             continue

@@ -173,7 +173,7 @@ class RolloutRunner:
         if self.environment is not None:
             self.renderer = ObservationRenderer(checkpoint.tokenizer)
             self.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
-        self.prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision)[: config.limit]
+        self.prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision, config.columns)[: config.limit]
         return self.prompts
 
     def run(self) -> dict[str, Any]:

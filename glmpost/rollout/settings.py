@@ -18,6 +18,7 @@ from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE
 from glmpost.kernel.sglang_client import check_api_key
 from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, resume_pieces
 from glmpost.rollout.servers import UNVERSIONED
+from glmpost.rollout.sources import ColumnsConfig
 from glmpost.stage import recorded_options
 
 ENGINES = ("local", "sglang", "vllm")
@@ -137,7 +138,7 @@ class ContextConfig:
 class RolloutConfig:
     """The settings of one rollout run (the options of ``glmpost rollout``, under the same names)."""
 
-    inputs: list[str] = field(default_factory=list)  # prompt JSONL files, or shards to resample
+    inputs: list[str] = field(default_factory=list)  # prompt files / datasets directories, or shards to resample
     checkpoint: Optional[Path] = None  # a checkpoint root (its LATEST) or a version directory
     out: Optional[Path] = None  # the output directory for the rollout shards
     group_size: int = setting(8, "Samples per prompt (GRPO's G); siblings share a group_id.", min=1)
@@ -152,6 +153,7 @@ class RolloutConfig:
     batch_size: int = setting(32, "Sequences decoded together (does not change the samples' seeds).", min=1)
     prompts_per_shard: int = setting(64, "Prompts per output shard (x group size records).", min=1)
     limit: Optional[int] = setting(None, "Use only the first N prompts.", min=1)
+    columns: ColumnsConfig = section(ColumnsConfig)
     shard_index: int = shared("shard_index")
     num_shards: int = shared("num_shards")
     device: str = shared("device")
