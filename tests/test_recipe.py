@@ -31,7 +31,8 @@ def test_summary_names_stages_and_option_counts(glmpost_cli, monkeypatch):
     result = glmpost_cli("recipe", "check", "recipes/tiny-reasoning-rl.toml")
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == (
-        "recipes/tiny-reasoning-rl.toml: ok: 3 stage(s): rollout (6 options), judge (0 options), train-grpo (7 options)"
+        "recipes/tiny-reasoning-rl.toml: ok: 4 stage(s): rollout (6 options), judge (0 options), train-grpo (7 options), "
+        "eval (4 options)"
     )
 
 
