@@ -72,7 +72,9 @@ ADDED_32 = {("rollout", "admin_api_key"): None, ("rollout", "unversioned_server"
 # Issue 33's new record field and diff-logprobs gate, named in help texts that list them.
 HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "indexer_differing_sets, routing_differing_tokens)"),
                   ("shards cat", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
-                  ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra.")}
+                  ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
+                  # Issue 34: the built-in calculator speaking GLM's own tool-call format.
+                  ("rollout", "env"): ("calculator, kv-lookup", "calculator, calculator-glm, kv-lookup")}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
