@@ -22,6 +22,7 @@ from glmpost.envs import (
 )
 from glmpost.envs.calculator_glm import CALCULATOR_TOOL
 from glmpost.envs.glm_tool_calls import TAGS, tag_ids
+from glmpost.errors import UsageError
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 from glmpost.formats.prompts import encode_prompt, renders_tools
 from glmpost.kernel.engine import Completion, SamplingParams
@@ -138,6 +139,23 @@ def test_calculator_glm_answers_each_call_with_a_tool_response(tokenizer):
     assert (final.reward, final.done, final.info) == (1.0, True, {"answer": "3367", "correct": True})
     with pytest.raises(ValueError, match="Action.tool_calls"):
         env.step(Action((1,), "no parse"))
+
+
+class BadTools:
+    tools = [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}]
+
+    def reset(self, task):
+        return ""
+
+    def step(self, action):
+        raise NotImplementedError
+
+
+def test_declared_tools_are_checked_and_pass_through_latency():
+    with pytest.raises(UsageError, match=r"--env test_glm_tool_calls:BadTools: tools must be .* distinct names"):
+        resolve_environment("test_glm_tool_calls:BadTools")
+    assert resolve_environment("calculator").tools is None
+    assert resolve_environment("latency", {"inner": "calculator-glm", "median_s": 0}).tools == [CALCULATOR_TOOL]
 
 
 def test_the_chat_template_renders_the_tools_into_the_prompt_ids(tokenizer):
