@@ -36,9 +36,13 @@ weights are confirmed by fingerprint against --checkpoint's (--fingerprint-toler
 opens and after every generate call, and records from a server not confirmed carry no
 policy_versions.
 
---env NAME runs multi-turn (agentic) trajectories against an environment (calculator, kv-lookup, kv-recall,
-latency, or package.module:Class with reset(task) and step(action); --env-options is a JSON object
-of its keyword arguments). Turn after turn the model's exact ids are the action (ending with the
+--env NAME runs multi-turn (agentic) trajectories against an environment (calculator, calculator-glm,
+kv-lookup, kv-recall, latency, or package.module:Class with reset(task) and step(action); --env-options
+is a JSON object of its keyword arguments). An environment that declares tools (JSON function schemas;
+calculator-glm does) gets them rendered into the prompt by the checkpoint's chat template
+(apply_chat_template(tools=...); a template that does not render them is refused) and each action's
+GLM tool calls (<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>) parsed from
+its exact ids; the results come back as <tool_response> observations. Turn after turn the model's exact ids are the action (ending with the
 turn marker it emitted, which is trained) and the environment's answer is rendered once with the
 chat template's observation turn and appended as exact ids: each turn's prompt is exactly what came
 before, nothing is re-tokenized. Observation tokens carry observation_mask, NaN log-probs and

@@ -132,10 +132,22 @@ def read_prompts(path: Path, rows=None) -> list[PromptItem]:
     return items
 
 
-def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the chat template, ending with the assistant turn opener."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def encode_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template, ending with the assistant turn opener;
+    with ``tools`` (JSON function schemas), the template renders them too (GLM: into the system prompt)."""
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra)
     return [int(i) for i in ids]
+
+
+def renders_tools(tokenizer, tools: list[dict[str, Any]]) -> bool:
+    """Whether the chat template renders ``tools``: a probe conversation rendered with them differs
+    from the one without, and names every function."""
+    probe = [{"role": "user", "content": "?"}]
+    plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    with_tools = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, tools=tools)
+    names = [str(tool.get("function", tool).get("name", "")) for tool in tools]
+    return with_tools != plain and all(name in with_tools for name in names)
 
 
 def encode_response(tokenizer, text: str, *, eos: bool = True) -> list[int]:

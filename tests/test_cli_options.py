@@ -79,7 +79,9 @@ ADDED_32 = {("rollout", "admin_api_key"): None, ("rollout", "unversioned_server"
 # Issue 33's new record field and diff-logprobs gate, named in help texts that list them.
 HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "indexer_differing_sets, routing_differing_tokens)"),
                   ("shards cat", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
-                  ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra.")}
+                  ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
+                  # Issue 34: the built-in calculator speaking GLM's own tool-call format.
+                  ("rollout", "env"): ("calculator, kv-lookup", "calculator, calculator-glm, kv-lookup")}
 # Experiment trackers on every stage that writes metrics (issue 34).
 TRACKED = ("init-model", "import-model", "init-critic", "qat", "rollout", "judge", "eval", "train-grpo", "train-sao",
            "sync-weights", "serve", "score-teacher", "opd-merge", "quantize", "diff-logprobs", "shards import")

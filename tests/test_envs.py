@@ -223,7 +223,7 @@ def user_module():
 
 def test_specs_that_are_no_environment_are_one_line_errors(user_module):
     cases = {
-        "calculater": "--env: unknown environment 'calculater' (built in: calculator, kv-lookup, kv-recall, latency;",
+        "calculater": "--env: unknown environment 'calculater' (built in: calculator, calculator-glm, kv-lookup, kv-recall, latency;",
         f"{user_module}:Missing": f"--env: {user_module} has no attribute 'Missing'",
         f"{user_module}:NoStep": f"--env: {user_module}:NoStep is not an environment: it lacks step()",
         f"{user_module}:NeedsOption": f"--env: {user_module}:NeedsOption cannot be built with options {{}}",

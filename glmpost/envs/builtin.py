@@ -354,6 +354,7 @@ class Latency:
         if not median_s >= 0 or not sigma >= 0:
             raise ValueError(f"median_s and sigma must be >= 0, got {median_s} and {sigma}")
         self.inner = resolve_environment(inner, inner_options, where="latency inner")()
+        self.tools = getattr(self.inner, "tools", None)  # the inner environment's, rendered and parsed for it
         with self._lock:
             number = next(self._instances)
         self.rng = random.Random(seed * 1_000_003 + number)

@@ -7,7 +7,11 @@ them exists for the environment only. An environment is any class with
   (may be ``""``: the prompt already says everything);
 * ``step(action: Action) -> Step``: the next observation (text, rendered by the rollout with the chat
   template's observation turn and appended as exact ids), a reward, whether the trajectory is done,
-  and free-form ``info`` kept in the record.
+  and free-form ``info`` kept in the record;
+* optionally ``tools``: a list of JSON schemas (OpenAI function format) of the tools it answers in
+  GLM's own tool-call format (:mod:`glmpost.envs.glm_tool_calls`): the rollout renders the first prompt
+  with the checkpoint's chat template and these tools, and parses each action's exact ids into
+  :attr:`Action.tool_calls` for the environment (``calculator-glm``).
 
 One instance serves one trajectory (it may keep state between steps); the rollout builds it from a
 name registered in :data:`ENVIRONMENTS` (``calculator``, ``kv-lookup``, ``latency``) or from a
@@ -21,10 +25,12 @@ step slower than the timeout, or an answer that is not a :class:`Step` becomes
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from glmpost.envs.glm_tool_calls import ToolCalls, tool_names
 from glmpost.errors import UsageError
 from glmpost.registry import Registry
 from glmpost.rewards.verifiers import load_hook
@@ -37,6 +43,7 @@ class Action:
 
     token_ids: tuple[int, ...]
     text: str
+    tool_calls: ToolCalls | None = None  # for an environment with ``tools``: GLM tool calls parsed from token_ids
 
 
 @dataclass
@@ -63,11 +70,39 @@ class EnvironmentFailure(Exception):
 ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment")
 
 
-def resolve_environment(spec: str, options: dict[str, Any] | None = None, *, where: str = "--env") -> Callable[[], Environment]:
+@dataclass(frozen=True)
+class EnvironmentFactory:
+    """Builds fresh environments of ``cls`` with ``options``; ``tools``: the schemas they declare (None: none)."""
+
+    cls: Callable[..., Environment]
+    options: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+
+    def __call__(self) -> Environment:
+        return self.cls(**self.options)
+
+
+def declared_tools(env: Any, *, where: str = "--env") -> list[dict[str, Any]] | None:
+    """``env``'s ``tools`` (None when it declares none), checked: a non-empty list of JSON-serializable
+    function schemas, each with a distinct name; anything else is one :class:`UsageError` naming ``where``."""
+    tools = getattr(env, "tools", None)
+    if tools is None:
+        return None
+    try:
+        json.dumps(tools)
+        names = tool_names(tools)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{where}: tools must be a list of JSON function schemas ({type(exc).__name__}: {exc})") from None
+    if not isinstance(tools, list) or not tools or not all(names) or len(set(names)) != len(names):
+        raise UsageError(f"{where}: tools must be a non-empty list of function schemas with distinct names, got {names}")
+    return tools
+
+
+def resolve_environment(spec: str, options: dict[str, Any] | None = None, *, where: str = "--env") -> EnvironmentFactory:
     """A factory of fresh environments for ``spec`` (a registered name or ``package.module:Class``)
     built with ``options``; one instance is made and checked here, so a spec that does not exist,
-    does not build with these options, or lacks ``reset`` / ``step`` is one :class:`UsageError`
-    naming ``where``."""
+    does not build with these options, lacks ``reset`` / ``step`` or declares malformed ``tools`` is
+    one :class:`UsageError` naming ``where``."""
 
     options = dict(options or {})
     if spec in ENVIRONMENTS:
@@ -84,7 +119,7 @@ def resolve_environment(spec: str, options: dict[str, Any] | None = None, *, whe
     missing = [name for name in ("reset", "step") if not callable(getattr(probe, name, None))]
     if missing:
         raise UsageError(f"{where}: {spec} is not an environment: it lacks {' and '.join(m + '()' for m in missing)}")
-    return lambda: cls(**options)
+    return EnvironmentFactory(cls, options, declared_tools(probe, where=f"{where} {spec}"))
 
 
 def call_environment(fn: Callable[..., Any], *args: Any, timeout: float | None, what: str) -> Any:

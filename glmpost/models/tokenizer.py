@@ -25,8 +25,21 @@ SPECIAL_TOKENS = (
 STOP_TOKENS = (EOS_TOKEN, "<|user|>", "<|observation|>")
 
 # Roles: system, user, assistant, and tool results as GLM's "observation" role ("tool" is an alias).
+# With ``tools`` (JSON function schemas), GLM-4.5's "# Tools" system turn comes first: the schemas
+# inside <tools></tools> and the <tool_call> / <arg_key> / <arg_value> format to call them in.
+TOOLS_SECTION = (
+    "{%- if tools -%}"
+    "{{ '<|system|>\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\\n' }}"
+    "{%- for tool in tools -%}{{ tool | tojson(ensure_ascii=False) }}{{ '\\n' }}{%- endfor -%}"
+    "{{ '</tools>\\n\\nFor each function call, output the function name and arguments within the following XML "
+    "format:\\n<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>\\n<arg_value>{arg-value-1}</arg_value>\\n"
+    "<arg_key>{arg-key-2}</arg_key>\\n<arg_value>{arg-value-2}</arg_value>\\n...\\n</tool_call>' }}"
+    "{%- endif -%}"
+)
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
+    + TOOLS_SECTION +
     "{%- for message in messages -%}"
     "{%- set role = 'observation' if message['role'] == 'tool' else message['role'] -%}"
     "<|{{ role }}|>\n{{ message['content'] }}"

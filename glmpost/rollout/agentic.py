@@ -20,6 +20,9 @@ With compaction (:mod:`glmpost.rollout.compaction`, CompactionRL) a trajectory w
 runs low writes a summary (a model turn of kind ``summary``, seeded like any turn by its index) and
 goes on in a rebuilt context: its turns then form context windows, each window's first turn holding
 the exact ids it was sampled after (:attr:`Turn.context`).
+
+An environment that declares ``tools`` gets each action's GLM tool calls parsed from its exact ids
+(:attr:`glmpost.envs.Action.tool_calls`); its observation is rendered and appended like any other.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from glmpost.envs import Action, EnvironmentFailure, call_environment, checked_reset, checked_step
+from glmpost.envs import Action, EnvironmentFailure, call_environment, checked_reset, checked_step, parse_tool_calls
 from glmpost.kernel.engine import Completion, turn_key
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, due, fit_pairs
 
@@ -268,7 +271,9 @@ def _take_turn(trajectory: Trajectory, turn: Turn, env: Any, renderer: Observati
     if completion.finish_reason == "length":
         trajectory.status, trajectory.reason = "truncated", "a turn reached max_new_tokens"
         return False
-    action = Action(tuple(completion.token_ids), decode(completion.token_ids))
+    tools = getattr(env, "tools", None)  # GLM's own tool calls, read from the exact ids
+    calls = parse_tool_calls(completion.token_ids, renderer.tokenizer, tools) if tools else None
+    action = Action(tuple(completion.token_ids), decode(completion.token_ids), calls)
     try:
         step = checked_step(call_environment(env.step, action, timeout=settings.env_timeout, what="step()"))
     except EnvironmentFailure as exc:

@@ -48,9 +48,11 @@ def as_version(value: Any) -> int | None:
 
 
 def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
-                         columns: ColumnsConfig | None = None) -> list[RolloutPrompt]:
+                         columns: ColumnsConfig | None = None,
+                         tools: list[dict[str, Any]] | None = None) -> list[RolloutPrompt]:
     """Prompts from JSONL, parquet, CSV or JSON files or datasets directories (their ``columns``
-    mapped, :mod:`glmpost.rollout.sources`; rendered with the chat template) or shards (their prompt ids).
+    mapped, :mod:`glmpost.rollout.sources`; rendered with the chat template, and ``tools`` when
+    given) or shards (their prompt ids, as recorded).
 
     Shards are accepted so a stage can resample the prompts of earlier trajectories; their records
     must have been tokenized with the same tokenizer revision. Prompt ids must be unique across
@@ -63,7 +65,8 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
         if is_prompt_source(path):
             for prompt in read_prompts(path, source_rows(path, columns)):
                 where = f"{path}: prompt {prompt.id!r}"
-                _add(prompts, seen, RolloutPrompt(prompt.id, encode_prompt(tokenizer, prompt.messages), prompt.domain, prompt.task, where))
+                ids = encode_prompt(tokenizer, prompt.messages, tools)
+                _add(prompts, seen, RolloutPrompt(prompt.id, ids, prompt.domain, prompt.task, where))
             continue
         for shard in resolve_shard_paths([item]):
             for index, (record, _) in enumerate(iter_checked_records([shard], revision=revision, stage="rollout")):

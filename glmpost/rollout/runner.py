@@ -28,8 +28,10 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
+from glmpost.formats.prompts import renders_tools
 from glmpost.formats.shards import remove_partial_shards
 from glmpost.kernel.engine import Completion, SamplingParams
 from glmpost.kernel.loading import attention_ran
@@ -166,14 +168,21 @@ class RolloutRunner:
 
     def open(self, checkpoint: PolicyCheckpoint) -> list[RolloutPrompt]:
         """Check the engine settings, resolve the environment of a multi-turn run, load the prompts
-        (this run's ``limit``) with ``checkpoint``'s tokenizer; returns them."""
+        (this run's ``limit``) with ``checkpoint``'s tokenizer (and chat template, with the tools the
+        environment declares); returns them."""
         config = self.config
         config.check_engine()
         self.environment = config.environment()
+        tools = None
         if self.environment is not None:
             self.renderer = ObservationRenderer(checkpoint.tokenizer)
             self.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
-        self.prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision, config.columns)[: config.limit]
+            tools = getattr(self.environment[1], "tools", None)  # rendered into the prompts by the chat template
+            if tools and not renders_tools(checkpoint.tokenizer, tools):
+                raise ConfigError("{env} {value} declares tools, but the checkpoint's chat template does not render "
+                                  "them (apply_chat_template(tools=...))", value=self.environment[0])
+        self.prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision, config.columns,
+                                            tools)[: config.limit]
         return self.prompts
 
     def run(self) -> dict[str, Any]:

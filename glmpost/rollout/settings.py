@@ -81,7 +81,8 @@ class MultiTurnConfig:
     """A multi-turn rollout's environment and how long its trajectories and steps may run."""
 
     env: Optional[str] = setting(
-        None, "Multi-turn rollouts against this environment: calculator, kv-lookup, kv-recall, latency or package.module:Class. "
+        None, "Multi-turn rollouts against this environment: calculator, calculator-glm, kv-lookup, kv-recall, latency or "
+        "package.module:Class. "
         "Each turn's prompt is the exact ids before it; observations are recorded with observation_mask.")
     env_options: str = setting("{}", "With --env: the environment's keyword arguments, a JSON object.")
     max_turns: int = setting(8, "With --env: most model turns per trajectory (then it ends truncated).", min=1)
