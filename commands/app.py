@@ -20,6 +20,7 @@ from glmpost.commands import (
     qat,
     quantize,
     recipe,
+    report,
     rollout,
     score_teacher,
     serve,
@@ -82,6 +83,7 @@ shards.app.command("import", help=shards_import.__doc__)(spelled_with_flags(shar
 app.add_typer(shards.app, name="shards")
 app.add_typer(recipe.app, name="recipe")
 app.command("plan", help=plan.__doc__)(spelled_with_flags(plan.plan))
+app.command("report", help=report.__doc__)(spelled_with_flags(report.report))
 
 
 class _LogsToStderr(logging.Logger):

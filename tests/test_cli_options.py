@@ -49,7 +49,9 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
                            "admin_api_key", "server_log_prob_kind", "unversioned_server", "max_continuations",
                            "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
                            "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
-                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite"}}
+                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite"},
+                  # A run report (issue 34): RUN_DIRs, --out, the run names, the page's title and the PNGs' dpi.
+                  "report": {"runs", "out", "as_json", "config", "names", "title", "dpi"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 # --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,
