@@ -119,7 +119,8 @@ def read_page(out: Path) -> Page:
 
 
 def test_two_runs_side_by_side(glmpost_cli, tmp_path):
-    expected = {"alpha": make_run(tmp_path / "alpha", reward_scale=0.1), "beta": make_run(tmp_path / "beta", reward_scale=0.2, steps=4)}
+    expected = {"alpha": make_run(tmp_path / "alpha", reward_scale=0.1),
+                "beta": make_run(tmp_path / "beta", reward_scale=0.2, steps=4)}
     out = tmp_path / "report"
     result = glmpost_cli("report", tmp_path / "alpha", tmp_path / "beta", "--out", out)
     assert result.exit_code == 0, result.stderr
@@ -179,6 +180,19 @@ def test_a_run_with_two_roots_has_a_line_per_root(glmpost_cli, tmp_path):
     assert float(page.cells[("quick: policy", "rollout/response_length_mean")]) == first["rollout/response_length_mean"]
     assert float(page.cells[("quick: agentic-policy", "eval/pass@4")]) == pytest.approx(0.5 * 0.3)  # its --checkpoint's
     assert float(page.cells[("quick: other", "rollout/response_length_mean")]) == 3.0
+
+
+def test_a_checkpoint_root_or_one_version_alone(glmpost_cli, tmp_path):
+    make_run(tmp_path / "run", reward_scale=0.1, steps=2)
+    root, version = tmp_path / "run" / "policy", tmp_path / "run" / "policy" / "v000001"
+    out = tmp_path / "report"
+    result = glmpost_cli("report", root, version, "--out", out)
+    assert result.exit_code == 0, result.stderr
+    page = read_page(out)
+    first_version = [json.loads(x) for x in (version / "metrics.jsonl").read_text().splitlines()]
+    assert float(page.cells[("policy", "train/reward_mean")]) == pytest.approx(0.2)  # the root: its last version's
+    assert float(page.cells[("v000001", "train/reward_mean")]) == pytest.approx(first_version[-1]["train/reward_mean"])
+    assert {series for series, _ in page.cells} == {"policy", "v000001"}
 
 
 def test_recipe_section(glmpost_cli, tmp_path):

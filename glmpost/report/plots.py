@@ -5,7 +5,7 @@ reward, trusted fraction (the IcePop / DIS mask's kept share of action tokens), 
 max over the batch's records, from ``train/version_lag/N``), train / rollout log-prob mismatch
 (``diagnostics = ["mismatch"]``), learning rate and loss. Output curves (x: the policy version that
 sampled, judged or was evaluated; several shards of one version are averaged, weighted by records):
-response length (mean, min, max), judged reward, eval's avg@n, pass@k and maj@n. Every stream of every
+response length (mean, min, max), judged reward, eval's avg@n, pass@k, maj@n and mean verifier score. Every stream of every
 run is one colour on every plot; several keys on one plot differ in line style.
 """
 
@@ -22,6 +22,7 @@ from glmpost.report.sources import LAG_MAX, LAG_MEAN, Stream
 STEP, VERSION = "step", "version"
 AXIS_LABELS = {STEP: "optimizer step (all versions)", VERSION: "policy version"}
 STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "x")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ PLOTS = (
           Curve("rollout/response_length_min", "min", "min"))),
     Plot("judged_reward", "Sampled reward (judge)", VERSION, "mean reward", (Curve("judge/reward_mean", "mean reward"),)),
     Plot("eval", "Evaluation (glmpost eval)", VERSION, "score",
-         (Curve("eval/avg@*", "avg@n"), Curve("eval/pass@*", "pass@k"), Curve("eval/maj@*", "maj@n"))),
+         (Curve("eval/avg@*", "avg@n"), Curve("eval/pass@*", "pass@k"), Curve("eval/maj@*", "maj@n"),
+          Curve("eval/score_mean", "mean verifier score"))),
 )
 
 
@@ -134,7 +136,7 @@ def draw(plot: Plot, streams: list[Stream], directory: Path, *, dpi: int) -> Dra
                 continue
             xs, ys = zip(*found)
             ax.plot(xs, ys, color=f"C{index % 10}", linestyle=STYLES[style % len(STYLES)], linewidth=1.5,
-                    marker="o" if len(found) <= 30 else None, markersize=3,
+                    marker=MARKERS[style % len(MARKERS)] if len(found) <= 30 else None, markersize=3,
                     label=curve_label(stream, key, curve, len(keys) > 1))
             drawn.finals[(stream.label, key)] = ys[-1]
     ax.set_title(plot.title)

@@ -9,7 +9,7 @@ version of the rollout shard it judged; eval: ``policy_version``). An output no 
 goes with the root its stage.json ``checkpoint`` names (an eval of the policy); the rest form one
 more stream (``other``). Left out: a root's version directories (their lines
 are the root's), an eval's own rollout/ and judged/ (its metrics line says the result), an earlier
-report, and hidden directories.
+report, and hidden directories. A RUN_DIR that is a version directory is read as the steps of that version.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ class VersionOf:
 def load_run(path: Path, name: str, out: Path | None) -> Run:
     """Read the run directory ``path`` (module doc); a missing directory or one without metrics is an error."""
     if not path.is_dir():
-        raise UsageError(f"run directory {path} does not exist" if not path.exists() else f"run directory {path} is not a directory")
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise UsageError(f"run directory {path} {problem}")
     top = path.resolve()
     files = found_files(top, METRICS, out)
     if not files:
@@ -183,8 +184,8 @@ def load_run(path: Path, name: str, out: Path | None) -> Run:
     version_of = VersionOf()
     for metrics in files:
         lines = read_metrics(metrics)
-        if metrics.parent in streams:
-            streams[metrics.parent].steps.extend(with_lag(line) for line in lines)
+        if metrics.parent in streams or _is_root(metrics.parent.parent):  # a version directory read alone: its steps
+            streams.setdefault(metrics.parent, Stream(metrics.parent.name)).steps.extend(with_lag(line) for line in lines)
             continue
         stream = streams.get(owner.get(metrics.parent) or checkpoint_root(metrics.parent, roots), other)
         for line in lines:
