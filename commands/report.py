@@ -5,13 +5,13 @@ A RUN_DIR is a directory of glmpost outputs (a pipeline's folder, a checkpoint r
 versions, a rollout or eval output); every metrics.jsonl under it is read. A checkpoint root's holds
 the trainer's history: reward (train/reward_mean), trusted fraction (train/trusted_fraction: the
 IcePop / DIS mask's kept share), version lag (from train/version_lag/N), train / rollout log-prob
-mismatch (train/mismatch_*), learning rate (train/lr, sft/lr) and loss, drawn against the optimizer
-step over all its versions. Rollout, judge and eval outputs give response lengths
-(rollout/response_length_*), the judged reward (judge/reward_mean) and eval's avg@n, pass@k, maj@n
-and score, drawn against the policy version. A run with several checkpoint roots has a line per
-root (with the outputs it trained on, followed through the stage.json inputs, and those made with it
-as --checkpoint, such as its evals) and one for the rest. A plot no run has keys for is left out,
-and the page says so.
+mismatch (train/mismatch_*), learning rate (train/lr, sft/lr) and loss (train/loss, sft/loss),
+drawn against the optimizer step over all its versions. Rollout, judge and eval outputs give
+response lengths (rollout/response_length_*), the judged reward (judge/reward_mean) and eval's
+avg@n, pass@k, maj@n and score, drawn against the policy version. A run with several checkpoint
+roots has a line per root (with the outputs it trained on, followed through the stage.json inputs,
+and those made with it as --checkpoint, such as its evals) and one for the rest. A plot no run has
+keys for is left out, and the page says so.
 
 The page also holds a table of each line's last values and each run's files and stage.json options;
 the PNGs lie beside it. OUT/metrics.jsonl holds one line (what was plotted), OUT/stage.json the

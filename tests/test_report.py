@@ -16,6 +16,7 @@ from glmpost.report.plots import PLOTS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TITLES = {plot.name: plot.title for plot in PLOTS}
+RL_PLOTS = [plot.name for plot in PLOTS if plot.name != "sft_loss"]  # what make_run has keys for
 
 
 def _write_lines(path: Path, lines: list[dict]) -> None:
@@ -126,8 +127,9 @@ def test_two_runs_side_by_side(glmpost_cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert str(out / "report.html") in result.stdout and "alpha, beta" in result.stdout
     page = read_page(out)
-    assert sorted(image["alt"] for image in page.images) == sorted(TITLES.values())
-    assert set(TITLES.values()) <= set(page.headings) and "Not plotted" not in page.headings
+    assert sorted(image["alt"] for image in page.images) == sorted(TITLES[name] for name in RL_PLOTS)
+    assert {TITLES[name] for name in RL_PLOTS} <= set(page.headings) and "Not plotted" in page.headings
+    assert f"{TITLES['sft_loss']}: no run has sft/loss" in "".join(page.text)
     assert {series for series, _ in page.cells} == {"alpha", "beta"}
     for name, values in expected.items():
         for key, value in values.items():
@@ -136,8 +138,8 @@ def test_two_runs_side_by_side(glmpost_cli, tmp_path):
             assert float(page.cells[(name, key)]) == pytest.approx(value, rel=1e-5), (name, key)
     assert ("alpha", "eval/count/avg@4") not in page.cells  # a domain's eval metric is not the overall one
     line, = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert line["report/runs"] == ["alpha", "beta"] and line["report/plots"] == [p.name for p in PLOTS]
-    assert line["report/not_plotted"] == [] and line["report/metrics_files"] == 2 * 6
+    assert line["report/runs"] == ["alpha", "beta"] and line["report/plots"] == RL_PLOTS
+    assert line["report/not_plotted"] == ["sft_loss"] and line["report/metrics_files"] == 2 * 6
     stage = json.loads((out / "stage.json").read_text())
     assert stage["stage"] == "report" and stage["options"]["runs"] == [str(tmp_path / "alpha"), str(tmp_path / "beta")]
     assert stage["runs"] == {"alpha": str(tmp_path / "alpha"), "beta": str(tmp_path / "beta")}
@@ -159,13 +161,15 @@ def test_plots_without_keys_are_left_out_and_named(glmpost_cli, tmp_path):
     assert float(page.cells[("only-rollout", "rollout/response_length_mean")]) == 5.0
     make_run(rollout, reward_scale=1.0)  # a rerun into the same OUT writes the report again
     assert glmpost_cli("report", rollout, "--out", out).exit_code == 0
-    assert len(read_page(out).images) == len(PLOTS) and len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len(read_page(out).images) == len(RL_PLOTS) and len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_run_with_two_roots_has_a_line_per_root(glmpost_cli, tmp_path):
     run = tmp_path / "pipeline"
     first = make_run(run, reward_scale=0.1, root="policy", iters="iter")
     second = make_run(run, reward_scale=0.3, root="agentic-policy", iters="agentic-iter", versions=3)
+    _write_lines(run / "warm-start" / "metrics.jsonl", [{"sft/loss": 6.0 - s, "sft/lr": 3e-3, "sft/step": s} for s in range(4)])
+    (run / "warm-start" / "LATEST").write_text("v000001\n")  # a qat root: SFT loss and lr
     greedy = run / "eval-model" / "rollout"  # of a checkpoint that is no root of the run: the line "other"
     _stage(greedy, "rollout", checkpoint=str(run / "model"))
     _write_lines(greedy / "metrics.jsonl", [{"rollout/policy_version": 0, "rollout/response_length_mean": 3.0}])
@@ -180,6 +184,8 @@ def test_a_run_with_two_roots_has_a_line_per_root(glmpost_cli, tmp_path):
     assert float(page.cells[("quick: policy", "rollout/response_length_mean")]) == first["rollout/response_length_mean"]
     assert float(page.cells[("quick: agentic-policy", "eval/pass@4")]) == pytest.approx(0.5 * 0.3)  # its --checkpoint's
     assert float(page.cells[("quick: other", "rollout/response_length_mean")]) == 3.0
+    assert float(page.cells[("quick: warm-start", "sft/loss")]) == 3.0 and page.cells[("quick: warm-start", "train/lr")] == ""
+    assert [image["src"] for image in page.images] == [f"{plot.name}.png" for plot in PLOTS]
 
 
 def test_a_checkpoint_root_or_one_version_alone(glmpost_cli, tmp_path):

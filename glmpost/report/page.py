@@ -41,6 +41,7 @@ def _figure(drawn: Drawn) -> str:
 
 
 def _table(drawn: list[Drawn], labels: list[str]) -> str:
+    labels = [label for label in labels if any(label == series for d in drawn for series, _ in d.finals)]
     head = "".join(f"<th>{escape(label)}</th>" for label in labels)
     rows = []
     for d in drawn:

@@ -1,13 +1,13 @@
 """The report's curves: which metrics keys each plot draws, and the PNGs (matplotlib's Agg backend).
 
-Trainer curves (a checkpoint root's history; x: the optimizer step over all its versions):
-reward, trusted fraction (the IcePop / DIS mask's kept share of action tokens), version lag (mean and
-max over the batch's records, from ``train/version_lag/N``), train / rollout log-prob mismatch
-(``diagnostics = ["mismatch"]``), learning rate and loss. Output curves (x: the policy version that
-sampled, judged or was evaluated; several shards of one version are averaged, weighted by records):
-response length (mean, min, max), judged reward, eval's avg@n, pass@k, maj@n and mean verifier score. Every stream of every
-run is one colour on every plot; several keys on one plot differ in line style.
-"""
+Trainer curves (a checkpoint root's history; x: the optimizer step over all its versions): reward,
+trusted fraction (the IcePop / DIS mask's kept share of action tokens), version lag (mean and max
+over the batch's records, from ``train/version_lag/N``), train / rollout log-prob mismatch
+(``diagnostics = ["mismatch"]``), learning rate, the policy loss and the SFT loss (qat). Output
+curves (x: the policy version that sampled, judged or was evaluated; several shards of one version
+are averaged, weighted by records): response length (mean, min, max), judged reward, eval's avg@n,
+pass@k, maj@n and mean verifier score. Every stream of every run is one colour on every plot;
+several keys on one plot differ in line style and marker."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ PLOTS = (
     Plot("mismatch", "Train / rollout log-prob mismatch", STEP, "on the same weights",
          (Curve("train/mismatch_abs_logp_mean", "mean |log p train - log p rollout|"),
           Curve("train/mismatch_k3_kl", "k3 KL(rollout || train)"))),
-    Plot("lr", "Learning rate", STEP, "lr", (Curve("train/lr", "lr"), Curve("sft/lr", "lr (SFT)"))),
-    Plot("loss", "Loss", STEP, "loss", (Curve("train/loss", "loss"), Curve("sft/loss", "SFT loss"))),
+    Plot("lr", "Learning rate", STEP, "lr", (Curve("train/lr", "lr"), Curve("sft/lr", "SFT lr"))),
+    Plot("loss", "Policy loss", STEP, "loss (train/loss)", (Curve("train/loss", "loss"),)),
+    Plot("sft_loss", "SFT loss (qat)", STEP, "loss (sft/loss)", (Curve("sft/loss", "SFT loss"),)),
     Plot("response_length", "Response length", VERSION, "tokens",
          (Curve("rollout/response_length_mean", "mean"), Curve("rollout/response_length_max", "max", "max"),
           Curve("rollout/response_length_min", "min", "min"))),
