@@ -21,6 +21,7 @@ from glmpost.commands import (
     qat,
     quantize,
     recipe,
+    report,
     rollout,
     score_teacher,
     serve,
@@ -87,6 +88,7 @@ _stage("import", shards_import, shards_import.shards_import, group=shards.app, s
 app.add_typer(shards.app, name="shards")
 app.add_typer(recipe.app, name="recipe")
 app.command("plan", help=plan.__doc__)(spelled_with_flags(plan.plan))
+app.command("report", help=report.__doc__)(spelled_with_flags(report.report))
 
 
 class _LogsToStderr(logging.Logger):

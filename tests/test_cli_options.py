@@ -56,7 +56,9 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
                            "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
                            "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
                            "resume_template", "max_summary_tokens", "zstd_level", "overwrite", *DATA_COLUMNS,
-                           "follow", "every", "poll_s", "idle_timeout"}}
+                           "follow", "every", "poll_s", "idle_timeout"},
+                  # A run report (issue 34): RUN_DIRs, --out, the run names, the page's title and the PNGs' dpi.
+                  "report": {"runs", "out", "as_json", "config", "names", "title", "dpi"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 # --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,

@@ -1,0 +1,1 @@
+"""glmpost report: a static HTML page of a run's curves."""
