@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Where each importable package's files live (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"glmpost": ROOT / "glmpost", "glmpost.commands": ROOT / "commands",
                 "glmpost.formats": ROOT / "formats", "glmpost.npu": ROOT / "npu"}
-STAGE_PACKAGES = {"rollout", "rewards", "envs", "rl", "diff", "teachers", "server", "weight_sync", "memory",
+STAGE_PACKAGES = {"rollout", "rewards", "envs", "rl", "diff", "teachers", "server", "weight_sync", "memory", "evaluation", "report",
                   "spool", "pipeline", "commands"}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
