@@ -128,8 +128,9 @@ def trained_on(roots: list[Path]) -> dict[Path, Path]:
 
 def checkpoint_root(directory: Path, roots: list[Path]) -> Path | None:
     """The root (of ``roots``) whose policy made the output ``directory`` (its stage.json ``checkpoint``:
-    the root or one of its versions), if any."""
-    checkpoint = stage_of(directory).get("options", {}).get("checkpoint")
+    the root or one of its versions; ``eval --follow``'s ``follow``: the root), if any."""
+    options = stage_of(directory).get("options", {})
+    checkpoint = options.get("checkpoint") or options.get("follow")
     if not checkpoint:
         return None
     path = Path(str(checkpoint)).resolve()
