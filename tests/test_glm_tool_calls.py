@@ -278,3 +278,27 @@ def test_a_template_that_does_not_render_tools_is_a_one_line_error(glmpost_cli, 
     message = result.stderr.strip().splitlines()
     assert len(message) == 1 and "--env calculator-glm declares tools, but the checkpoint's chat template" in message[0]
     assert tool_responses(["1", "2"]).count("<tool_response>") == 2
+
+
+# GLM-4.5+'s way of writing tool results: OpenAI's `tool` role, one message per result, the run of
+# them under one <|observation|>, each in its <tool_response> block (no `observation` role).
+TOOL_ROLE_TEMPLATE = (
+    "[gMASK]<sop>{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|observation|>{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' }}{{ m.content }}{{ '\\n</tool_response>' }}"
+    "{%- elif m.role in ('system', 'user', 'assistant') -%}<|{{ m.role }}|>\n{{ m.content }}"
+    "{%- else -%}{{ raise_exception('unknown role ' ~ m.role) }}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
+
+
+def test_observations_render_as_tool_messages_where_the_template_has_no_observation_role():
+    tok = train_tokenizer(512)
+    tok.chat_template = TOOL_ROLE_TEMPLATE
+    text = tool_responses(["3367", "error: division by zero"])
+    ids = ObservationRenderer(tok).ids(text, after=())
+    # The template writes each block itself: the results once, not wrapped twice.
+    assert tok.decode(ids) == f"<|observation|>\n{text}<|assistant|>"
+    assert tok.decode(ids).count("<tool_response>") == 2
+    tok.chat_template = "{%- for m in messages -%}{{ raise_exception('no') }}{%- endfor -%}"
+    with pytest.raises(Exception, match="renders neither an observation nor a tool turn"):
+        ObservationRenderer(tok).ids(text, after=())

@@ -30,9 +30,11 @@ from __future__ import annotations
 import concurrent.futures
 import difflib
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from glmpost.config import ConfigError
 from glmpost.envs import Action, EnvironmentFailure, call_environment, checked_reset, checked_step, parse_tool_calls
 from glmpost.kernel.engine import Completion, turn_key
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, due, fit_pairs
@@ -126,6 +128,9 @@ def home_server(key: str, servers: int) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % max(servers, 1)
 
 
+TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.S)  # glmpost.envs.tool_responses' blocks
+
+
 class ObservationRenderer:
     """Observation text as the exact ids the chat template gives an observation turn followed by the
     assistant's generation prompt."""
@@ -134,11 +139,24 @@ class ObservationRenderer:
         self.tokenizer = tokenizer
         self.observation_id = tokenizer.convert_tokens_to_ids("<|observation|>")
 
+    def _render(self, messages: list[dict[str, str]]) -> str | None:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:  # jinja's TemplateError: a template that refuses the role
+            return None
+
     def _turn_text(self, text: str) -> str:
         """The template's rendering of one observation turn and the generation prompt, without what
-        it puts before a conversation's first turn ([gMASK]<sop> for GLM)."""
-        rendered = self.tokenizer.apply_chat_template([{"role": "observation", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
+        it puts before a conversation's first turn ([gMASK]<sop> for GLM). A template without GLM's
+        ``observation`` role (GLM-4.5+'s speak OpenAI's ``tool``, one message per ``<tool_response>``
+        block, which they write themselves under one ``<|observation|>``) gets the text as tool messages."""
+        rendered = self._render([{"role": "observation", "content": text}])
+        if rendered is None or text not in rendered:
+            contents = TOOL_RESPONSE.findall(text) or [text]
+            rendered = self._render([{"role": "tool", "content": content} for content in contents])
+            if rendered is None or not all(content in rendered for content in contents):
+                raise ConfigError("the checkpoint's chat template renders neither an observation nor a tool turn; "
+                                  "{env} needs one")
         start = rendered.find("<|observation|>")
         return rendered[start:] if start >= 0 else rendered
 
