@@ -6,7 +6,7 @@ a tracker that fails (to start, or later) is said in one line on stderr and left
 goes on. A line's numbers (ints, floats, bools) are its scalars; strings and the wall-clock
 ``time`` are left out. The x-axis is the first of :data:`STEP_KEYS` a line holds (a trainer's
 ``train/global_step``: its optimizer steps across the root's versions; a follow mode's policy
-version), else the line's index in this run. The stage's options are the run's config.
+version), else the last such value seen (a trainer's closing line), else the line's index in this run. The stage's options are the run's config.
 
 Everything is local unless the library's own environment says otherwise: TensorBoard event files
 under ``DIR/tensorboard/RUN``, W&B in offline mode under ``DIR/wandb`` (``WANDB_MODE=online`` to
@@ -86,13 +86,13 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
             if key not in LEFT_OUT and isinstance(value, (int, float)) and not isinstance(value, complex)}
 
 
-def step_of(row: dict[str, Any], index: int) -> int:
-    """The line's x-axis value: the first :data:`STEP_KEYS` it holds, else ``index``."""
+def step_of(row: dict[str, Any]) -> int | None:
+    """The line's x-axis value: the first :data:`STEP_KEYS` it holds, else None."""
     for key in STEP_KEYS:
         value = row.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return int(value)
-    return index
+    return None
 
 
 def flat_config(options: dict[str, Any], *, limit: int = 500) -> dict[str, str]:
@@ -238,11 +238,17 @@ class TrackerSet:
 
     def __init__(self, trackers: list[Tracker]):
         self.trackers = trackers
-        self.index = 0
+        self.index = 0  # lines seen
+        self.last_step: int | None = None  # the last x-axis value a line held
 
     def log(self, row: dict[str, Any]) -> None:
+        """A line's scalars at its step; a line without one (a trainer's closing line) at the last
+        step seen, else at its index in this run."""
         values = scalars(row)
-        step = step_of(row, self.index)
+        step = step_of(row)
+        if step is not None:
+            self.last_step = step
+        step = step if step is not None else self.last_step if self.last_step is not None else self.index
         self.index += 1
         if not values:
             return
