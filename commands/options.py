@@ -141,7 +141,8 @@ def spelled_with_flags(fn, *, tracked: str | None = None):
             for name in TRACKER_SETTINGS:
                 kwargs.pop(name)
             with tracking(config_from(ctx, TrackerSettings), stage=tracked, config=tracker_config(ctx),
-                          out=ctx.params.get("out") or ctx.params.get("follow") or ctx.params.get("checkpoint")):
+                          out=ctx.params.get("out") or ctx.params.get("follow") or ctx.params.get("checkpoint"),
+                          follow=bool(ctx.params.get("follow"))):
                 return fn(*args, **kwargs)
 
     if not takes_ctx:

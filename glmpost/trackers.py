@@ -4,9 +4,10 @@ MLflow or trackio (``--tracker``, repeatable), through the libraries themselves.
 ``metrics.jsonl`` stays the record: a line is written there first, then handed to the trackers, and
 a tracker that fails (to start, or later) is said in one line on stderr and left out; the stage
 goes on. A line's numbers (ints, floats, bools) are its scalars; strings and the wall-clock
-``time`` are left out. The x-axis is the first of :data:`STEP_KEYS` a line holds (a trainer's
-``train/global_step``: its optimizer steps across the root's versions; a follow mode's policy
-version), else the last such value seen (a trainer's closing line), else the line's index in this run. The stage's options are the run's config.
+``time`` are left out. The x-axis is a trainer's ``train/global_step`` (its optimizer steps across
+the root's versions; a line without one after one, such as a closing or a follow summary line, goes
+at the last step), else, in a follow mode (``--follow``), the line's policy version
+(:data:`VERSION_KEYS`), else the line's index in this run. The stage's options are the run's config.
 
 Everything is local unless the library's own environment says otherwise: TensorBoard event files
 under ``DIR/tensorboard/RUN``, W&B in offline mode under ``DIR/wandb`` (``WANDB_MODE=online`` to
@@ -35,8 +36,8 @@ from glmpost.errors import first_line
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
-# The x-axis: the first of these a line holds (else the line's index in the run).
-STEP_KEYS = ("train/global_step", "follow/policy_version", "sync/policy_version", "policy_version")
+STEP_KEY = "train/global_step"  # a trainer's x-axis
+VERSION_KEYS = ("follow/policy_version", "rollout/policy_version", "policy_version")  # a follow mode's
 LEFT_OUT = ("time",)  # wall-clock seconds: every tracker stamps its own
 
 
@@ -86,9 +87,9 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
             if key not in LEFT_OUT and isinstance(value, (int, float)) and not isinstance(value, complex)}
 
 
-def step_of(row: dict[str, Any]) -> int | None:
-    """The line's x-axis value: the first :data:`STEP_KEYS` it holds, else None."""
-    for key in STEP_KEYS:
+def number_at(row: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` the line holds as a finite number, as an int; else None."""
+    for key in keys:
         value = row.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return int(value)
@@ -236,19 +237,26 @@ def missing_package(name: str) -> str | None:
 class TrackerSet:
     """The trackers of one stage run: each line's scalars to every tracker still working."""
 
-    def __init__(self, trackers: list[Tracker]):
+    def __init__(self, trackers: list[Tracker], *, by_version: bool = False):
         self.trackers = trackers
+        self.by_version = by_version  # a follow mode: lines without a step go at their policy version
         self.index = 0  # lines seen
-        self.last_step: int | None = None  # the last x-axis value a line held
+        self.last_step: int | None = None  # the last train/global_step seen
 
-    def log(self, row: dict[str, Any]) -> None:
-        """A line's scalars at its step; a line without one (a trainer's closing line) at the last
-        step seen, else at its index in this run."""
-        values = scalars(row)
-        step = step_of(row)
+    def step(self, row: dict[str, Any]) -> int:
+        """The line's x-axis value (module doc)."""
+        step = number_at(row, (STEP_KEY,))
         if step is not None:
             self.last_step = step
-        step = step if step is not None else self.last_step if self.last_step is not None else self.index
+            return step
+        if self.last_step is not None:
+            return self.last_step
+        version = number_at(row, VERSION_KEYS) if self.by_version else None
+        return version if version is not None else self.index
+
+    def log(self, row: dict[str, Any]) -> None:
+        values = scalars(row)
+        step = self.step(row)
         self.index += 1
         if not values:
             return
@@ -287,7 +295,7 @@ def track(row: dict[str, Any]) -> None:
         _active.log(row)
 
 
-def start(settings: TrackerSettings, *, run: str, config: dict[str, Any]) -> TrackerSet:
+def start(settings: TrackerSettings, *, run: str, config: dict[str, Any], by_version: bool = False) -> TrackerSet:
     """Start the trackers ``settings`` names (a missing package is refused before any work; one that
     fails to start is said in one line and left out) and make them the active set."""
     global _active
@@ -303,7 +311,7 @@ def start(settings: TrackerSettings, *, run: str, config: dict[str, Any]) -> Tra
                 trackers.append(BACKENDS[name](settings, run, config))
         except Exception as exc:
             _say(f"tracker {name} failed to start ({first_line(exc)}); left out, metrics.jsonl is complete")
-    _active = TrackerSet(trackers)
+    _active = TrackerSet(trackers, by_version=by_version)
     return _active
 
 
@@ -316,13 +324,15 @@ def stop(failed: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def tracking(settings: TrackerSettings, *, stage: str, out: Path | None, config: dict[str, Any]) -> Iterator[None]:
-    """The trackers of one stage run, on the process that writes metrics (rank 0 under a launcher)."""
+def tracking(settings: TrackerSettings, *, stage: str, out: Path | None, config: dict[str, Any],
+             follow: bool = False) -> Iterator[None]:
+    """The trackers of one stage run, on the process that writes metrics (rank 0 under a launcher);
+    ``follow``: a follow mode (the policy version is the x-axis of lines without a step)."""
     if not settings.tracker or int(os.environ.get("RANK", "0")) != 0:
         settings.names()
         yield
         return
-    start(settings, run=settings.tracker_run or default_run_name(stage, out), config=config)
+    start(settings, run=settings.tracker_run or default_run_name(stage, out), config=config, by_version=follow)
     failed = True
     try:
         yield

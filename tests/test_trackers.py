@@ -180,15 +180,19 @@ def test_a_tracker_failing_mid_run_is_dropped_once_and_the_others_keep_every_lin
     assert broken.calls == 1 and kept.closed is True
     assert kept.rows == [(7, {"train/global_step": 7.0, "train/loss": 0.5, "ok": 1.0}), (7, {"train/update_seconds": 3.0})]
     lines = trackers.TrackerSet([kept := _Kept()])
-    for row in ({"a": 1}, {"a": 2}):  # no step key: the line's index
+    for row in ({"a": 1, "rollout/policy_version": 4}, {"a": 2, "rollout/policy_version": 4}):  # the line's index
         lines.log(row)
     assert [step for step, _ in kept.rows] == [0, 1]
+    follow = trackers.TrackerSet([kept := _Kept()], by_version=True)  # a follow mode: the policy version
+    for row in ({"rollout/policy_version": 2}, {"policy_version": 3}, {"judge/records": 1}):
+        follow.log(row)
+    assert [step for step, _ in kept.rows] == [2, 3, 2]
     assert capsys.readouterr().err.count("tracker broken failed (disk full)") == 1
 
 
 def test_run_names_steps_and_ids():
     assert trackers.default_run_name("train-grpo", Path("/x/runs/quickstart/policy")) == "train-grpo quickstart/policy"
-    assert trackers.step_of({"follow/policy_version": 3, "policy_version": 9}) == 3
-    assert trackers.step_of({"policy_version": float("nan")}) is None
+    assert trackers.number_at({"follow/policy_version": 3, "policy_version": 9}, trackers.VERSION_KEYS) == 3
+    assert trackers.number_at({"policy_version": float("nan")}, trackers.VERSION_KEYS) is None
     assert trackers.run_id("p", "a") == trackers.run_id("p", "a") != trackers.run_id("p", "b")
     assert trackers.safe_name("train-grpo quickstart/policy") == "train-grpo_quickstart_policy"
