@@ -88,7 +88,7 @@ _stage("import", shards_import, shards_import.shards_import, group=shards.app, s
 app.add_typer(shards.app, name="shards")
 app.add_typer(recipe.app, name="recipe")
 app.command("plan", help=plan.__doc__)(spelled_with_flags(plan.plan))
-app.command("report", help=report.__doc__)(spelled_with_flags(report.report))
+_stage("report", report, report.report)
 
 
 class _LogsToStderr(logging.Logger):

@@ -86,7 +86,7 @@ HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "
                   ("rollout", "env"): ("calculator, kv-lookup", "calculator, calculator-glm, kv-lookup")}
 # Experiment trackers on every stage that writes metrics (issue 34).
 TRACKED = ("init-model", "import-model", "init-critic", "qat", "rollout", "judge", "eval", "train-grpo", "train-sao",
-           "sync-weights", "serve", "score-teacher", "opd-merge", "quantize", "diff-logprobs", "shards import")
+           "sync-weights", "serve", "score-teacher", "opd-merge", "quantize", "diff-logprobs", "shards import", "report")
 TRACKER_DEFAULTS = {"tracker": [], "tracker_dir": "glmpost-trackers", "tracker_project": "glmpost", "tracker_run": None}
 ADDED_TRACKERS = {(command, name) for command in TRACKED for name in TRACKER_DEFAULTS}
 # Bounds issue 30 added (every option bounded, checked before any work).
