@@ -40,7 +40,7 @@ ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "au
                   "routing_replay": False}
 # Commands added since: bringing your own model (issue 31); evaluating a checkpoint (issue 34: rollout's
 # sampling and engine options but --group-size, the task split and refills, then n, k, threshold and the
-# judge's verifier routing).
+# judge's verifier routing and math checker).
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"},
                   "eval": {"inputs", "checkpoint", "out", "as_json", "config", "n", "k", "threshold", "domains",
                            "default_verifier", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed",
@@ -49,7 +49,7 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
                            "admin_api_key", "server_log_prob_kind", "unversioned_server", "max_continuations",
                            "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
                            "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
-                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite"}}
+                           "resume_template", "max_summary_tokens", "zstd_level", "overwrite", "math_checker"}}
 # The server's limits under load (issue 30).
 ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 << 20}
 # --engine vllm (issue 32): vLLM servers for rollout, score-teacher, diff-logprobs and sync-weights,
@@ -73,6 +73,8 @@ ADDED_32 = {("rollout", "admin_api_key"): None, ("rollout", "unversioned_server"
 HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "indexer_differing_sets, routing_differing_tokens)"),
                   ("shards cat", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
                   ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra.")}
+# The math verifier's checker (issue 34, "math-verify"): Math-Verify by default, glmpost's normaliser on request.
+ADDED_MATH = {("judge", "math_checker"): "math-verify"}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -108,7 +110,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
-                    command, name) in ADDED_VLLM:
+                    command, name) in ADDED_VLLM or (command, name) in ADDED_MATH:
                 continue
             if (command, name) in VLLM_HELP:
                 assert "vllm" in after["help"]
@@ -123,6 +125,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["help"]
     for (command, name), default in ADDED_VLLM.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
+    for (command, name), default in ADDED_MATH.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED:
