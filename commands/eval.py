@@ -13,8 +13,9 @@ incorrect and counted in `failures`). Per prompt with c correct of n samples:
   avg@n  = c / n
   pass@k = 1 - C(n - c, k) / C(n, k)   (the unbiased estimator of Chen et al. 2021; each --k, default 1 and n)
   maj@n  = 1 when the most frequent answer among the n samples is correct (ties: the answer seen first);
-           the answer is what the verifier extracted (math: the final answer, normalised), else the
-           whole response text; a sample without one does not vote
+           the answer is the verifier's canonical answer (math: the final answer as one string, equal
+           for equal answers by --math-checker), else the whole response text; a sample without one
+           does not vote
 
 Each is averaged over the prompts of each domain and over all prompts, with the mean verifier score
 (score_mean). OUT/report.json holds them (`overall`, `domains`), OUT/metrics.jsonl one line of the

@@ -6,7 +6,10 @@ penalties (--penalty) drawn from the record's domain verifier (math, count, env,
 package.module:function), format / length / truncation rules, an Outcome Reward Model and a
 generative judge. With no component given, the reward is the domain verifier alone ("correct",
 weight 1). Every component value is kept in `rewards`; a component that fails makes `reward` NaN
-with the reason in `reward_info["failure"]`, never a silent 0.
+with the reason in `reward_info["failure"]`, never a silent 0. The math verifier reads a response's
+last \\boxed{...} (else its last expression) and compares it with the task's `answer` by Math-Verify
+(--math-checker math-verify, the default: 1/2 = 0.5, \\sqrt{4} = 2, sets in any order, units
+dropped) or by glmpost's exact normaliser (--math-checker normalise).
 
 One output shard per input shard (same file name) holds every input field plus `rewards`,
 `reward` and `reward_info`; inputs are never modified. A rerun keeps output shards that are already

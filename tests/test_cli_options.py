@@ -46,7 +46,7 @@ ADDED_DATA = {(command, name): default for command in ("rollout", "shards import
 DATA_HELP = {("rollout", "inputs"), ("shards import", "source")}
 # Commands added since: bringing your own model (issue 31); evaluating a checkpoint (issue 34: rollout's
 # sampling and engine options but --group-size, the task split and refills, then n, k, threshold and the
-# judge's verifier routing).
+# judge's verifier routing and math checker).
 ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_json", "config"},
                   "eval": {"inputs", "checkpoint", "out", "as_json", "config", "n", "k", "threshold", "domains",
                            "default_verifier", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed",
@@ -56,7 +56,7 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
                            "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
                            "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
                            "resume_template", "max_summary_tokens", "zstd_level", "overwrite", *DATA_COLUMNS,
-                           "follow", "every", "poll_s", "idle_timeout"},
+                           "follow", "every", "poll_s", "idle_timeout", "math_checker"},
                   # A run report (issue 34): RUN_DIRs, --out, the run names, the page's title and the PNGs' dpi.
                   "report": {"runs", "out", "as_json", "config", "names", "title", "dpi"}}
 # The server's limits under load (issue 30).
@@ -89,6 +89,8 @@ TRACKED = ("init-model", "import-model", "init-critic", "qat", "rollout", "judge
            "sync-weights", "serve", "score-teacher", "opd-merge", "quantize", "diff-logprobs", "shards import", "report")
 TRACKER_DEFAULTS = {"tracker": [], "tracker_dir": "glmpost-trackers", "tracker_project": "glmpost", "tracker_run": None}
 ADDED_TRACKERS = {(command, name) for command in TRACKED for name in TRACKER_DEFAULTS}
+# The math verifier's checker (issue 34, "math-verify"): Math-Verify by default, glmpost's normaliser on request.
+ADDED_MATH = {("judge", "math_checker"): "math-verify"}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -124,7 +126,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         for name in set(expected[command]) | set(now[command]):
             before, after = expected[command].get(name), now[command].get(name)
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
-                    command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS:
+                    command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
+                    command, name) in ADDED_MATH:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -144,6 +147,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
     for (command, name), default in ADDED_DATA.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
+    for (command, name), default in ADDED_MATH.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]
     for (command, name), default in ADDED_LIMITS.items():
         assert now[command][name]["default"] == default and now[command][name]["min"] == 1
     for command, name in ADDED_TRACKERS - {(c, n) for c in ADDED_COMMANDS for n in TRACKER_DEFAULTS}:

@@ -75,10 +75,11 @@ def hooks(tmp_path, monkeypatch):
     sys.modules.pop("judge_hooks_test", None)
 
 
-def ctx(text="", ids=(), action=None, task=None, status="completed", tokenizer=None, sampling=None) -> VerifyContext:
+def ctx(text="", ids=(), action=None, task=None, status="completed", tokenizer=None, sampling=None,
+        options=None) -> VerifyContext:
     ids = np.asarray(ids, dtype=np.int32)
     action = np.ones(len(ids), dtype=bool) if action is None else np.asarray(action, dtype=bool)
-    return VerifyContext(text, ids, action, task or {}, status, tokenizer, sampling=sampling or {})
+    return VerifyContext(text, ids, action, task or {}, status, tokenizer, sampling=sampling or {}, options=options or {})
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,17 +147,24 @@ def test_normalize_gives_exact_fractions_or_strings():
     assert normalize_math_answer(r"\sqrt{2}") == r"\sqrt{2}"
 
 
-def test_math_verifier():
-    right = math_verifier(ctx(r"6*7 = \boxed{42}.", task={"answer": 42}))
-    assert right == Verdict(1.0, {"extracted": "42", "expected": "42"})
-    assert math_verifier(ctx("I think 41", task={"answer": "42"})).score == 0.0
-    assert math_verifier(ctx("no idea", task={"answer": "42"})) == Verdict(0.0, {"extracted": None, "expected": "42"})
-    either = math_verifier(ctx(r"\boxed{0.5}", task={"answer": ["1/3", r"\frac{1}{2}"]}))
-    assert either == Verdict(1.0, {"extracted": "0.5", "expected": ["1/3", r"\frac{1}{2}"]})
+@pytest.mark.parametrize("checker", ["math-verify", "normalise"])
+def test_math_verifier(checker):
+    """The details gained ``checker`` and the canonical ``answer`` (issue 34, "math-verify"); the
+    default checker is Math-Verify, and both agree on these cases."""
+    options = {"math_checker": checker}
+    right = math_verifier(ctx(r"6*7 = \boxed{42}.", task={"answer": 42}, options=options))
+    assert right == Verdict(1.0, {"checker": checker, "extracted": "42", "answer": "42", "expected": "42"})
+    assert math_verifier(ctx("I think 41", task={"answer": "42"}, options=options)).score == 0.0
+    none = math_verifier(ctx("no idea", task={"answer": "42"}, options=options))
+    assert none == Verdict(0.0, {"checker": checker, "extracted": None, "answer": None, "expected": "42"})
+    either = math_verifier(ctx(r"\boxed{0.5}", task={"answer": ["1/3", r"\frac{1}{2}"]}, options=options))
+    assert either == Verdict(1.0, {"checker": checker, "extracted": "0.5", "answer": "1/2",
+                                   "expected": ["1/3", r"\frac{1}{2}"]})
     with pytest.raises(VerifierError, match="no 'answer'"):
-        math_verifier(ctx("42", task={}))
+        math_verifier(ctx("42", task={}, options=options))
     with pytest.raises(VerifierError, match="empty list"):
-        math_verifier(ctx("42", task={"answer": []}))
+        math_verifier(ctx("42", task={"answer": []}, options=options))
+    assert math_verifier(ctx(r"\boxed{42}", task={"answer": 42})).details["checker"] == "math-verify"  # the default
 
 
 # --------------------------------------------------------------------------------------------

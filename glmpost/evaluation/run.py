@@ -9,10 +9,12 @@ avg@n, pass@k and maj@n per domain and overall.
 A sample is *correct* when its verifier score (the judged record's ``rewards["correct"]``) is at
 least ``threshold`` (default 1: the verifier's full score; ``math`` scores 0 or 1, ``count`` the
 fraction of matching tokens). A sample whose judgement failed (NaN, the reason in its
-``reward_info``) is incorrect and counted in ``failures``. Its *answer*, for maj@n, is what its
-verifier extracted (``reward_info.components.correct.extracted``, ``math``'s final answer,
-normalised by :func:`~glmpost.rewards.verifiers.normalize_math_answer`), else its whole response
-text (special tokens removed, whitespace stripped); a sample without one does not vote.
+``reward_info``) is incorrect and counted in ``failures``. Its *answer*, for maj@n, is its
+verifier's canonical answer (``reward_info.components.correct.answer``: ``math``'s final answer as
+one string, equal for equal answers, by the ``math_checker``: :mod:`glmpost.rewards.math_answers`),
+else what its verifier extracted (``...correct.extracted``, normalised by
+:func:`~glmpost.rewards.math_answers.normalize_math_answer`), else its whole response text (special
+tokens removed, whitespace stripped); a sample without one does not vote.
 A rerun keeps the rollout parts and judged shards already complete (``overwrite`` redoes them) and
 is refused when an option that changes the samples differs from OUT/stage.json's (``k`` and
 ``threshold`` may change: the report is written again).
@@ -33,7 +35,7 @@ from glmpost.formats import ShardReader, resolve_shard_paths
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.locks import output_lock
 from glmpost.rewards.judging import JudgeConfig, JudgeStage, parse_domains
-from glmpost.rewards.verifiers import normalize_math_answer
+from glmpost.rewards.math_answers import check_math_checker, math_checker_setting, normalize_math_answer
 from glmpost.rollout.runner import RolloutRunner
 from glmpost.rollout.settings import RolloutConfig
 from glmpost.stage import MetricsWriter, check_same_options, write_json_atomic, write_stage_json
@@ -66,6 +68,7 @@ class EvalConfig:
     default_verifier: str | None = setting(
         None, "Verifier for prompts whose domain has none (or no domain); without it such a prompt is an error.",
         cli={"metavar": "VERIFIER"})
+    math_checker: str = math_checker_setting()
 
     def ks(self) -> list[int]:
         """The k of pass@k, sorted, each checked against n (default: 1 and n)."""
@@ -81,6 +84,7 @@ def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, 
     """Roll out, judge, report (module doc); returns the summary (``report`` is report.json). The
     metrics line goes to ``metrics`` when given (``eval --follow``: one file for every version)."""
     ks = config.ks()
+    check_math_checker(config.math_checker)  # before the rollout: judging it would refuse the checker
     out = Path(config.out)
     rollout = dataclasses.replace(sampling, inputs=list(config.inputs), checkpoint=config.checkpoint,
                                   out=out / "rollout", group_size=config.n, shard_index=0, num_shards=1)
@@ -89,8 +93,10 @@ def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, 
         rolled = RolloutRunner(rollout).run()
         judge = JudgeStage(JudgeConfig(inputs=[str(rollout.out)], out=out / "judged", checkpoint=config.checkpoint,
                                        domains=config.domains, default_verifier=config.default_verifier,
-                                       device=sampling.device, zstd_level=sampling.zstd_level,
-                                       options={"domains": config.domains, "default_verifier": config.default_verifier}))
+                                       math_checker=config.math_checker, device=sampling.device,
+                                       zstd_level=sampling.zstd_level,
+                                       options={"domains": config.domains, "default_verifier": config.default_verifier,
+                                                "math_checker": config.math_checker}))
         run_shards(judge, inputs=[str(rollout.out)], out=out / "judged", shard_index=0,
                    num_shards=1, overwrite=sampling.overwrite)
         tokenizer, _ = load_tokenizer(config.checkpoint)
@@ -130,6 +136,8 @@ def judged_samples(judged: Path, tokenizer: Any, threshold: float) -> Iterator[S
 def answer_of(record: dict[str, Any], tokenizer: Any) -> Optional[str]:
     """The answer a sample votes for (module doc)."""
     details = ((record.get("reward_info") or {}).get("components") or {}).get(CORRECT) or {}
+    if "answer" in details:
+        return None if details["answer"] is None else str(details["answer"])
     if "extracted" in details:
         return None if details["extracted"] is None else str(normalize_math_answer(details["extracted"]))
     text = tokenizer.decode([int(t) for t in record["response_token_ids"]], skip_special_tokens=True).strip()

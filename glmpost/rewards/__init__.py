@@ -2,6 +2,8 @@
 
 - :mod:`glmpost.rewards.verifiers` — verifiers routed by a record's ``domain`` (built in ``math``
   and ``count``, or any ``package.module:function``) and the format / length / truncation rules.
+- :mod:`glmpost.rewards.math_answers` — the ``math`` verifier's final answers and their checkers
+  (``math-verify``, the default, or glmpost's ``normalise``).
 - :mod:`glmpost.rewards.models` — an Outcome Reward Model and a generative judge, run locally.
 - :mod:`glmpost.rewards.mixture` — components, the formula
   ``R(tau) = sum_k w_k R_k(tau) - sum_j lambda_j P_j(tau)`` and :class:`RewardMixture`, which adds
@@ -19,6 +21,7 @@ from glmpost.rewards.components import (
     parse_spec_string,
     uses_domain_routing,
 )
+from glmpost.rewards.math_answers import MATH_CHECKERS, MathJudgement, canonical_answer, judge_math
 from glmpost.rewards.mixture import ComponentResult, RewardMixture, RewardStats, combine, scalarize
 from glmpost.rewards.verifiers import (
     VERIFIERS,
@@ -41,10 +44,12 @@ from glmpost.rewards.verifiers import (
 )
 
 __all__ = [
+    "MATH_CHECKERS",
     "SOURCES",
     "VERIFIERS",
     "ComponentResult",
     "ComponentSpec",
+    "MathJudgement",
     "RewardMixture",
     "RewardStats",
     "Verdict",
@@ -52,11 +57,13 @@ __all__ = [
     "VerifierTable",
     "VerifyContext",
     "check_components",
+    "canonical_answer",
     "combine",
     "count_verifier",
     "default_components",
     "extract_math_answer",
     "format_score",
+    "judge_math",
     "last_boxed",
     "length_penalty",
     "load_hook",

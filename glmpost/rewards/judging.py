@@ -35,6 +35,7 @@ from glmpost.rewards.components import (
     parse_spec_string,
     uses_domain_routing,
 )
+from glmpost.rewards.math_answers import math_checker_setting
 from glmpost.rewards.mixture import RewardMixture, RewardStats
 from glmpost.rewards.verifiers import VerifierTable
 
@@ -76,6 +77,7 @@ class JudgeConfig:
     default_verifier: str | None = setting(
         None, "Verifier for records whose domain has none (or no domain); without it such a record is an error.",
         cli={"metavar": "VERIFIER"})
+    math_checker: str = math_checker_setting()
     device: str = shared("device")
     batch_size: int = setting(64, "Records handed to the reward mixture at a time (models batch within it).", min=1)
     shard_index: int = shared("shard_index")
@@ -104,7 +106,8 @@ class JudgeStage:
             "verifiers": [f"{d}={v}" for d, v in config.verifiers],
         }
         self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
-        self.table = VerifierTable({**(config.domains or {}), **dict(config.verifiers)}, config.default_verifier)
+        self.table = VerifierTable({**(config.domains or {}), **dict(config.verifiers)}, config.default_verifier,
+                                   options={"math_checker": config.math_checker})
         self.totals = RewardStats(self.specs)
         self.mixture: RewardMixture | None = None
 

@@ -123,7 +123,8 @@ class RecordView:
     def prompt_text(self) -> str:
         return self.tokenizer.decode([int(t) for t in self.record["prompt_token_ids"]], skip_special_tokens=True).strip()
 
-    def context(self) -> VerifyContext:
+    def context(self, options: Mapping[str, Any] | None = None) -> VerifyContext:
+        """The record as a verifier sees it; ``options``: the run's verifier settings."""
         r = self.record
         return VerifyContext(
             text=self.text,
@@ -136,6 +137,7 @@ class RecordView:
             sampling=r.get("sampling") or {},
             record_id=self.id,
             extra=r.get("extra") or {},
+            options=options or {},
         )
 
 
@@ -200,7 +202,7 @@ class RewardMixture:
 
             def verify(view: RecordView) -> ComponentResult:
                 name, fn = (pinned, fixed) if fixed is not None else self.verifiers.lookup(view.record.get("domain"))
-                verdict = run_verifier(fn, view.context())
+                verdict = run_verifier(fn, view.context(self.verifiers.options))
                 return ComponentResult(verdict.score, details={"verifier": name, **verdict.details})
 
             return _per_record(verify)
@@ -228,7 +230,10 @@ class RewardMixture:
 
             return score_orm
         if spec.source == "judge":
-            from glmpost.rewards.models import GenerativeJudge, GenerativeJudgeConfig  # lazily: the model rewards import torch
+            from glmpost.rewards.models import (  # lazily: the model rewards import torch
+                GenerativeJudge,
+                GenerativeJudgeConfig,
+            )
 
             judge = GenerativeJudge(GenerativeJudgeConfig(**o), device=device)
 

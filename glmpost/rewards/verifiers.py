@@ -17,13 +17,22 @@ import importlib
 import math
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
+from glmpost.rewards.math_answers import (  # noqa: F401 (the normaliser's names, re-exported from here)
+    DEFAULT_MATH_CHECKER,
+    UnreadableReference,
+    check_math_checker,
+    extract_math_answer,
+    judge_math,
+    last_boxed,
+    math_answers_equal,
+    normalize_math_answer,
+)
 
 
 class VerifierError(Exception):
@@ -36,7 +45,8 @@ class VerifyContext:
 
     ``text`` is the whole response decoded with special tokens removed; ``response_token_ids`` and
     ``action_mask`` are the record's exact arrays (``[T]``); ``task``, ``status``, ``domain`` and
-    ``sampling`` are the record's fields (empty when absent); ``tokenizer`` is the policy's.
+    ``sampling`` are the record's fields (empty when absent); ``tokenizer`` is the policy's;
+    ``options`` are the run's verifier settings (:attr:`VerifierTable.options`: ``math_checker``).
     """
 
     text: str
@@ -49,6 +59,7 @@ class VerifyContext:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     record_id: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # the record's extra (extra.env: a multi-turn rollout's)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the run's verifier settings (math_checker)
 
 
 @dataclass(frozen=True)
@@ -143,10 +154,14 @@ class VerifierTable:
     A domain named like a built-in verifier uses it; ``routes`` (domain -> built-in name or
     ``package.module:function``) add or override domains; ``default`` (a spec, optional) serves
     every other domain, including records without one. Hooks are imported on construction, so a
-    bad spec fails before any work starts.
+    bad spec fails before any work starts. ``options`` are the run's verifier settings every
+    verifier sees as ``VerifyContext.options`` (``math_checker``, checked here).
     """
 
-    def __init__(self, routes: Mapping[str, str] | None = None, default: str | None = None):
+    def __init__(self, routes: Mapping[str, str] | None = None, default: str | None = None,
+                 options: Mapping[str, Any] | None = None):
+        self.options = dict(options or {})
+        check_math_checker(self.options.setdefault("math_checker", DEFAULT_MATH_CHECKER))
         self.specs: dict[str, str] = {name: name for name in VERIFIERS}
         self.specs.update(routes or {})
         self._fns = {d: resolve_verifier(s, where=f"verifier for domain {d!r}") for d, s in self.specs.items()}
@@ -174,104 +189,19 @@ def _one_line(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# math: exact final answers
-
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_NUMBER = re.compile(
-    r"(?:(?<![\w)\]}])-)?"  # a minus sign, unless it is a binary minus after a word or bracket
-    r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"  # 12, 1,234, 3.5, .5
-    r"(?:\s*/\s*\d+(?:\.\d+)?)?"  # a/b
-)
-_LATEX_DROP = (
-    r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\ ", r"\displaystyle",
-    r"\$", "$", r"\%", "%", r"^{\circ}", r"^\circ",
-)
-_LATEX_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
-_FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
-_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
-_VARIABLE_PREFIX = re.compile(r"^[A-Za-z]\s*=(?!=)")
-_EXACT_NUMBER = re.compile(r"^-?(?:\d+(?:\.\d+)?|\.\d+)$")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
-    found = None
-    for match in _BOXED.finditer(text):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    found = text[start:i]
-                    break
-    return found
-
-
-def extract_math_answer(text: str) -> str | None:
-    """The final answer of a response: the last balanced ``\\boxed{...}``, else the last number."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def normalize_math_answer(answer: Any) -> Fraction | str:
-    """A canonical form of a final answer, so that equal answers compare equal.
-
-    Rules, in order: drop ``$``, ``%``, degree signs ``^\\circ``, ``\\left``/``\\right``, LaTeX
-    spacing (``\\,`` ``\\!`` ...) and ``\\displaystyle``; unwrap ``\\text{..}``/``\\mathrm{..}``/``\\mathbf{..}``; ``\\dfrac`` and
-    ``\\tfrac`` become ``\\frac``; remove all whitespace, trailing ``.`` and a leading ``x=``; then
-    ``\\frac{a}{b}`` and ``\\frac ab`` become ``a/b``, and thousands commas (``1,234``) go. If what
-    is left is a number, integer or decimal, or a ratio of two (``-3/4``, ``0.5/2``), the result is
-    an exact :class:`~fractions.Fraction` (so ``2.0 == 2`` and ``1/2 == 0.5``); otherwise the
-    normalised string.
-    """
-    s = str(answer)
-    for token in _LATEX_DROP:
-        s = s.replace(token, "")
-    s = _LATEX_WRAPPERS.sub(r"\1", s)
-    s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
-    s = "".join(s.split()).rstrip(".")
-    s = _VARIABLE_PREFIX.sub("", s)
-    s = _FRAC.sub(r"(\1)/(\2)", s)
-    s = _FRAC_SHORT.sub(r"(\1)/(\2)", s)
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "")
-    value = _as_fraction(s)
-    return value if value is not None else s
-
-
-def _as_fraction(s: str) -> Fraction | None:
-    sign = 1
-    if s.startswith("-") and s[1:].startswith("("):
-        sign, s = -1, s[1:]
-    parts = [p[1:-1] if p.startswith("(") and p.endswith(")") else p for p in s.split("/")]
-    if not 1 <= len(parts) <= 2 or not all(_EXACT_NUMBER.match(p) for p in parts):
-        return None
-    numerator = Fraction(parts[0])
-    if len(parts) == 1:
-        return sign * numerator
-    denominator = Fraction(parts[1])
-    if denominator == 0:
-        return None
-    return sign * numerator / denominator
-
-
-def math_answers_equal(predicted: Any, reference: Any) -> bool:
-    """Whether two answers are equal after :func:`normalize_math_answer` (exact, no tolerance)."""
-    return normalize_math_answer(predicted) == normalize_math_answer(reference)
-
+# math: final answers (the checkers: glmpost.rewards.math_answers)
 
 @register_verifier("math")
 def math_verifier(ctx: VerifyContext) -> Verdict:
     """1.0 when the response's final answer equals ``task["answer"]`` (or one of a list of
-    acceptable answers), else 0.0.
+    acceptable answers), else 0.0: the brief's binary verifiable reward ("Reasoning RL").
 
-    The final answer is the last ``\\boxed{...}`` or else the last number (see
-    :func:`extract_math_answer`); a response with neither scores 0. A task without ``answer`` raises.
+    ``ctx.options["math_checker"]`` says how (:mod:`glmpost.rewards.math_answers`: ``math-verify``,
+    the default, or ``normalise``). The final answer is the last ``\\boxed{...}``, else the last
+    expression (``normalise``: number) of the response; a response without one scores 0. The details
+    hold the ``checker``, the answer as ``extracted``, its canonical string ``answer`` (what
+    ``glmpost eval`` votes with) and the ``expected`` answer(s). A task without ``answer``, or with
+    one the checker cannot read, raises.
     """
     if "answer" not in ctx.task:
         raise VerifierError("task has no 'answer' to compare with")
@@ -279,12 +209,14 @@ def math_verifier(ctx: VerifyContext) -> Verdict:
     accepted = reference if isinstance(reference, list) else [reference]
     if not accepted:
         raise VerifierError("task 'answer' is an empty list")
-    predicted = extract_math_answer(ctx.text)
+    checker = ctx.options.get("math_checker", DEFAULT_MATH_CHECKER)
+    try:
+        judgement = judge_math(ctx.text, accepted, checker)
+    except UnreadableReference as exc:
+        raise VerifierError(str(exc)) from None
     expected = [str(a) for a in accepted] if isinstance(reference, list) else str(reference)
-    details = {"extracted": predicted, "expected": expected}
-    if predicted is None:
-        return Verdict(0.0, details)
-    return Verdict(float(any(math_answers_equal(predicted, a) for a in accepted)), details)
+    details = {"checker": checker, "extracted": judgement.extracted, "answer": judgement.answer, "expected": expected}
+    return Verdict(float(judgement.correct), details)
 
 
 # --------------------------------------------------------------------------------------------
