@@ -41,7 +41,7 @@ from glmpost.envs.protocol import ENVIRONMENTS, Action, Step, resolve_environmen
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
-def _finish(text: str, expected: str) -> Step | None:
+def answer_step(text: str, expected: Any) -> Step | None:
     """The final step when ``text`` gives an ``<answer>``: reward 1 iff it equals ``expected``."""
     found = _ANSWER.search(text)
     if found is None:
@@ -113,7 +113,7 @@ class ToolTask(abc.ABC):
         return ""
 
     def step(self, action: Action) -> Step:
-        final = _finish(action.text, self.task["answer"])
+        final = answer_step(action.text, self.task["answer"])
         if final is not None:
             return final
         found = self.pattern.search(action.text)

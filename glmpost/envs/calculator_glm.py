@@ -13,10 +13,9 @@ when it gives ``<answer>N</answer>`` (reward 1 iff N is the task's ``answer``), 
 from __future__ import annotations
 
 import random
-import re
 from typing import Any
 
-from glmpost.envs.builtin import evaluate
+from glmpost.envs.builtin import answer_step, evaluate
 from glmpost.envs.glm_tool_calls import ToolCall, tool_responses
 from glmpost.envs.protocol import ENVIRONMENTS, Action, Step
 
@@ -32,7 +31,6 @@ CALCULATOR_TOOL: dict[str, Any] = {
         },
     },
 }
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 HINT = "call calculator(expression) or write <answer>NUMBER</answer>"
 
 
@@ -60,7 +58,7 @@ class CalculatorGLM:
             return Step(tool_responses([f"error: malformed tool call: {parsed.error}"]), 0.0, False,
                         {"malformed": True, "error": parsed.error})
         if not parsed.calls:
-            final = _answer(action.text, self.task["answer"])
+            final = answer_step(action.text, self.task["answer"])
             if final is not None:
                 return final
             return Step(tool_responses([f"error: no tool call found: {HINT}"]), 0.0, False, {"malformed": True})
@@ -80,16 +78,6 @@ class CalculatorGLM:
             return str(evaluate(str(expression))), True
         except ValueError as exc:
             return f"error: {exc}", False
-
-
-def _answer(text: str, expected: Any) -> Step | None:
-    """The final step when ``text`` gives an ``<answer>`` (the plain calculator's rule)."""
-    found = _ANSWER.search(text)
-    if found is None:
-        return None
-    answer = found.group(1).strip()
-    correct = answer == str(expected)
-    return Step("", 1.0 if correct else 0.0, True, {"answer": answer, "correct": correct})
 
 
 def calculator_glm_tasks(count: int, *, seed: int = 0, digits: int = 2) -> list[dict[str, Any]]:
