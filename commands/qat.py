@@ -1,7 +1,8 @@
 """SFT with fake quantization (INT4 QAT in GLM-5's SFT stage); --scheme none is plain SFT.
 
 Data: chat JSONL (`messages` ending with the assistant's turn), prompt/response JSONL (`prompt` or
-`messages` plus `response`), or trajectory shards; the loss is the mean negative log-likelihood of
+`messages` plus `response`), the same rows from parquet, CSV or JSON files or datasets directories, or
+trajectory shards; the loss is the mean negative log-likelihood of
 the response (action) tokens only, over the whole batch on every rank. The forward of every targeted
 weight is dequant(quantize(w)) of the one quantizer that `glmpost quantize` also uses, so the
 deployed weights equal the QAT forward bit for bit; the optimizer updates float master weights
@@ -40,7 +41,7 @@ STAGE = "qat"
 @with_config(SFTConfig)
 def qat(
     ctx: typer.Context,
-    inputs: list[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL files, or trajectory shards."),
+    inputs: list[str] = typer.Argument(..., help="SFT data: chat or prompt/response JSONL, parquet, CSV or JSON files or datasets directories, or trajectory shards."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model to fine-tune: a checkpoint root (its LATEST) or a version directory."),
     out: Path = typer.Option(..., "--out", help="Checkpoint root that receives the new version and its LATEST pointer."),
     eval_data: list[str] = typer.Option([], "--eval", help="Held-out data (same forms as the inputs): loss before and after, with fake quant on."),

@@ -43,7 +43,7 @@ ADDED_DEFAULTS = {"dis_low": 0.2, "dis_high": 0.28, **SCHEDULE, "precision": "au
 DATA_COLUMNS = {"prompt_column": "prompt", "messages_column": "messages", "answer_column": None,
                 "domain_column": "domain", "task_column": "task"}
 ADDED_DATA = {(command, name): default for command in ("rollout", "shards import") for name, default in DATA_COLUMNS.items()}
-DATA_HELP = {("rollout", "inputs"), ("shards import", "source")}
+DATA_HELP = {("rollout", "inputs"), ("shards import", "source"), ("qat", "inputs")}
 # Commands added since: bringing your own model (issue 31); evaluating a checkpoint (issue 34: rollout's
 # sampling and engine options but --group-size, the task split and refills, then n, k, threshold and the
 # judge's verifier routing and math checker).

@@ -223,3 +223,19 @@ def test_the_column_errors_name_fields_a_command_spells(tmp_path):
     with pytest.raises(ConfigError) as error:
         list(source_rows(_parquet(tmp_path / "x.parquet", [{"a": 1}]), ColumnsConfig(task_column="t")))
     assert error.value.fields == ["task_column"]
+
+
+def test_qat_reads_conversations_from_parquet_and_datasets_as_from_jsonl(tiny_checkpoint, tmp_path):
+    from glmpost.kernel.loading import load_tokenizer
+    from glmpost.rl.qat_update import read_sft_records
+
+    tokenizer, revision = load_tokenizer(tiny_checkpoint)
+    rows = [{"id": f"c{d}", "messages": [{"role": "user", "content": f"count: {d}"},
+                                         {"role": "assistant", "content": str(d) * 3}], "domain": "count"}
+            for d in range(4)]
+    expected = read_sft_records([str(_jsonl(tmp_path / "c.jsonl", rows))], tokenizer, revision)
+    for source in (_parquet(tmp_path / "c.parquet", rows, row_group_size=3), _dataset_dir(tmp_path / "c-ds", rows)):
+        records = read_sft_records([str(source)], tokenizer, revision)
+        assert [r["id"] for r in records] == [r["id"] for r in expected] == ["c0", "c1", "c2", "c3"]
+        for a, b in zip(expected, records):
+            _same(a, b)

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import torch
 
 from glmpost.errors import GlmpostError
-from glmpost.formats import SHARD_SUFFIX, normalize_record, read_checked_records
-from glmpost.formats.prompts import conversation_record, parse_prompt_line, read_jsonl
+from glmpost.formats import normalize_record, read_checked_records
+from glmpost.formats.prompts import conversation_record, parse_prompt_line
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
@@ -20,16 +20,18 @@ from glmpost.quant.spec import make_spec
 from glmpost.rl.jobs import TrainingJob, Update
 from glmpost.rl.run import TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
+from glmpost.rollout.sources import is_prompt_source, source_rows
 
 
 def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
-    """Records from JSONL conversations (tokenized with the checkpoint's chat template) or shards."""
+    """Records from conversations (JSONL, parquet, CSV or JSON files, datasets directories:
+    :func:`~glmpost.rollout.sources.source_rows`; tokenized with the checkpoint's chat template) or shards."""
     records = []
     for item in inputs:
         path = Path(item)
-        if path.is_file() and not path.name.endswith(SHARD_SUFFIX):
-            for where, obj in read_jsonl(path):
-                prompt = parse_prompt_line(obj, where=where, default_id=f"{path.stem}-{where.rsplit(':', 1)[1]}")
+        if is_prompt_source(path):
+            for where, default_id, obj in source_rows(path):
+                prompt = parse_prompt_line(obj, where=where, default_id=default_id)
                 if prompt.response is None:
                     raise GlmpostError(f"{where}: no response to learn (give 'response' or end 'messages' with the assistant's turn)")
                 records.append(normalize_record(conversation_record(prompt, tokenizer, revision)))
