@@ -20,13 +20,16 @@ adds an event file to its directory.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import math
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional
@@ -108,16 +111,18 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One tracker's run: ``log`` a line's scalars at a step, ``close`` (``failed``: the stage failed)."""
 
     name = ""
 
+    @abc.abstractmethod
     def log(self, values: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Record ``values`` at x-axis ``step``."""
 
+    @abc.abstractmethod
     def close(self, failed: bool) -> None:
-        raise NotImplementedError
+        """End the run (marked failed where the library has such a state)."""
 
 
 class TensorBoardTracker(Tracker):
@@ -212,8 +217,6 @@ BACKENDS: dict[str, Callable[..., Tracker]] = {"tensorboard": TensorBoardTracker
 
 
 def _milliseconds() -> int:
-    import time  # a tracker's own timestamp; metrics lines carry theirs
-
     return int(time.time() * 1000)
 
 
@@ -229,8 +232,6 @@ def run_id(project: str, run: str) -> str:
 
 def missing_package(name: str) -> str | None:
     """The package tracker ``name`` needs when it is not installed, else None."""
-    import importlib.util  # only asked when a tracker is named
-
     return None if importlib.util.find_spec(PACKAGES[name]) is not None else PACKAGES[name]
 
 
