@@ -89,3 +89,24 @@ def engine(tiny_checkpoint):
     from glmpost.kernel.loading import load_model
 
     return LocalEngine(load_model(tiny_checkpoint), batch_size=8, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A tiny random-init Qwen3 (head_dim 32: real vLLM's CPU attention has no kernel for 16) with the
+    tiny checkpoint's tokenizer; skips (fails under CI) where no real vLLM can serve it."""
+    from vllm_server import QWEN3, require_vllm, tiny_folder
+
+    require_vllm()
+    return tiny_folder(tiny_checkpoint, tmp_path_factory.mktemp("vllm-qwen3") / "model", QWEN3)
+
+
+@pytest.fixture(scope="session")
+def real_vllm(qwen3):
+    """A real vLLM (tests/vllm_server.py) serving ``qwen3`` with --logprobs-mode processed_logprobs
+    (glmpost's ``sampled`` kind) and every log-prob allowed, once per session; dev mode on."""
+    from vllm_server import VLLMServer
+
+    server = VLLMServer(qwen3, qwen3.parent / "vllm.log", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
+    yield server
+    server.stop()

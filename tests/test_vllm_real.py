@@ -20,26 +20,11 @@ import pytest
 from test_agentic import STOPS
 from test_agentic import _prompts as _turn_prompts
 from test_serve import _prompts, _records
-from vllm_server import QWEN3, QWEN3_MOE, VLLMServer, require_vllm, tiny_folder
+from vllm_server import QWEN3_MOE, VLLMServer, tiny_folder
 
 from glmpost.diff.mismatch import action_positions
 
 CLOSURE = "max_abs=1e-5"  # fp32 on both sides: measured 4.8e-7 (Qwen3), 9.5e-7 (Qwen3-MoE) on AMD EPYC
-
-
-@pytest.fixture(scope="module")
-def qwen3(tiny_checkpoint, tmp_path_factory) -> Path:
-    require_vllm()
-    return tiny_folder(tiny_checkpoint, tmp_path_factory.mktemp("vllm-qwen3") / "model", QWEN3)
-
-
-@pytest.fixture(scope="module")
-def real_vllm(qwen3):
-    """A real vLLM serving the tiny Qwen3 with --logprobs-mode processed_logprobs (glmpost's
-    ``sampled`` kind: after temperature, top-k and top-p, renormalised) and every log-prob allowed."""
-    server = VLLMServer(qwen3, qwen3.parent / "vllm.log", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
-    yield server
-    server.stop()
 
 
 def _closure(glmpost_cli, shards, checkpoint, out, *extra):
