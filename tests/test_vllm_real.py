@@ -17,12 +17,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_glmpost
 from test_agentic import STOPS
 from test_agentic import _prompts as _turn_prompts
+from test_async_rl import _all_shards
 from test_serve import _prompts, _records
 from vllm_server import QWEN3_MOE, VLLMServer, tiny_folder
 
+from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
 from glmpost.diff.mismatch import action_positions
+from glmpost.formats import ShardReader
+from glmpost.spool.spool import Spool
 
 CLOSURE = "max_abs=1e-5"  # fp32 on both sides: measured 4.8e-7 (Qwen3), 9.5e-7 (Qwen3-MoE) on AMD EPYC
 
@@ -141,38 +146,46 @@ def _perturbed_version(root: Path, policy_version: int) -> Path:
     return target
 
 
-def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(glmpost_cli, qwen3, tmp_path):
+@pytest.fixture(scope="module")
+def synced_server(qwen3, tmp_path_factory):
+    """A real vLLM of its own (the tests below move its weights), serving v000000 of the rollout
+    root ``served`` that ``sync-weights`` keeps; ``(server, served)``."""
+    served = tmp_path_factory.mktemp("vllm-sync") / "served"
+    first = run_glmpost("sync-weights", "--checkpoint", qwen3, "--out", served, "--json")
+    assert first.exit_code == 0, first.stderr
+    server = VLLMServer(served / "v000000", served.parent / "vllm.log", "--logprobs-mode", "processed_logprobs")
+    yield server, served
+    server.stop()
+
+
+def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(glmpost_cli, synced_server, tmp_path):
     """A rollout runs against a real vLLM while sync-weights switches it to v1: no sequence is lost
     and every token carries the version that sampled it (its log-prob closes with that version's
-    forward and not with the other's)."""
-    served = tmp_path / "served"
-    first = glmpost_cli("sync-weights", "--checkpoint", qwen3, "--out", served, "--json")
-    assert first.exit_code == 0, first.stderr
-    server = VLLMServer(served / "v000000", tmp_path / "vllm-sync.log", "--logprobs-mode", "processed_logprobs")
-    try:
-        trained = _perturbed_version(served, 1)
-        prompts = _prompts(tmp_path, 16)
-        rollout = subprocess.Popen(
-            [sys.executable, "-m", "glmpost.commands.app", "rollout", prompts, "--checkpoint", served, "--out",
-             tmp_path / "r", "--group-size", "4", "--max-new-tokens", "64", "--stop-token-ids", "none",
-             "--temperature", "1.0", "--engine", "vllm", "--server", server.url, "--concurrency", "2",
-             "--prompts-per-shard", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 600
-        while not list((tmp_path / "r").glob("**/*.shard*")) and rollout.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)  # the first shard is written: the rollout is under way
-        synced = glmpost_cli("sync-weights", "--checkpoint", trained, "--out", served, "--server", server.url,
-                             "--engine", "vllm", "--json")
-        out, err = rollout.communicate(timeout=900)
-        assert synced.exit_code == 0, synced.stderr
-        assert json.loads(synced.stdout)["servers"][0]["status"] == "updated"
-        assert rollout.returncode == 0, err
-        assert json.loads(out)["aborted"] == 0
-    finally:
-        server.stop()
+    forward, and would not with the other's)."""
+    server, served = synced_server
+    trained = _perturbed_version(served, 1)
+    rollout = subprocess.Popen(
+        [sys.executable, "-m", "glmpost.commands.app", "rollout", _prompts(tmp_path, 48), "--checkpoint", served,
+         "--out", tmp_path / "r", "--group-size", "4", "--max-new-tokens", "96", "--stop-token-ids", "none",
+         "--temperature", "1.0", "--engine", "vllm", "--server", server.url, "--concurrency", "1",
+         "--batch-size", "8", "--prompts-per-shard", "2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    deadline = time.monotonic() + 600
+    while not list((tmp_path / "r").glob("**/*.zst")) and rollout.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # a first part is written: the rollout is under way
+    synced = glmpost_cli("sync-weights", "--checkpoint", trained, "--out", served, "--server", server.url,
+                         "--engine", "vllm", "--json")
+    still_running = rollout.poll() is None
+    out, err = rollout.communicate(timeout=900)
+    assert synced.exit_code == 0, synced.stderr
+    assert json.loads(synced.stdout)["servers"][0]["status"] == "updated"
+    assert still_running, "the rollout ended before the switch: nothing was tested (make it longer)"
+    assert rollout.returncode == 0, err
+    assert json.loads(out)["aborted"] == 0
     records = _records(tmp_path / "r")
-    assert len(records) == 64 and all(r["status"] in ("completed", "truncated") for r in records)
+    assert len(records) == 192 and all(r["status"] in ("completed", "truncated") for r in records)
     versions = {int(v) for r in records for v in set(r["policy_versions"].tolist())}
-    assert versions == {0, 1}, versions  # the switch happened during the rollout and was seen
+    assert versions == {0, 1}, versions  # the switch happened during the rollout and each side was stamped
     # Each token re-scored by the trainer with the checkpoint of the version it is stamped with.
     result = glmpost_cli("diff-logprobs", tmp_path / "r", "--checkpoint", served, "--by-version", served, "--out",
                          tmp_path / "d", "--no-plots", "--json")
@@ -180,3 +193,26 @@ def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(g
     split = json.loads(result.stdout)["by_version"]
     assert split["versions_scored"] == [0, 1] and split["engine_max_abs"] <= 1e-5, split
     assert split["by_lag"]["1"]["lag_max_abs"] > 1e-2  # v0's tokens would not close with v1: the stamps matter
+
+
+def test_bin_async_rl_with_a_real_vllm(synced_server, tmp_path):
+    """bin/async-rl --server URL --engine vllm: rollout against the real vLLM, judge, train-grpo, and
+    sync-weights --engine vllm moving the server to each trained version; every token is stamped
+    with a version the server served."""
+    server, served = synced_server
+    start = CheckpointRoot(served).version_dir(CheckpointRoot(served).latest())  # what the server serves now
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "async"
+    done = subprocess.run([root / "bin" / "async-rl", "recipes/tiny-async-rl.toml", "recipes/data/count-train.jsonl",
+                           "--checkpoint", start, "--run-dir", run_dir, "--server", server.url, "--engine", "vllm",
+                           "--max-rounds", "2", "--idle-timeout", "600"], cwd=root, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr + "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log"))
+    assert all(f"{stage} done" in done.stderr for stage in ("rollout", "judge", "train-grpo", "sync-weights"))
+    trained = CheckpointRoot(run_dir / "policy").versions()
+    lines = [json.loads(line) for line in (run_dir / "served" / "metrics.jsonl").read_text().splitlines()]
+    assert trained and {line.get("sync/policy_version") for line in lines} & set(trained)
+    first = read_manifest(start).policy_version
+    rolled = Spool(run_dir / "rolled", tokenizer_revision=tokenizer_revision(start), create=False)
+    stamps = {int(v) for path in _all_shards(rolled) for r in ShardReader(path) for v in set(r["policy_versions"].tolist())}
+    assert first in stamps and stamps <= {first, *trained}, (stamps, first, trained)
