@@ -101,7 +101,7 @@ def test_completions_answer_as_vllm_shapes_them(vllm_server, wide_checkpoint):
 def test_client_maps_settings_and_refuses_logits_modes(vllm_server):
     client = VLLMClient(vllm_server)
     assert client.settings() == {"logprobs_mode": "processed_logprobs", "log_prob_kind": "sampled",
-                                 "enable_deterministic_inference": True}
+                                 "enable_deterministic_inference": True, "version": "0.32.0"}
     assert client.get_weight_version() is None  # vLLM reports none; nobody confirmed one yet
     assert vllm_settings({"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}},
                           "vllm_env": {"VLLM_BATCH_INVARIANT": False}})["log_prob_kind"] == "raw"
