@@ -505,7 +505,7 @@ class VLLMClient(SGLangClient):
                                                          "kwargs": {"weights_path": str(model_path)}})
             except ServerError as exc:
                 if exc.status == 404 and not paused:
-                    raise DevModeError(f"{self.url} {DEV_MODE_HINT}", url=self.url, status=404) from None
+                    raise DevModeError(f"the server {DEV_MODE_HINT}", url=self.url, status=404) from None
                 if exc.status is not None:
                     raise
                 responsive = self.wait_responsive(self.pause_wait)

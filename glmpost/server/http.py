@@ -267,7 +267,8 @@ class ServeConfig:
                                  "--log-prob-kind): raw_logprobs (kind raw) or processed_logprobs (kind sampled).")
     vllm_dev_mode: bool = setting(True, "With --api vllm: serve the routes vLLM serves only with VLLM_SERVER_DEV_MODE=1 "
                                   "(/server_info, /collective_rpc, /reset_prefix_cache, /pause, /resume, /is_paused, "
-                                  "/update_weight_version, /weight_info); off, they answer 404 as there.")
+                                  "/update_weight_version, /weight_info); off, they answer 404 as there.",
+                                  flag="--vllm-dev-mode/--no-vllm-dev-mode")
     vllm_release: str = setting(DEFAULT_RELEASE, "With --api vllm: the vLLM release answered by /version and mimicked: "
                                 "from 0.34 a request that comes while paused is answered 503 (before, it waits for "
                                 "/resume) and return_weight_versions gives each choice its weight_versions.")

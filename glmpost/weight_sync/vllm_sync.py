@@ -54,6 +54,7 @@ def sync_vllm_server(url: str, model_path: Path, weight_version: str, *, expecte
     result = ServerResult(url=client.url, status="failed")
     started = time.perf_counter()
     try:
+        result.engine_release = client.release()
         result.version_before = client.weight_label()
     except ServerError:
         pass
