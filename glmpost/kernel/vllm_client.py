@@ -309,8 +309,12 @@ class VLLMClient(SGLangClient):
 
     def release_at_least(self, *wanted: int) -> bool:
         """Whether :meth:`release` is ``wanted`` or later (False when unknown or unreadable)."""
+        try:
+            release = self.release()
+        except ServerError:
+            return False
         parts = []
-        for piece in str(self.release() or "").split("."):
+        for piece in str(release or "").split("."):
             digits = "".join(c for c in piece if c.isdigit())
             if not digits or digits != piece[: len(digits)]:
                 break
@@ -507,6 +511,8 @@ class VLLMClient(SGLangClient):
                 if exc.status == 404 and not paused:
                     raise DevModeError(f"the server {DEV_MODE_HINT}", url=self.url, status=404) from None
                 if exc.status is not None:
+                    if exc.status >= 500:
+                        self._mark_unconfirmed()  # a failed reload may leave some tensors loaded
                     raise
                 responsive = self.wait_responsive(self.pause_wait)
                 if not responsive:
@@ -518,7 +524,7 @@ class VLLMClient(SGLangClient):
                                          if responsive else f"the server did not answer within {self.pause_wait:g} s and "
                                          "is left paused"), url=self.url, retryable=True) from None
             self.reset_prefix_cache()
-            return self._label(weight_version)
+            return self.take_label(weight_version)
         finally:
             if resume:
                 self.request("POST", "/resume")
@@ -534,7 +540,7 @@ class VLLMClient(SGLangClient):
         raise ServerError(f"POST {self.url}/reset_prefix_cache: the server answered success false (blocks still held)",
                           url=self.url)
 
-    def _label(self, weight_version: str | None) -> bool:
+    def take_label(self, weight_version: str | None) -> bool:
         """Set ``weight_version`` as the server's label and read it back (``/weight_info``); False where
         the server has no labels (404) or none was given."""
         if weight_version is None:

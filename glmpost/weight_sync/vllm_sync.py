@@ -67,7 +67,7 @@ def sync_vllm_server(url: str, model_path: Path, weight_version: str, *, expecte
             if (skip_if_current and attempt == 0) or uncertain:
                 if _serves(client, weight_version, expected, tolerance=tolerance, previous=previous, label=not uncertain):
                     if uncertain:
-                        client._label(weight_version)  # its weights are the version's: the label follows
+                        client.take_label(weight_version)  # its weights are the version's: the label follows
                     result.status = "updated" if uncertain else "current"
                     result.version_after, result.error = weight_version, None
                     break
