@@ -479,6 +479,13 @@ def test_request_and_answer_translation():
     assert completion.finish_reason == "abort" and completion.token_ids == [] and "abort" in reason  # kept, continued
 
 
+def test_a_rollout_above_vllms_temperature_is_one_line(glmpost_cli, vllm_server, wide_checkpoint, tmp_path):
+    result = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", wide_checkpoint, "--out", tmp_path / "r",
+                         "--engine", "vllm", "--server", vllm_server, "--temperature", "2.5", "--max-new-tokens", "2")
+    assert result.exit_code != 0 and result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    assert "vLLM takes temperature in [0, 2] (SamplingParams), got 2.5" in result.stderr, result.stderr
+
+
 def test_the_client_refuses_what_vllm_refuses_before_sending():
     """vLLM's SamplingParams refuses temperature above 2: the client says so itself, in one line."""
     from glmpost.kernel.vllm_client import completion_request
