@@ -66,6 +66,9 @@ ADDED_LIMITS = {("serve", "max_queued"): 1024, ("serve", "max_body_bytes"): 64 <
 ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.05, ("sync-weights", "fingerprint_tolerance"): 0.05,
               ("sync-weights", "engine"): "sglang", ("diff-logprobs", "against_engine"): "sglang",
               ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs", ("serve", "max_logprobs"): 20}
+# vLLM dev-mode gating and the release the stand-in mimics (issue 42).
+ADDED_VLLM_SERVE = {("serve", "vllm_dev_mode"): (True, ["--vllm-dev-mode"], ["--no-vllm-dev-mode"]),
+                    ("serve", "vllm_release"): ("0.32.0", ["--vllm-release"], [])}
 VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}
 VLLM_HELP |= {("rollout", name) for name in ("server", "concurrency", "timeout", "retries", "api_key", "server_log_prob_kind")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
@@ -127,7 +130,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             before, after = expected[command].get(name), now[command].get(name)
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
-                    command, name) in ADDED_MATH:
+                    command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -145,6 +148,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["help"]
     for (command, name), default in ADDED_VLLM.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
+    for (command, name), (default, opts, secondary) in ADDED_VLLM_SERVE.items():
+        row = now[command][name]
+        assert (row["default"], row["opts"], row["secondary_opts"]) == (default, opts, secondary) and "--api vllm" in row["help"]
     for (command, name), default in ADDED_DATA.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
     for (command, name), default in ADDED_MATH.items():

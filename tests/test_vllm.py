@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -27,6 +31,7 @@ from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.fingerprint import checkpoint_fingerprint, confirm_server, previous_version_dir
 from glmpost.kernel.loading import load_model
 from glmpost.kernel.server_settings import ServerSettings
+from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.vllm_client import VLLMClient, vllm_settings
 
 ATOL = 1e-6  # float32 engine on both sides
@@ -85,9 +90,15 @@ def test_completions_answer_as_vllm_shapes_them(vllm_server, wide_checkpoint):
     for row, token, lp, top in zip(rows[1:], prompt[1:], scores.log_probs, scores.top_ids):
         assert abs(row[str(token)]["logprob"] - lp) <= ATOL and {str(t) for t in top} <= set(row)
     assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
-    # max_tokens defaults to 16, as in vLLM; refused fields are an OpenAI error (HTTP 400)
+    # max_tokens defaults to 16, as in vLLM, also when null; refused fields are an OpenAI error (HTTP 400)
     status, answer = _post(vllm_server, "/v1/completions", {"prompt": prompt, "ignore_eos": True})
     assert status == 200 and answer["choices"][0]["token_ids"] is None and answer["usage"]["completion_tokens"] == 16
+    status, answer = _post(vllm_server, "/v1/completions", {"prompt": prompt, "ignore_eos": True, "max_tokens": None})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 16
+    status, answer = _post(vllm_server, "/v1/completions", {"prompt": prompt, "temperature": 2.5})
+    assert status == 400 and answer["error"]["message"] == "temperature must be in [0, 2], got 2.5."
+    assert _post(vllm_server, "/reset_prefix_cache", {}) == (200, {"success": True})
+    assert _get(vllm_server, "/version") == (200, {"version": "0.32.0"})
     for field, value in (("repetition_penalty", 1.2), ("n", 2), ("stop", ["x"]), ("stream", True), ("min_p", 0.1)):
         status, answer = _post(vllm_server, "/v1/completions", {"prompt": prompt, field: value})
         assert status == 400 and answer["error"]["type"] == "BadRequestError" and field in answer["error"]["message"]
@@ -101,7 +112,7 @@ def test_completions_answer_as_vllm_shapes_them(vllm_server, wide_checkpoint):
 def test_client_maps_settings_and_refuses_logits_modes(vllm_server):
     client = VLLMClient(vllm_server)
     assert client.settings() == {"logprobs_mode": "processed_logprobs", "log_prob_kind": "sampled",
-                                 "enable_deterministic_inference": True}
+                                 "enable_deterministic_inference": True, "version": "0.32.0"}
     assert client.get_weight_version() is None  # vLLM reports none; nobody confirmed one yet
     assert vllm_settings({"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}},
                           "vllm_env": {"VLLM_BATCH_INVARIANT": False}})["log_prob_kind"] == "raw"
@@ -261,6 +272,7 @@ def test_sync_weights_to_vllm_is_confirmed_by_fingerprint(glmpost_cli, wide_chec
         assert synced.exit_code == 0, synced.stderr
         (row,) = json.loads(synced.stdout)["servers"]
         assert row["status"] == "updated" and row["version_before"] is None and row["version_after"] == "1"
+        assert _get(url, "/weight_info") == (200, {"weight_version": "1"})  # labelled while paused, as vLLM labels
         assert (rollout_root / "v000001" / "glmpost-fingerprint.json").is_file()
         assert confirm_server(client, new_fp, previous=old_fp)[0]
         again = glmpost_cli("sync-weights", "--checkpoint", new, "--out", rollout_root, "--server", url, "--engine", "vllm",
@@ -269,14 +281,24 @@ def test_sync_weights_to_vllm_is_confirmed_by_fingerprint(glmpost_cli, wide_chec
 
         assert previous_version_dir(rollout_root / "v000001") == rollout_root / "v000000"
         assert previous_version_dir(rollout_root / "v000000") is None and previous_version_dir(new) is None
-        fresh = glmpost_cli(*rollout, "--checkpoint", rollout_root, "--out", tmp_path / "fresh")
+        watched = _Proxy(url, ...)
+        try:  # a labelled server is confirmed by its label: no fingerprint (prompt_logprobs) request at all
+            fresh = glmpost_cli(*rollout[:-1], watched.url, "--checkpoint", rollout_root, "--out", tmp_path / "fresh")
+        finally:
+            watched.close()
         assert fresh.exit_code == 0, fresh.stderr
+        assert not [b for b in watched.bodies if isinstance(b, dict) and "prompt_logprobs" in b]
+        assert "/weight_info" in watched.seen
         records = _records(tmp_path / "fresh")
         assert records and all((r["policy_versions"] == 1).all() for r in records)
-        # the old version's rollout against the new weights: not confirmed, no version claimed
+        stage = json.loads((tmp_path / "fresh" / "stage.json").read_text())
+        assert stage["servers"] == [{"url": watched.url, "engine": "vllm", "version": "0.32.0"}]  # GET /version
+        published = json.loads((rollout_root / "v000001" / "stage.json").read_text())
+        assert published["servers"] == [{"url": url, "engine": "vllm", "version": "0.32.0"}]
+        # the old version's rollout against the new weights: the server's label says which weights sampled
         old = glmpost_cli(*rollout, "--checkpoint", rollout_root / "v000000", "--out", tmp_path / "old")
-        assert old.exit_code == 0 and "does not serve" in old.stderr
-        assert all((r["policy_versions"] == -1).all() for r in _records(tmp_path / "old"))  # unknown
+        assert old.exit_code == 0 and "it reports weight version 1, not 0" in old.stderr
+        assert all((r["policy_versions"] == 1).all() for r in _records(tmp_path / "old"))
     finally:
         stop_server(proc)
 
@@ -308,12 +330,15 @@ def test_bad_vllm_options_are_one_line_errors(glmpost_cli, wide_checkpoint, tmp_
 
 class _Proxy:
     """A loopback HTTP proxy to ``target`` that answers ``GET /server_info`` with ``server_info``
-    (None: HTTP 404, a vLLM without dev mode), the ``missing`` routes with 404 (an older vLLM), and
-    forwards every other request unchanged; ``seen`` lists the paths asked."""
+    (None: HTTP 404, a vLLM without dev mode; ``...``: forwarded), the ``missing`` routes with 404 (an
+    older vLLM), and forwards every other request unchanged, answering the ``slow`` routes (path:
+    seconds) that much later (the server acted at once: a slow drain or load); ``seen`` lists the
+    paths asked, ``bodies`` the decoded request bodies (None for none)."""
 
-    def __init__(self, target, server_info, missing=()):
+    def __init__(self, target, server_info, missing=(), slow=None):
         self.seen = []
-        seen = self.seen
+        self.bodies = []
+        seen, bodies, slow = self.seen, self.bodies, dict(slow or {})
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -332,19 +357,25 @@ class _Proxy:
                 seen.append(self.path)
                 if self.path.split("?")[0] in missing:
                     return self._answer(404, b'{"detail": "Not Found"}')
-                if self.path.startswith("/server_info"):
+                if self.path.startswith("/server_info") and server_info is not ...:
                     if server_info is None:
                         return self._answer(404, b'{"detail": "Not Found"}')
                     return self._answer(200, json.dumps(server_info).encode())
                 length = int(self.headers.get("Content-Length") or 0)
                 data = self.rfile.read(length) if length else None
+                bodies.append(json.loads(data) if data else None)
                 request = urllib.request.Request(target + self.path, data=data, method=method,
                                                  headers={"Content-Type": "application/json"})
                 try:
                     with urllib.request.urlopen(request, timeout=60) as response:
-                        self._answer(response.status, response.read())
+                        status, raw = response.status, response.read()
                 except urllib.error.HTTPError as exc:
-                    self._answer(exc.code, exc.read())
+                    status, raw = exc.code, exc.read()
+                time.sleep(slow.get(self.path.split("?")[0], 0))
+                try:
+                    self._answer(status, raw)
+                except OSError:
+                    pass  # the client gave up waiting
 
             def do_GET(self):
                 self._forward("GET")
@@ -395,6 +426,8 @@ def test_reload_without_pause_on_an_older_vllm(vllm_server, wide_checkpoint):
         answer = client.update_weights_from_disk(str(wide_checkpoint))
         assert answer["success"] is True and client.weight_version is None  # unconfirmed until the fingerprint
         assert [p.split("?")[0] for p in proxy.seen] == ["/pause", "/collective_rpc", "/reset_prefix_cache"]
+        # both spellings: the first /pause took only wait_for_inflight_requests (else it aborts what is in flight)
+        assert proxy.seen[0] == "/pause?mode=wait&wait_for_inflight_requests=true"
         assert confirm_server(client, checkpoint_fingerprint(wide_checkpoint))[0]
     finally:
         proxy.close()
@@ -444,3 +477,199 @@ def test_request_and_answer_translation():
     assert answer("length")["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
     completion, _, reason = completion_from_sglang(answer("abort", ids=()), [2])
     assert completion.finish_reason == "abort" and completion.token_ids == [] and "abort" in reason  # kept, continued
+
+
+def test_a_rollout_above_vllms_temperature_is_one_line(glmpost_cli, vllm_server, wide_checkpoint, tmp_path):
+    result = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", wide_checkpoint, "--out", tmp_path / "r",
+                         "--engine", "vllm", "--server", vllm_server, "--temperature", "2.5", "--max-new-tokens", "2")
+    assert result.exit_code != 0 and result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    assert "vLLM takes temperature in [0, 2] (SamplingParams), got 2.5" in result.stderr, result.stderr
+
+
+def test_the_client_refuses_what_vllm_refuses_before_sending():
+    """vLLM's SamplingParams refuses temperature above 2: the client says so itself, in one line."""
+    from glmpost.kernel.vllm_client import completion_request
+
+    with pytest.raises(ValueError, match=r"^vLLM takes temperature in \[0, 2\] \(SamplingParams\), got 2.5$"):
+        completion_request([1], {"max_new_tokens": 2, "temperature": 2.5}, model=None, logprobs=None)
+    with pytest.raises(ServerError, match="HTTP 400: vLLM takes temperature in"):
+        VLLMClient("http://127.0.0.1:1").generate([1, 2], {"max_new_tokens": 2, "temperature": 3.0})
+
+
+@pytest.fixture(scope="module")
+def vllm034(wide_checkpoint):
+    """The stand-in as vLLM 0.34 answers: HTTP 503 to every new request while paused, and
+    ``weight_versions`` per choice with ``return_weight_versions``."""
+    proc, url = start_server(wide_checkpoint, "--api", "vllm", "--vllm-release", "0.34.0")
+    yield url
+    stop_server(proc)
+    assert proc.returncode == 0
+
+
+def test_a_paused_034_server_answers_503_and_the_client_waits_for_is_paused(vllm034):
+    """Case 2: the 503 of a paused server waits for /is_paused to clear, longer than the client's
+    retries last (3 retries, 0.5 s backoff: 3.5 s), and no sequence is lost."""
+    assert _get(vllm034, "/version") == (200, {"version": "0.34.0"})
+    assert _post(vllm034, "/pause?mode=wait", {}) == (200, {"status": "paused"})
+    try:
+        status, answer = _post(vllm034, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+        client, answers = VLLMClient(vllm034), []
+        worker = threading.Thread(target=lambda: answers.append(
+            client.generate([[5, 6, 7], [8, 9]], {"max_new_tokens": 3, "ignore_eos": True})))
+        worker.start()
+        time.sleep(5.0)
+        assert worker.is_alive() and not answers
+    finally:
+        assert _post(vllm034, "/resume", {}) == (200, {"status": "resumed"})
+    worker.join(60)
+    (batch,) = answers
+    assert [len(a["output_ids"]) for a in batch] == [3, 3]
+    # a pause that outlasts pause_wait is one error, not a hang
+    assert _post(vllm034, "/pause?mode=wait", {})[0] == 200
+    try:
+        with pytest.raises(ServerError, match=r"stayed paused \(GET /is_paused\) for more than 0.5 s"):
+            VLLMClient(vllm034, retries=0, pause_wait=0.5).generate([5, 6], {"max_new_tokens": 1})
+    finally:
+        _post(vllm034, "/resume", {})
+
+
+def test_034_labels_each_choice_and_the_client_reads_the_labels(vllm034):
+    """Case 6: /update_weight_version and /weight_info in vLLM's shapes, per-choice weight_versions
+    (0.34, return_weight_versions), read by the client in place of a fingerprint."""
+    body = {"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
+    status, answer = _post(vllm034, "/v1/completions", {**body, "return_weight_versions": True})
+    assert status == 200 and answer["choices"][0]["weight_versions"] == [{"version": "default", "start": 0, "end": 3}]
+    assert "weight_versions" not in _post(vllm034, "/v1/completions", body)[1]["choices"][0]  # opt-in only
+    assert _post(vllm034, "/update_weight_version", {"new_version": "7"}) == (200, {"success": True, "new_version": "7"})
+    assert _get(vllm034, "/weight_info") == (200, {"weight_version": "7"})
+    client = VLLMClient(vllm034)
+    assert client.get_weight_version() == "7" and client.labelled and client.settings()["version"] == "0.34.0"
+    client.weight_version = "stale"  # the answer's own label wins over what the client last read
+    answer = client.generate([5, 6], {"max_new_tokens": 2, "ignore_eos": True})
+    assert answer["meta_info"]["weight_version"] == "7" and client.per_choice_versions
+    assert answer["meta_info"]["weight_versions"] == [{"version": "7", "start": 0, "end": 2}]
+    from glmpost.kernel.vllm_client import sglang_answer
+
+    mixed = {"choices": [{"token_ids": [1, 2], "finish_reason": "length", "weight_versions": [
+        {"version": "7", "start": 0, "end": 1}, {"version": "8", "start": 1, "end": 2}]}]}
+    assert sglang_answer(mixed, weight_version="7")["meta_info"]["weight_version"] is None  # two versions: none
+
+
+def test_without_dev_mode_sync_weights_names_the_variable(glmpost_cli, wide_checkpoint, tmp_path):
+    """Case 5: the stand-in gates the dev routes as vLLM does, and sync-weights says in one line, after
+    one attempt, that the server needs VLLM_SERVER_DEV_MODE=1."""
+    root = tmp_path / "root"
+    assert glmpost_cli("sync-weights", "--checkpoint", wide_checkpoint, "--out", root).exit_code == 0
+    proc, url = start_server(root, "--api", "vllm", "--no-vllm-dev-mode")
+    try:
+        for path in ("/server_info?config_format=json", "/is_paused", "/weight_info"):
+            assert _get(url, path) == (404, {"detail": "Not Found"}), path
+        for path in ("/pause?mode=wait", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version"):
+            assert _post(url, path, {}) == (404, {"detail": "Not Found"}), path
+        assert _get(url, "/version") == (200, {"version": "0.32.0"}) and _get(url, "/v1/models")[0] == 200
+        new = _perturbed(wide_checkpoint, tmp_path / "trained", 1)
+        synced = glmpost_cli("sync-weights", "--checkpoint", new, "--out", root, "--server", url, "--engine", "vllm")
+        assert synced.exit_code == 1 and synced.stderr.count("error:") == 1 and "Traceback" not in synced.stderr
+        assert (f"error: server {url} is not on weight version 1 after 1 attempt(s): the server answers 404 on /pause "
+                "and /collective_rpc: vLLM serves its weight-reload routes only in dev mode; start it with "
+                "VLLM_SERVER_DEV_MODE=1") in synced.stderr, synced.stderr
+    finally:
+        stop_server(proc)
+
+
+def test_scoring_refuses_a_server_that_returns_logits(glmpost_cli, vllm_server, wide_checkpoint, tmp_path):
+    """Case 3: vLLM 0.32 returns prompt logits under the logits modes (_get_prompt_logprobs_dict), so
+    score-teacher and diff-logprobs refuse such a server in one line; the log-prob modes score alike."""
+    shards = tmp_path / "rollout"
+    assert glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", wide_checkpoint, "--out", shards, "--group-size",
+                       "1", "--max-new-tokens", "3").exit_code == 0
+    for mode in ("raw_logits", "processed_logits"):
+        proxy = _Proxy(vllm_server, {"vllm_config": {"model_config": {"logprobs_mode": mode}}, "vllm_env": {}})
+        try:
+            scored = glmpost_cli("score-teacher", shards, "--out", tmp_path / f"t-{mode}", "--teacher", wide_checkpoint,
+                                 "--engine", "vllm", "--server", proxy.url)
+            diffed = glmpost_cli("diff-logprobs", shards, "--checkpoint", wide_checkpoint, "--against-server", proxy.url,
+                                 "--against-engine", "vllm", "--out", tmp_path / f"d-{mode}", "--no-plots")
+        finally:
+            proxy.close()
+        words = f"{proxy.url} returns logits, not log-probs, as prompt log-probs (vLLM logprobs_mode {mode})"
+        for result in (scored, diffed):
+            assert result.exit_code == 1 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+        assert not [b for b in proxy.bodies if isinstance(b, dict) and "prompt_logprobs" in b]  # nothing was scored
+
+
+def test_a_pause_timeout_leaves_the_server_resumed(vllm_server, wide_checkpoint):
+    """Case 7: /pause answers too late (a slow drain): the client resumes the server before it fails."""
+    proxy = _Proxy(vllm_server, ..., slow={"/pause": 3.0})
+    try:
+        with pytest.raises(ServerError, match="sent /resume so that the server is not left paused"):
+            VLLMClient(proxy.url, timeout=1.0, retries=0).reload_weights(str(wide_checkpoint))
+        time.sleep(2.5)  # the late answer came and went
+        assert _get(vllm_server, "/is_paused") == (200, {"is_paused": False})
+        assert [p.split("?")[0] for p in proxy.seen] == ["/pause", "/resume"]  # and nothing reloaded
+    finally:
+        proxy.close()
+        _post(vllm_server, "/resume", {})
+
+
+def test_a_reload_timeout_is_confirmed_and_never_reloaded_twice(glmpost_cli, wide_checkpoint, tmp_path):
+    """Case 7: reload_weights answers after the client's timeout: the server is resumed once it
+    answers again, the next attempt confirms by fingerprint that the reload took effect, labels it,
+    and does not reload again."""
+    from glmpost.weight_sync.vllm_sync import sync_vllm_server
+
+    root = tmp_path / "root"
+    assert glmpost_cli("sync-weights", "--checkpoint", wide_checkpoint, "--out", root).exit_code == 0
+    new = _perturbed(wide_checkpoint, tmp_path / "trained", 1)
+    expected, previous = checkpoint_fingerprint(new), checkpoint_fingerprint(root / "v000000")
+    proc, url = start_server(root, "--api", "vllm")
+    proxy = _Proxy(url, ..., slow={"/collective_rpc": 4.0})
+    try:
+        result = sync_vllm_server(proxy.url, new, "1", expected=expected, previous=previous, tolerance=0.05, retries=2,
+                                  backoff=0.1, timeout=2.0)
+        assert result.status == "updated" and result.attempts == 2, result
+        assert [p.split("?")[0] for p in proxy.seen].count("/collective_rpc") == 1
+        assert _get(url, "/is_paused") == (200, {"is_paused": False})
+        assert _get(url, "/weight_info") == (200, {"weight_version": "1"})
+        assert confirm_server(VLLMClient(url), expected, previous=previous)[0]
+    finally:
+        proxy.close()
+        stop_server(proc)
+
+
+def test_rollout_while_sync_weights_pauses_a_034_server_loses_no_sequence(glmpost_cli, wide_checkpoint, tmp_path):
+    """Case 2 end to end: a rollout samples from a vLLM 0.34 stand-in while sync-weights holds it
+    paused for 5 s (its reload answered late): the rollout's requests are answered 503, wait for
+    /is_paused to clear, and every sequence is kept."""
+    root = tmp_path / "root"
+    assert glmpost_cli("sync-weights", "--checkpoint", wide_checkpoint, "--out", root).exit_code == 0
+    proc, url = start_server(root / "v000000", "--api", "vllm", "--vllm-release", "0.34.0")
+    new = _perturbed(wide_checkpoint, tmp_path / "trained", 1)
+    assert glmpost_cli("sync-weights", "--checkpoint", new, "--out", root).exit_code == 0  # published, not yet served
+    checkpoint_fingerprint(root / "v000001")  # kept beside the weights: the sync below only switches
+    watched, slow = _Proxy(url, ...), _Proxy(url, ..., slow={"/collective_rpc": 5.0})
+    try:
+        rollout = subprocess.Popen(
+            [sys.executable, "-m", "glmpost.commands.app", "rollout", str(_prompts(tmp_path, 8)), "--checkpoint",
+             str(root / "v000000"), "--out", str(tmp_path / "r"), "--engine", "vllm", "--server", watched.url,
+             "--group-size", "4", "--max-new-tokens", "32", "--concurrency", "1", "--batch-size", "1", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while sum(p == "/v1/completions" for p in watched.seen) < 8 and rollout.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        synced = glmpost_cli("sync-weights", "--checkpoint", new, "--out", root, "--server", slow.url, "--engine", "vllm",
+                             "--json")
+        out, err = rollout.communicate(timeout=600)
+        assert synced.exit_code == 0, synced.stderr
+        assert json.loads(synced.stdout)["servers"][0]["status"] == "updated"
+        assert rollout.returncode == 0, err
+        assert json.loads(out)["aborted"] == 0
+        assert "/is_paused" in watched.seen  # the rollout met the pause
+        records = _records(tmp_path / "r")
+        assert len(records) == 32 and all(r["status"] != "aborted" for r in records)
+        assert all(set(r["policy_versions"].tolist()) <= {0, 1, -1} for r in records)
+    finally:
+        watched.close()
+        slow.close()
+        stop_server(proc)

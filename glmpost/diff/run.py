@@ -255,6 +255,9 @@ def server_path_b(url: str, records, *, distribution: ScoredDistribution, revisi
         info = client.model_info()
     except ServerError as exc:
         raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
+    problem = client.scoring_problem() if isinstance(client, VLLMClient) else None
+    if problem:
+        raise ConfigError("{against_server} {problem}", problem=problem, exit_code=1)
     theirs = info.get("tokenizer_revision") if isinstance(info, dict) else None
     if theirs is not None and theirs != revision:
         raise ConfigError("{against_server} {url}: tokenizer revision {theirs} differs from {checkpoint}'s {revision}",

@@ -1,5 +1,7 @@
 """Which weights a server serves, told from its log-probs: the version confirmation of servers that
-report no weight version (vLLM: no per-response version, no version route; RFC vllm#48306).
+report no weight version (a vLLM without dev mode, an older one without ``/weight_info``, or one whose
+label nobody set: ``"default"``), and of a reload that got no answer in time. A vLLM with a label
+set by ``sync-weights`` is confirmed by the label instead (:mod:`glmpost.weight_sync.vllm_sync`).
 
 A checkpoint's *fingerprint* is the model's own log-probs (temperature 1, no filter) of a fixed
 token sequence, :data:`FINGERPRINT_TOKENS` ids spread over the vocabulary (:func:`fingerprint_ids`),
@@ -8,7 +10,9 @@ float32 (:class:`~glmpost.kernel.engine.LocalEngine` ``score``) and kept beside 
 ``glmpost-fingerprint.json`` with the identity of the weight files it was computed from (written
 atomically; a copy whose files were rewritten, e.g. by ``glmpost quantize``, recomputes it; a
 read-only checkpoint is simply recomputed next time). A server's fingerprint is the same sequence scored through its prompt log-probs, which vLLM
-computes as ``log_softmax(logits)`` whatever ``--logprobs-mode``.
+computes as ``log_softmax(logits)`` under both log-prob modes (and as logits under the logits modes,
+which :meth:`~glmpost.kernel.vllm_client.VLLMClient.score` refuses; vLLM 0.32
+``gpu_model_runner._get_prompt_logprobs_dict``).
 
 The server serves a checkpoint when the *mean* absolute difference of the two fingerprints is at
 most ``tolerance`` (default :data:`DEFAULT_TOLERANCE` 0.05) and, when there is a previous version

@@ -5,11 +5,17 @@ through :class:`~glmpost.kernel.vllm_client.VLLMClient`, with what vLLM does not
   records ``raw``, ``processed_logprobs`` ``sampled``; the logits modes are refused (a logit is no
   log-prob); without dev mode the four-request probe tells the kind.
 * ``seed_reproducible`` only under ``VLLM_BATCH_INVARIANT=1``.
-* The weight version: vLLM reports none, so a server's version is confirmed by its fingerprint
-  (:mod:`glmpost.kernel.fingerprint`) against the checkpoint's (and nearer to it than to the previous
-  version's in the same root), when the run opens and again after
-  every generate call; a sequence is stamped with the checkpoint's policy version only when the
-  server that answered it was confirmed before and after, and otherwise with
+* The weight version: a server with labels (``GET /weight_info``, dev mode; vLLM 0.27.1 on) that
+  ``sync-weights`` labelled is trusted for its label (the policy version that samples), read when the
+  run opens and again after every generate call (one cheap GET, no model work), or, where the server
+  answers ``weight_versions`` per choice (0.34, ``return_weight_versions``), by each sequence's own
+  label, with no request after the call. A server without labels, or with none set (vLLM's
+  ``"default"``), is confirmed by its fingerprint (:mod:`glmpost.kernel.fingerprint`) against the
+  checkpoint's (and nearer to it than to the previous version's in the same root), when the run opens
+  and again after every generate call. A sequence is stamped with the checkpoint's policy version only
+  when the server that answered it was confirmed before and after; a labelled server's sequence is
+  stamped with the label (the version that sampled it, which ``sync-weights`` set) when the label held
+  for the whole call or is the sequence's own; otherwise with
   :data:`~glmpost.rollout.records.UNKNOWN_VERSION` (-1 in ``policy_versions``, formats/SPEC.md;
   training counts such records as of unknown lag and says so) rather than a version nobody confirmed.
 """
@@ -58,6 +64,16 @@ class VLLMBackend(SGLangBackend):
         backend.tolerance = config.engine.fingerprint_tolerance
         for client in backend.pool.clients:
             try:
+                labelled = client.read_label()
+            except ServerError:
+                labelled = False
+            if labelled:
+                if client.weight_version != str(backend.policy_version):
+                    log(f"--server {client.url} does not serve {checkpoint.version_dir}: it reports weight version "
+                        f"{client.weight_version}, not {backend.policy_version}, and its records say so; run "
+                        "sync-weights --engine vllm to switch it")
+                continue
+            try:
                 ok, words = confirm_server(client, backend.expected, tolerance=backend.tolerance, previous=backend.previous)
             except ServerError as exc:
                 ok, words = False, str(exc)
@@ -72,7 +88,19 @@ class VLLMBackend(SGLangBackend):
         return "vllm"
 
     def _confirm(self, client: Any) -> bool:
-        """Confirm (or unconfirm) ``client``'s version by fingerprint; True when it serves the checkpoint."""
+        """Confirm (or unconfirm) ``client``'s version: a labelled server's label read again (True when
+        it did not change: the label before the call held for all of it), else by fingerprint (True
+        when it serves the checkpoint)."""
+        if client.labelled:
+            before = client.weight_version
+            try:
+                client.weight_version = client.weight_label()
+            except ServerError:
+                client.weight_version = None
+            if client.weight_version != before:
+                log(f"--server {client.url}: it now reports weight version {client.weight_version} (was {before}); "
+                    "the records it answered meanwhile get policy version -1 (unknown)")
+            return client.weight_version is not None and client.weight_version == before
         try:
             ok, words = confirm_server(client, self.expected, tolerance=self.tolerance, previous=self.previous)
         except ServerError as exc:
@@ -92,9 +120,19 @@ class VLLMBackend(SGLangBackend):
         return super()._server_kind(client, settings)
 
     def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, **kwargs: Any) -> list[Outcome]:
-        """:meth:`SGLangBackend.generate`, then every server confirmed again: a sequence keeps the
-        checkpoint's version only when its server was confirmed before (its answer carries it) and after."""
+        """:meth:`SGLangBackend.generate`, then every server confirmed again (not one that labels each
+        choice): a sequence keeps the checkpoint's version only when its server was confirmed before
+        (its answer carries it) and after, or its own label is the checkpoint's version."""
         outcomes = super().generate(sequences, keys, progress, **kwargs)
-        confirmed = {client.url for client in self.pool.clients if self._confirm(client)}
-        return [(completion, version if version is not None and self.served(key) in confirmed else UNKNOWN_VERSION, reason)
-                for key, (completion, version, reason) in zip(keys, outcomes)]
+        labelled = {client.url for client in self.pool.clients if client.labelled}
+        own = {client.url for client in self.pool.clients if client.labelled and client.per_choice_versions}
+        confirmed = own | {client.url for client in self.pool.clients if client.url not in own and self._confirm(client)}
+
+        def stamp(key: str, version: Any) -> Any:
+            url = self.served(key)
+            if url not in confirmed or version is None:
+                return UNKNOWN_VERSION
+            # a label is the version that sampled (sync-weights sets it); a fingerprint confirms only the checkpoint's
+            return version if url in labelled or version == self.policy_version else UNKNOWN_VERSION
+
+        return [(completion, stamp(key, version), reason) for key, (completion, version, reason) in zip(keys, outcomes)]

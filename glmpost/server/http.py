@@ -33,7 +33,7 @@ from glmpost.kernel.sglang_client import ADMIN_ROUTES, check_api_key
 from glmpost.npu import resolve_device
 from glmpost.server.engine import EngineServer
 from glmpost.server.parsing import RequestError
-from glmpost.server.vllm_api import VLLMApi, check_logprobs_mode, error_payload, guarded
+from glmpost.server.vllm_api import DEFAULT_RELEASE, VLLMApi, check_logprobs_mode, check_release, error_payload, guarded
 from glmpost.stage import MetricsWriter, log
 
 LISTEN_BACKLOG = 512
@@ -265,6 +265,13 @@ class ServeConfig:
                                 "ask for (logprobs, prompt_logprobs); -1 = the vocabulary.", min=-1)
     logprobs_mode: str = setting("raw_logprobs", "With --api vllm: vLLM's --logprobs-mode, what output log-probs are (in place of "
                                  "--log-prob-kind): raw_logprobs (kind raw) or processed_logprobs (kind sampled).")
+    vllm_dev_mode: bool = setting(True, "With --api vllm: serve the routes vLLM serves only with VLLM_SERVER_DEV_MODE=1 "
+                                  "(/server_info, /collective_rpc, /reset_prefix_cache, /pause, /resume, /is_paused, "
+                                  "/update_weight_version, /weight_info); off, they answer 404 as there.",
+                                  flag="--vllm-dev-mode/--no-vllm-dev-mode")
+    vllm_release: str = setting(DEFAULT_RELEASE, "With --api vllm: the vLLM release answered by /version and mimicked: "
+                                "from 0.34 a request that comes while paused is answered 503 (before, it waits for "
+                                "/resume) and return_weight_versions gives each choice its weight_versions.")
 
 
 class _MetricsLines:
@@ -316,6 +323,10 @@ def _checked_settings(config: ServeConfig) -> Optional[str]:
         raise ConfigError("{log_prob_kind} is for {api} sglang; with {api} vllm say {logprobs_mode}")
     if config.api == "sglang" and (config.logprobs_mode != "raw_logprobs" or config.max_logprobs != 20):
         raise ConfigError("{logprobs_mode} and {max_logprobs} are for {api} vllm")
+    try:
+        check_release(config.vllm_release)
+    except ValueError as exc:
+        raise ConfigError("{vllm_release} {reason}", reason=exc) from None
     if config.log_prob_kind not in LOG_PROB_KINDS:
         raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
                           value=config.log_prob_kind)
@@ -337,7 +348,8 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=kind,
                               prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
-            vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs)
+            vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs,
+                            dev_mode=config.vllm_dev_mode, release=config.vllm_release)
                     if config.api == "vllm" else None)
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
                                       admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes, vllm=vllm)

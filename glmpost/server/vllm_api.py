@@ -8,7 +8,7 @@ protocol.py``; ``/server_info`` at 09cb327, ``vllm/entrypoints/serve/instrumenta
 0100a21, ``serve/dev/rlhf/api_router.py``):
 
 * ``POST /v1/completions``: ``prompt`` token ids (a list, or a list of lists: every prompt gets the
-  request's ``seed``), ``max_tokens`` (default 16; None: up to the context), ``temperature`` (default
+  request's ``seed``), ``max_tokens`` (default 16, also for None), ``temperature`` (default
   1), ``top_p``, ``top_k`` (0 or -1 off), ``seed``, ``stop_token_ids`` (they stop as the eos ids do,
   which ``ignore_eos`` turns off), ``logprobs`` k, ``prompt_logprobs`` k, ``return_token_ids``,
   ``return_tokens_as_token_ids``, ``skip_special_tokens`` (text only); ``logprobs`` and
@@ -31,7 +31,22 @@ protocol.py``; ``/server_info`` at 09cb327, ``vllm/entrypoints/serve/instrumenta
   embedded engine's checked load; a refusal is HTTP 500 as a failed RPC is in vLLM);
   ``POST /reset_prefix_cache`` (a reload already starts with empty caches); ``POST /pause``
   (``mode`` wait or abort: in-flight requests finish, new ones wait), ``POST /resume``,
-  ``GET /is_paused``. The dev-mode routes are always on here.
+  ``GET /is_paused``, ``POST /update_weight_version`` (``{"new_version"}`` -> ``{"success": true,
+  "new_version"}``), ``GET /weight_info`` (``{"weight_version"}``, ``"default"`` until one is set; a
+  reload through ``/collective_rpc`` leaves the label as it was, as vLLM's does).
+* Dev mode, as vLLM 0.32 gates it (``entrypoints/launchers/api_server/routers.py``: the dev routers
+  and the RL router only under ``VLLM_SERVER_DEV_MODE=1``): with ``--no-vllm-dev-mode`` ``/server_info``,
+  ``/collective_rpc``, ``/reset_prefix_cache``, ``/pause``, ``/resume``, ``/is_paused``,
+  ``/update_weight_version`` and ``/weight_info`` answer 404 ``{"detail": "Not Found"}`` (FastAPI's).
+  ``GET /version`` (``{"version": RELEASE}``, ``serve/instrumentator/basic.py``) is always there.
+* ``--vllm-release`` picks the release mimicked: before 0.34 a request that comes while paused waits
+  for ``/resume`` (0.27.1 and 0.32 queue it: ``PauseState.PAUSED_NEW``, ``v1/engine/core.py``); from
+  0.34 it is answered HTTP 503 at once, and ``return_weight_versions: true`` gives each choice
+  ``weight_versions`` (``[{"version", "start", "end"}]``, output-token spans, ``vllm/outputs.py``
+  ``WeightVersionSpan``).
+* ``POST /reset_prefix_cache`` answers ``{"success": true}`` (vLLM 0.32 ``serve/dev/cache/api_router.py``);
+  ``max_tokens: null`` is 16 (0.32 ``CompletionRequest.normalize_null_max_tokens``); ``temperature``
+  above 2 is refused, ``temperature must be in [0, 2], got T.`` (0.32 ``SamplingParams._verify_args``).
 * ``--api-key`` guards only ``/v1``, ``/v2`` and ``/inference`` (``Authorization: Bearer KEY``), as
   vLLM's middleware does (``server_utils`` ``GUARDED_PREFIX``): the RL routes are open, so keep such
   a server on loopback or a private network.
@@ -54,7 +69,22 @@ _NEUTRAL = {"n": 1, "echo": False, "stream": False, "min_tokens": 0, "min_p": 0.
             "response_format": None, "structured_outputs": None, "allowed_token_ids": None, "bad_words": None,
             "logprob_token_ids": None, "prompt_embeds": None, "suffix": None, "truncate_prompt_tokens": None}
 
-__all__ = ["GUARDED_PREFIXES", "VLLMApi", "guarded"]
+DEV_ROUTES = frozenset({"/server_info", "/collective_rpc", "/reset_prefix_cache", "/pause", "/resume", "/is_paused",
+                        "/update_weight_version", "/weight_info"})
+DEFAULT_RELEASE = "0.32.0"
+
+__all__ = ["DEFAULT_RELEASE", "DEV_ROUTES", "GUARDED_PREFIXES", "VLLMApi", "check_release", "guarded"]
+
+
+def check_release(release: str) -> tuple[int, ...]:
+    """``"0.34.0"`` -> ``(0, 34, 0)``; raises ValueError for what is no release number."""
+    try:
+        parts = tuple(int(p) for p in str(release).split("."))
+    except ValueError:
+        parts = ()
+    if len(parts) < 2:
+        raise ValueError(f"must be a vLLM release such as 0.32.0 or 0.34.0, got {release!r}")
+    return parts
 
 
 def guarded(path: str) -> bool:
@@ -64,7 +94,8 @@ def guarded(path: str) -> bool:
 
 def error_payload(status: int, message: str) -> dict:
     """vLLM's OpenAI ``ErrorResponse``."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 401: "Unauthorized"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 401: "Unauthorized",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": None, "code": int(status)}}
 
 
@@ -93,10 +124,15 @@ class VLLMApi:
     """The vLLM routes over ``engine`` (an :class:`~glmpost.server.engine.EngineServer` whose
     ``log_prob_kind`` is ``logprobs_mode``'s kind)."""
 
-    def __init__(self, engine: Any, *, logprobs_mode: str, max_logprobs: int = 20):
+    def __init__(self, engine: Any, *, logprobs_mode: str, max_logprobs: int = 20, dev_mode: bool = True,
+                 release: str = DEFAULT_RELEASE):
         self.engine = engine
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
+        self.dev_mode = dev_mode
+        self.release = release
+        self.rejects_while_paused = check_release(release) >= (0, 34)  # 0.34: 503 to new requests while paused
+        self.weight_version = "default"  # vLLM's label until /update_weight_version
         self.started = int(time.time())
         self._cond = threading.Condition()
         self._paused = False
@@ -108,6 +144,20 @@ class VLLMApi:
 
     def route(self, method: str, path: str, query: dict[str, str], body: Callable[[], Any]) -> tuple[int, Any] | None:
         """``(status, payload)`` of a vLLM route, or None when ``path`` is none of them."""
+        if path in DEV_ROUTES and not self.dev_mode:
+            return 404, {"detail": "Not Found"}
+        if method == "GET" and path == "/version":
+            return 200, {"version": self.release}
+        if method == "POST" and path == "/update_weight_version":
+            payload = body()
+            new = payload.get("new_version") if isinstance(payload, dict) else None
+            if not isinstance(new, str):
+                return 422, {"detail": [{"type": "missing", "loc": ["body", "new_version"], "msg": "Field required"}]}
+            with self._cond:
+                self.weight_version = new
+            return 200, {"success": True, "new_version": new}
+        if method == "GET" and path == "/weight_info":
+            return 200, {"weight_version": self.weight_version}
         if method == "GET" and path == "/v1/models":
             return 200, self.models()
         if method == "POST" and path == "/v1/completions":
@@ -117,7 +167,7 @@ class VLLMApi:
         if method == "POST" and path == "/collective_rpc":
             return self.collective_rpc(body())
         if method == "POST" and path == "/reset_prefix_cache":
-            return 200, None
+            return 200, {"success": True}
         if method == "POST" and path == "/pause":
             return 200, self.pause(query.get("mode", "abort"))
         if method == "POST" and path == "/resume":
@@ -171,9 +221,15 @@ class VLLMApi:
             raise RequestError("the request body must be a JSON object")
         prompts = _prompts(body)
         _check_neutral(body)
+        temperature = body.get("temperature")
+        if temperature is not None and not 0.0 <= float(temperature) <= 2.0:
+            raise RequestError(f"temperature must be in [0, 2], got {float(temperature)}.")
         with self._cond:
+            if self._paused and self.rejects_while_paused:
+                raise RequestError("The engine is paused for a weight update: retry after /resume", 503)
             self._cond.wait_for(lambda: not self._paused)
             self._active += 1
+            label = self.weight_version  # labels change only while paused, so not during this request
         try:
             choices = [self._choice(i, prompt, body) for i, prompt in enumerate(prompts)]
         finally:
@@ -181,6 +237,9 @@ class VLLMApi:
                 self._active -= 1
                 self._cond.notify_all()
         prompt_tokens = sum(len(p) for p in prompts)
+        if body.get("return_weight_versions") and self.rejects_while_paused:
+            for choice in choices:  # one span: the label cannot change while a request runs here
+                choice["weight_versions"] = [{"version": label, "start": 0, "end": choice["_n"]}] if choice["_n"] else []
         completion_tokens = sum(c.pop("_n") for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -189,9 +248,8 @@ class VLLMApi:
 
     def _generate_body(self, prompt: list[int], body: dict) -> dict:
         """The SGLang ``/generate`` body of one prompt (the engine's own request form)."""
-        context = self.engine.loaded.config.get("max_position_embeddings") or 0
-        max_tokens = body.get("max_tokens", 16)
-        max_tokens = context - len(prompt) if max_tokens is None else max_tokens
+        max_tokens = body.get("max_tokens")
+        max_tokens = 16 if max_tokens is None else max_tokens  # vLLM's default, also for null
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
         stops = body.get("stop_token_ids") or []

@@ -155,6 +155,8 @@ class ScoreTeacherStage:
         else:
             self.pool = _sglang_pool(c.server, unique_teachers(self.teachers)[0], c.batch_size, api_key=c.api_key,
                                      client_class=VLLMClient if c.engine == "vllm" else SGLangClient)
+            if c.engine == "vllm":
+                _refuse_logits(self.pool)
         return {"teachers": {d: t.id for d, t in self.teachers.items()}}
 
     def process(self, shard: Path, target: Path, progress: tqdm) -> dict[str, Any]:
@@ -317,3 +319,15 @@ def _student_own_distribution(record: dict) -> bool:
         return SamplingParams.from_record(record.get("sampling")).scored() == ScoredDistribution()
     except ValueError:  # greedy before log_prob_kind (the point mass's 0), or an unknown kind
         return False
+
+
+def _refuse_logits(pool: Any) -> None:
+    """A vLLM server whose prompt log-probs are logits (``logprobs_mode`` raw_logits / processed_logits)
+    is refused in one line before anything is scored."""
+    for client in pool.clients:
+        try:
+            problem = client.scoring_problem()
+        except ServerError:
+            continue  # unreachable: the scoring says so itself
+        if problem:
+            raise ConfigError("{server} {problem}", problem=problem, exit_code=1)

@@ -12,6 +12,7 @@ writing ``ROOT/metrics.jsonl`` and the version's ``stage.json`` and ``glmpost.js
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE, checkpoint_fingerprint
 from glmpost.kernel.sglang_client import parse_server_urls
 from glmpost.locks import output_lock
 from glmpost.quant.spec import GroupSizeSetting
-from glmpost.stage import MetricsWriter, log, write_stage_json
+from glmpost.stage import MetricsWriter, log, write_json_atomic, write_stage_json
 from glmpost.weight_sync.convert import DTYPES, SCHEMES, ConvertResult, TrainSource, convert, resolve_source
 from glmpost.weight_sync.sync import (
     clean_stale_staging,
@@ -227,6 +228,18 @@ def _sync(config: SyncConfig, urls: list[str], target: Path, version: int, *, sk
     return rows
 
 
+def _record_servers(target: Path, rows: list[dict[str, Any]]) -> None:
+    """Add the synced vLLM servers (URL, engine, release from ``GET /version``) to the version's
+    ``stage.json``, as a rollout's records its servers."""
+    path = target / "stage.json"
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    payload["servers"] = [{"url": r["url"], "engine": "vllm", "version": r.get("engine_release")} for r in rows]
+    write_json_atomic(path, payload)
+
+
 def _prune(config: SyncConfig, rows: list[dict[str, Any]]) -> list[int]:
     """``keep``: remove old versions, never one a server reported (before or after its update)."""
     reported = {int(v) for r in rows for v in (r["version_before"], r["version_after"]) if v and str(v).isdigit()}
@@ -276,6 +289,8 @@ def _publish_and_switch(config: SyncConfig, urls: list[str], source: TrainSource
             convert_summary = _write_version(config, source, target, options, metrics)
         previous = root.version_dir(latest) if latest is not None and root.version_dir(latest).is_dir() else None
         rows = _sync(config, urls, target, version, skipped=skipped, metrics=metrics, previous=previous)
+        if config.engine == "vllm" and rows:
+            _record_servers(target, rows)
         removed = _prune(config, rows)
     return {
         "out": str(out), "version_dir": str(target), "policy_version": version,

@@ -113,11 +113,13 @@ class ServerResult:
     attempts: int = 0
     seconds: float = 0.0
     error: str | None = None
+    engine_release: str | None = None  # the server's release where it reports one (vLLM's GET /version)
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.url, "status": self.status, "version_before": self.version_before,
-                "version_after": self.version_after, "attempts": self.attempts, "seconds": round(self.seconds, 3),
-                "error": self.error}
+        row = {"url": self.url, "status": self.status, "version_before": self.version_before,
+               "version_after": self.version_after, "attempts": self.attempts, "seconds": round(self.seconds, 3),
+               "error": self.error}
+        return {**row, "engine_release": self.engine_release} if self.engine_release is not None else row
 
 
 def weight_version_name(policy_version: int) -> str:
