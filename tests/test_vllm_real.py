@@ -185,13 +185,17 @@ def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(g
     records = _records(tmp_path / "r")
     assert len(records) == 192 and all(r["status"] in ("completed", "truncated") for r in records)
     versions = {int(v) for r in records for v in set(r["policy_versions"].tolist())}
-    assert versions == {0, 1}, versions  # the switch happened during the rollout and each side was stamped
+    assert {0, 1} <= versions <= {-1, 0, 1}, versions  # the switch happened during the rollout and each side was stamped
+    # vLLM 0.32 labels no choice: the one generate call (8 sequences) the label changed in is unknown, not guessed.
+    unknown = [r for r in records if (r["policy_versions"] == -1).any()]
+    assert len(unknown) <= 8 and all((r["policy_versions"] == -1).all() for r in unknown)
     # Each token re-scored by the trainer with the checkpoint of the version it is stamped with.
     result = glmpost_cli("diff-logprobs", tmp_path / "r", "--checkpoint", served, "--by-version", served, "--out",
                          tmp_path / "d", "--no-plots", "--json")
     assert result.exit_code == 0, result.stderr
     split = json.loads(result.stdout)["by_version"]
     assert split["versions_scored"] == [0, 1] and split["engine_max_abs"] <= 1e-5, split
+    assert split["unknown_version_tokens"] == sum(len(r["response_token_ids"]) for r in unknown)
     assert split["by_lag"]["1"]["lag_max_abs"] > 1e-2  # v0's tokens would not close with v1: the stamps matter
 
 

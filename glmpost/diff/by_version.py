@@ -29,6 +29,7 @@ from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
 from glmpost.config import ConfigError
 from glmpost.diff.kv_cache import stale_cache_tokens
 from glmpost.diff.mismatch import PathScores, action_positions
+from glmpost.rollout.records import UNKNOWN_VERSION
 
 
 def version_directories(root: Path) -> dict[int, Path]:
@@ -58,9 +59,12 @@ def version_split(records: Sequence[dict[str, Any]], path_a: PathScores, *, curr
     the trainer's forward with another checkpoint (path A's settings)."""
     directories = version_directories(root)
     rows: dict[int, list[int]] = {}
+    unknown = 0  # tokens no version was confirmed for (policy version -1): nothing to re-score them with
     for index, record in enumerate(records):
         actions = action_positions(record)
-        for version in np.unique(np.asarray(record["policy_versions"])[actions]):
+        stamped = np.asarray(record["policy_versions"])[actions]
+        unknown += int((stamped == UNKNOWN_VERSION).sum())
+        for version in np.unique(stamped[stamped != UNKNOWN_VERSION]):
             rows.setdefault(int(version), []).append(index)
     missing = sorted(v for v in rows if v not in directories)
     if missing:
@@ -98,6 +102,6 @@ def version_split(records: Sequence[dict[str, Any]], path_a: PathScores, *, curr
     by_cache = {label: {"tokens": int(pick.sum()), "engine_mean_abs": float(np.abs(engine_all[pick]).mean()),
                         "engine_max_abs": float(np.abs(engine_all[pick]).max())}
                 for label, pick in (("fresh", ~stale_all), ("stale", stale_all)) if pick.any()}
-    return {"root": str(root), "current_version": current_version, "versions_scored": sorted(rows),
+    return {"root": str(root), "current_version": current_version, "versions_scored": sorted(rows), "unknown_version_tokens": unknown,
             "by_lag": buckets, "engine_by_kv_cache": by_cache,
             "engine_max_abs": float(np.abs(engine_all).max()), "lag_max_abs": float(np.abs(lag_all).max())}

@@ -200,6 +200,7 @@ class VLLMClient(SGLangClient):
         self.pause_wait = pause_wait
         self.labelled = False  # weight_version is the server's own label (/weight_info), not a fingerprint's
         self.per_choice_versions = False  # the server answered weight_versions per choice (0.34)
+        self.has_labels: bool | None = None  # whether /weight_info answers (None: not asked yet)
         self._model: str | None = None
         self._release: tuple[str | None] | None = None
 
@@ -337,7 +338,9 @@ class VLLMClient(SGLangClient):
         except ServerError as exc:
             if exc.status != 404:
                 raise
+            self.has_labels = False
             return False
+        self.has_labels = True
         if label is None:
             return False
         self.weight_version, self.labelled = label, True

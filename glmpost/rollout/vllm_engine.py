@@ -101,14 +101,32 @@ class VLLMBackend(SGLangBackend):
                 log(f"--server {client.url}: it now reports weight version {client.weight_version} (was {before}); "
                     "the records it answered meanwhile get policy version -1 (unknown)")
             return client.weight_version is not None and client.weight_version == before
+        if client.has_labels is not False and self._labelled_since(client):
+            return False  # sync-weights labelled it during this call: which side sampled is unknown
         try:
             ok, words = confirm_server(client, self.expected, tolerance=self.tolerance, previous=self.previous)
         except ServerError as exc:
             ok, words = False, str(exc)
+        if not ok and client.has_labels and self._labelled_since(client):
+            # The fingerprint waited out a sync-weights pause and saw the new weights; the label was still
+            # unset when this call's last answer came, and sync-weights sets it before it resumes: the call
+            # was sampled before the pause, on the weights confirmed before it.
+            return True
         if not ok and client.weight_version is not None:
             log(f"--server {client.url}: its weights are no longer confirmed ({words}); its next records get policy version -1 (unknown)")
         client.weight_version = str(self.policy_version) if ok else None
         return ok
+
+    @staticmethod
+    def _labelled_since(client: Any) -> bool:
+        """Whether ``client``'s server took a label since it was last read (then its next calls use it)."""
+        try:
+            if client.read_label():
+                log(f"--server {client.url}: it now reports weight version {client.weight_version}; its next records get it")
+                return True
+        except ServerError:
+            pass
+        return False
 
     def _server_kind(self, client: Any, settings: Any) -> str:
         """The logits modes are refused; otherwise :meth:`SGLangBackend._server_kind`."""
