@@ -265,6 +265,10 @@ class ServeConfig:
                                 "ask for (logprobs, prompt_logprobs); -1 = the vocabulary.", min=-1)
     logprobs_mode: str = setting("raw_logprobs", "With --api vllm: vLLM's --logprobs-mode, what output log-probs are (in place of "
                                  "--log-prob-kind): raw_logprobs (kind raw) or processed_logprobs (kind sampled).")
+    enable_return_routed_experts: bool = setting(
+        False, "With --api vllm: vLLM's --enable-return-routed-experts (MoE models): every /v1/completions choice "
+        "carries routed_experts (base64 .npy [prompt + output - 1, num_hidden_layers, k], dense layers' rows 0). "
+        "The SGLang API answers return_routed_experts per request.")
 
 
 class _MetricsLines:
@@ -316,6 +320,9 @@ def _checked_settings(config: ServeConfig) -> Optional[str]:
         raise ConfigError("{log_prob_kind} is for {api} sglang; with {api} vllm say {logprobs_mode}")
     if config.api == "sglang" and (config.logprobs_mode != "raw_logprobs" or config.max_logprobs != 20):
         raise ConfigError("{logprobs_mode} and {max_logprobs} are for {api} vllm")
+    if config.api == "sglang" and config.enable_return_routed_experts:
+        raise ConfigError("{enable_return_routed_experts} is for {api} vllm (the SGLang API answers "
+                          "return_routed_experts per request)")
     if config.log_prob_kind not in LOG_PROB_KINDS:
         raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
                           value=config.log_prob_kind)
@@ -337,7 +344,10 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=kind,
                               prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
-            vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs)
+            if config.enable_return_routed_experts and engine._routing_layout() is None:
+                raise ConfigError("{enable_return_routed_experts}: {path} is a dense model (no MoE router)", path=config.checkpoint)
+            vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs,
+                            return_routed_experts=config.enable_return_routed_experts)
                     if config.api == "vllm" else None)
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
                                       admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes, vllm=vllm)
