@@ -515,3 +515,51 @@ def test_the_pre_flight_check_decodes_and_shape_checks_one_real_answer():
         message = str(caught.value)
         assert len(message.splitlines()) == 1 and "http://x returns routed experts the checkpoint's model cannot have" in message
         assert words in message
+
+
+def _moe_checkpoint(name: str, tiny_checkpoint: Path, out: Path) -> Path:
+    """A checkpoint of the tiny ``name`` model (GLM-4.5 / DeepSeek-V3 shaped: 2 hidden layers,
+    layer 0 dense) with the tiny GLM-5's tokenizer, generation config and manifest."""
+    _model(name).eval().save_pretrained(out)
+    for path in tiny_checkpoint.iterdir():
+        if path.is_file() and path.name not in ("config.json", "model.safetensors", "metrics.jsonl", "stage.json"):
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+def _shard_records(out: Path) -> list[dict]:
+    return [r for path in resolve_shard_paths([out]) for r in ShardReader(path)]
+
+
+def test_glm45_rollout_through_sglang_records_the_experts_the_local_engine_records(glmpost_cli, tiny_checkpoint, tmp_path):
+    """--record-routing through serve's SGLang API on a GLM-4.5-shaped model: the server answers
+    every hidden layer (the dense layer 0's rows 0) as SGLang does, and the records hold the MoE
+    layer's experts, the local engine's token for token."""
+    from serve_process import start_server, stop_server
+    from test_serve import _prompts as serve_prompts
+
+    from glmpost.kernel.sglang_client import SGLangClient
+
+    checkpoint = _moe_checkpoint("glm4_moe", tiny_checkpoint, tmp_path / "glm45")
+    common = [serve_prompts(tmp_path, 2), "--checkpoint", checkpoint, "--group-size", "2", "--max-new-tokens", "5",
+              "--seed", "7", "--batch-size", "4", "--record-routing"]
+    local = glmpost_cli("rollout", *common, "--out", tmp_path / "local")
+    assert local.exit_code == 0, local.stderr
+    proc, url = start_server(checkpoint, "--batch-size", "8", "--log-prob-kind", "sampled")
+    try:
+        answer = SGLangClient(url, retries=0).generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True},
+                                                       return_routed_experts=True)
+        rows = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32)
+        assert rows.size == (3 + 3 - 1) * 2 * 2  # positions x num_hidden_layers x k
+        rows = rows.reshape(5, 2, 2)
+        assert not rows[:, 0].any() and (rows[:, 1, 0] != rows[:, 1, 1]).all()  # layer 0 dense; 2 distinct experts
+        remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", url)
+        assert remote.exit_code == 0, remote.stderr
+    finally:
+        stop_server(proc)
+    a, b = _shard_records(tmp_path / "local"), _shard_records(tmp_path / "remote")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert x["response_token_ids"].tolist() == y["response_token_ids"].tolist()
+        assert x["routed_experts"].shape == (len(x["response_token_ids"]), 1, 2)
+        assert x["routed_experts"].dtype == y["routed_experts"].dtype and np.array_equal(x["routed_experts"], y["routed_experts"])
