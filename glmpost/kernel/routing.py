@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -437,22 +438,17 @@ def config_routing_layout(config) -> RoutingLayout | None:
 
 
 def _layout(config, model: torch.nn.Module) -> RoutingLayout | None:
-    shape = moe_shape(model)
-    if shape is None:
+    """``model``'s layout: :func:`moe_layer_indices` of ``config``, which must name the layers its
+    routers sit in (``...layers.N...`` in their module names; their count where names say nothing)."""
+    found = routers(model)
+    if not found:
         return None
-    layers, k, experts = shape
+    layers, k, experts = moe_shape(model)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     indices = moe_layer_indices(config)
-    if indices is None or len(indices) != layers:
-        raise ValueError(f"the model config's MoE layers {list(indices or [])} are not the model's {layers} routers")
+    named = [re.search(r"(?:^|\.)layers\.(\d+)\.", name) for name, _ in found]
+    routed = tuple(int(m.group(1)) for m in named) if all(named) else None
+    if indices is None or len(indices) != layers or (routed is not None and routed != indices):
+        raise ValueError(f"the model config's MoE layers {list(indices or [])} are not its routers' "
+                         f"{list(routed) if routed is not None else f'{layers} layers'}")
     return RoutingLayout(int(_field(text, "num_hidden_layers")), indices, k, experts)
-
-
-def config_moe_shape(config) -> tuple[int, int, int] | None:
-    """:func:`moe_shape` of the model ``config`` describes, from a skeleton on the meta device (no
-    weights: a rollout on servers holds none)."""
-    from transformers import AutoModelForCausalLM  # the server engines only; transformers is heavy
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return moe_shape(model)

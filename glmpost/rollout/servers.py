@@ -26,6 +26,7 @@ import numpy as np
 
 from glmpost.config import ConfigError
 from glmpost.kernel.engine import Completion
+from glmpost.kernel.routing import routed_from_sglang
 from glmpost.kernel.server_settings import ServerSettings
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_pool import SGLangPool
@@ -196,8 +197,6 @@ def check_routing_returned(client: Any, probe: list[int], layout: Any) -> None:
     :class:`~glmpost.kernel.routing.RoutingLayout`). No payload: SGLang launched without
     ``--enable-return-routed-experts``, or a vLLM without it (or older than its per-choice
     ``routed_experts``); a payload of another shape: a server of another model."""
-    from glmpost.kernel.routing import routed_from_sglang
-
     engine = getattr(client, "engine", "sglang")
     launch = "vLLM" if engine == "vllm" else "SGLang"
     try:
