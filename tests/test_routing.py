@@ -3,6 +3,7 @@ and routing replay (R3) on tiny GLM-5 (``GlmMoeDsaForCausalLM``) and Qwen3-MoE /
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import shutil
@@ -24,14 +25,21 @@ from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.loading import load_model
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.routing import (
+    RoutingLayout,
     RoutingSession,
+    all_layer_rows,
     compact_ids,
+    config_routing_layout,
     gate_weights,
     group_limited_choice,
     install_routing,
+    moe_layer_indices,
+    prompt_routing,
+    routed_from_sglang,
     routers,
     routing_dtype,
     routing_session,
+    select_moe_rows,
 )
 from glmpost.models.tiny import TINY_GLM5
 from glmpost.rl.batches import train_example
@@ -374,10 +382,7 @@ def test_multi_turn_records_route_actions_and_leave_observations_unrecorded(glmp
 
 
 def test_refusals_are_one_line(glmpost_cli, tiny_checkpoint, routed_shards, tmp_path):
-    vllm = glmpost_cli("rollout", routed_shards, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "s", "--engine", "vllm",
-                       "--server", "http://127.0.0.1:9", "--record-routing")
-    assert vllm.exit_code == 2 and len(vllm.stderr.strip().splitlines()) == 1
-    assert "--record-routing needs --engine local or sglang" in vllm.stderr and not (tmp_path / "s").exists()
+    # (--engine vllm --record-routing is taken since issue 42: tests/test_vllm.py checks its refusals.)
     plain = _judge(routed_shards, tmp_path / "plain", strip=True)
     diff = glmpost_cli("diff-logprobs", plain, "--checkpoint", tiny_checkpoint, "--routing", "--out", tmp_path / "d")
     assert diff.exit_code == 1 and len(diff.stderr.strip().splitlines()) == 1
@@ -400,3 +405,161 @@ def test_routing_of_another_shape_is_refused(tmp_path):
         replay_context(model, batch, True)
     with pytest.raises(GlmpostError, match="has no MoE router"):
         path_routing(_model("qwen3").eval(), records, batch_size=1, replay=False, where="diff-logprobs")
+
+
+# ------------------------------------------------------------------ server payloads of all hidden layers (issue 42)
+
+def test_moe_layer_indices_hand_computed():
+    # first_k_dense_replace (GLM-4.5/4.7, DeepSeek-V3): MoE from layer 2 on; moe_layer_freq 2: every other one.
+    assert moe_layer_indices({"num_hidden_layers": 5, "n_routed_experts": 8, "first_k_dense_replace": 2}) == (2, 3, 4)
+    assert moe_layer_indices({"num_hidden_layers": 6, "n_routed_experts": 8, "first_k_dense_replace": 1,
+                              "moe_layer_freq": 2}) == (2, 4)
+    # Qwen3-MoE: (i + 1) % 2 == 0 -> 1, 3, 5; mlp_only_layers takes 3 out.
+    assert moe_layer_indices({"num_hidden_layers": 6, "num_experts": 4, "decoder_sparse_step": 2,
+                              "mlp_only_layers": [3]}) == (1, 5)
+    assert moe_layer_indices({"num_hidden_layers": 3, "num_experts": 4, "decoder_sparse_step": 1, "mlp_only_layers": []}) == (0, 1, 2)
+    # mlp_layer_types wins over first_k_dense_replace (GLM-5 has both, consistent).
+    assert moe_layer_indices({"num_hidden_layers": 4, "n_routed_experts": 8, "first_k_dense_replace": 3,
+                              "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}) == (1, 3)
+    assert moe_layer_indices({"num_hidden_layers": 3, "num_local_experts": 8}) == (0, 1, 2)  # Mixtral: every layer
+    assert moe_layer_indices({"num_hidden_layers": 3}) is None  # dense
+    assert moe_layer_indices({"num_hidden_layers": 3, "num_experts": 0, "decoder_sparse_step": 1}) is None
+    # GLM-5 at full depth: 78 layers, the first 3 dense (transformers fills mlp_layer_types from first_k_dense_replace).
+    glm5 = AutoConfig.for_model("glm_moe_dsa", **{**TINY_GLM5, "num_hidden_layers": 78, "first_k_dense_replace": 3})
+    assert moe_layer_indices(glm5) == tuple(range(3, 78))
+
+
+@pytest.mark.parametrize("name", (*ARCHITECTURES, "glm_moe_dsa"))
+def test_moe_layer_indices_are_the_models_router_layers(name):
+    model = _glm5() if name == "glm_moe_dsa" else _model(name)
+    from_names = tuple(int(n.split("layers.")[1].split(".")[0]) for n, _ in routers(model))
+    assert moe_layer_indices(model.config) == from_names == ((0, 1) if name == "qwen3_moe" else (1,))
+    layout = config_routing_layout(model.config)
+    assert layout == RoutingLayout(hidden_layers=2, moe_layers=from_names, k=2, experts=4)
+
+
+def _b64(rows) -> str:
+    return base64.b64encode(np.asarray(rows, dtype=np.int32).tobytes()).decode()
+
+
+def test_routed_from_sglang_selects_the_moe_layers_of_an_all_layer_payload():
+    """SGLang / vLLM: ``[prompt + output - 1, num_hidden_layers, k]``, dense layers' rows 0."""
+    layout = RoutingLayout(hidden_layers=3, moe_layers=(1, 2), k=2, experts=8)
+    # 4 positions (prompt 3 + output 2 - 1) x 3 layers x 2; layer 0 is dense.
+    rows = [[[0, 0], [5, 1], [7, 2]],
+            [[0, 0], [3, 4], [6, 0]],
+            [[0, 0], [2, 7], [1, 5]],
+            [[0, 0], [4, 0], [3, 6]]]
+    got = routed_from_sglang(_b64(rows), prompt_tokens=3, tokens=2, shape=layout)  # positions 2 and 3
+    assert got.tolist() == [[[2, 7], [1, 5]], [[0, 4], [3, 6]]] and got.dtype == np.uint8  # each set sorted
+    # The MoE-only width (older servers) reads the same.
+    moe_only = [[r[1], r[2]] for r in rows]
+    assert routed_from_sglang(_b64(moe_only), prompt_tokens=3, tokens=2, shape=layout).tolist() == got.tolist()
+    # Any other width is refused in one line; so are experts in a layer the config calls dense.
+    with pytest.raises(ValueError, match=r"^routed_experts holds 8 ids, not 4 positions x 2 MoE layers x 2 nor x 3 "
+                                         r"hidden layers x 2$"):
+        routed_from_sglang(_b64([r[:1] for r in rows]), prompt_tokens=3, tokens=2, shape=layout)
+    wrong = copy.deepcopy(rows)
+    wrong[1][0] = [1, 2]
+    with pytest.raises(ValueError, match=r"experts in layer 0, dense in the model config \(MoE layers \[1, 2\]\)"):
+        routed_from_sglang(_b64(wrong), prompt_tokens=3, tokens=2, shape=layout)
+    with pytest.raises(ValueError, match="not base64"):
+        routed_from_sglang("%%%", prompt_tokens=3, tokens=2, shape=layout)
+    # all_layer_rows is select_moe_rows' inverse.
+    back = all_layer_rows(np.asarray(moe_only), layout)
+    assert back.dtype == np.int32 and back.tolist() == rows
+    assert select_moe_rows(back, layout).tolist() == moe_only
+
+
+def test_routed_from_sglang_reads_glm45_and_deepseek_v3_payloads_as_the_local_engine_records():
+    """A GLM-4.5- and a DeepSeek-V3-shaped payload built from the models' own routing (2 hidden
+    layers, layer 0 dense: what SGLang's capturer returns) gives the local engine's record."""
+    for name in ("glm4_moe", "deepseek_v3"):
+        model = _model(name).eval()
+        layout = config_routing_layout(model.config)
+        prompt = [5, 6, 7, 8]
+        record = _records(model, [prompt], max_new_tokens=4)[0]
+        tokens = record["response_token_ids"].tolist()
+        full = prompt_routing(model, prompt + tokens)  # [P + n - 1, 1, 2]: each position's own choice
+        payload = all_layer_rows(full, layout)
+        assert payload.shape == (len(prompt) + len(tokens) - 1, 2, 2) and not payload[:, 0].any()
+        got = routed_from_sglang(_b64(payload), prompt_tokens=len(prompt), tokens=len(tokens), shape=layout)
+        assert got.dtype == record["routed_experts"].dtype and np.array_equal(got, record["routed_experts"]), name
+
+
+def test_the_pre_flight_check_decodes_and_shape_checks_one_real_answer():
+    """check_routing_returned sends one 1-token request and reads its payload as every answer is
+    read: a payload of another model's shape is refused up front, in one line."""
+    from glmpost.config import ConfigError
+    from glmpost.rollout.servers import check_routing_returned
+
+    layout = RoutingLayout(hidden_layers=3, moe_layers=(1, 2), k=2, experts=8)
+
+    class Server:
+        url, engine = "http://x", "sglang"
+
+        def __init__(self, rows):
+            self.rows, self.asked = rows, []
+
+        def generate(self, ids, sampling, **fields):
+            self.asked.append((ids, sampling, fields))
+            return {"output_ids": [9], "meta_info": {"prompt_tokens": len(ids), "routed_experts": _b64(self.rows)}}
+
+    good = Server(np.zeros((2, 3, 2)) + np.array([0, 1, 1])[None, :, None])  # 2 + 1 - 1 positions
+    check_routing_returned(good, [5, 6], layout)
+    assert good.asked == [([5, 6], {"max_new_tokens": 1}, {"return_logprob": True, "return_routed_experts": True})]
+    for rows, words in ((np.ones((2, 4, 2)), "not 2 positions x 2 MoE layers x 2 nor x 3 hidden layers x 2"),
+                        (np.ones((2, 3, 2)), "experts in layer 0, dense in the model config")):
+        with pytest.raises(ConfigError) as caught:
+            check_routing_returned(Server(rows), [5, 6], layout)
+        message = str(caught.value)
+        assert len(message.splitlines()) == 1 and "http://x returns routed experts the checkpoint's model cannot have" in message
+        assert words in message
+
+
+def _moe_checkpoint(name: str, tiny_checkpoint: Path, out: Path) -> Path:
+    """A checkpoint of the tiny ``name`` model (GLM-4.5 / DeepSeek-V3 shaped: 2 hidden layers,
+    layer 0 dense) with the tiny GLM-5's tokenizer, generation config and manifest."""
+    _model(name).eval().save_pretrained(out)
+    for path in tiny_checkpoint.iterdir():
+        if path.is_file() and path.name not in ("config.json", "model.safetensors", "metrics.jsonl", "stage.json"):
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+def _shard_records(out: Path) -> list[dict]:
+    return [r for path in resolve_shard_paths([out]) for r in ShardReader(path)]
+
+
+def test_glm45_rollout_through_sglang_records_the_experts_the_local_engine_records(glmpost_cli, tiny_checkpoint, tmp_path):
+    """--record-routing through serve's SGLang API on a GLM-4.5-shaped model: the server answers
+    every hidden layer (the dense layer 0's rows 0) as SGLang does, and the records hold the MoE
+    layer's experts, the local engine's token for token."""
+    from serve_process import start_server, stop_server
+    from test_serve import _prompts as serve_prompts
+
+    from glmpost.kernel.sglang_client import SGLangClient
+
+    checkpoint = _moe_checkpoint("glm4_moe", tiny_checkpoint, tmp_path / "glm45")
+    common = [serve_prompts(tmp_path, 2), "--checkpoint", checkpoint, "--group-size", "2", "--max-new-tokens", "5",
+              "--seed", "7", "--batch-size", "4", "--record-routing"]
+    local = glmpost_cli("rollout", *common, "--out", tmp_path / "local")
+    assert local.exit_code == 0, local.stderr
+    proc, url = start_server(checkpoint, "--batch-size", "8", "--log-prob-kind", "sampled")
+    try:
+        answer = SGLangClient(url, retries=0).generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True},
+                                                       return_routed_experts=True)
+        rows = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32)
+        assert rows.size == (3 + 3 - 1) * 2 * 2  # positions x num_hidden_layers x k
+        rows = rows.reshape(5, 2, 2)
+        assert not rows[:, 0].any() and (rows[:, 1, 0] != rows[:, 1, 1]).all()  # layer 0 dense; 2 distinct experts
+        remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", url)
+        assert remote.exit_code == 0, remote.stderr
+    finally:
+        stop_server(proc)
+    a, b = _shard_records(tmp_path / "local"), _shard_records(tmp_path / "remote")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert x["response_token_ids"].tolist() == y["response_token_ids"].tolist()
+        assert x["routed_experts"].shape == (len(x["response_token_ids"]), 1, 2)
+        assert x["routed_experts"].dtype == y["routed_experts"].dtype and np.array_equal(x["routed_experts"], y["routed_experts"])

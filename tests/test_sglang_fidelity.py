@@ -391,7 +391,11 @@ def test_sglang_rollout_records_the_servers_routed_experts_as_the_local_engine_d
 
         rows = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32)
         layers, k = _records(tmp_path / "local")[0]["routed_experts"].shape[1:]
-        assert rows.size == (3 + 3 - 1) * layers * k  # SGLang's shape: every position but the last
+        hidden = json.loads((tiny_checkpoint / "config.json").read_text())["num_hidden_layers"]
+        assert (layers, hidden) == (1, 2)  # tiny GLM-5: layer 0 dense (first_k_dense_replace 1), layer 1 MoE
+        # SGLang's shape: every position but the last, every hidden layer, the dense one's rows 0
+        rows = rows.reshape(3 + 3 - 1, hidden, k)
+        assert not rows[:, 0].any() and (rows[:, 1] != rows[:, 1, :1]).any(axis=-1).all()
         remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "sglang", "--server", url)
         assert remote.exit_code == 0, remote.stderr
     finally:
@@ -416,7 +420,7 @@ def test_a_server_without_routed_experts_is_refused_for_record_routing():
             return {"output_ids": [3], "meta_info": {"finish_reason": {"type": "length", "length": 1}}}
 
     with pytest.raises(ConfigError, match="returns no routed_experts"):
-        check_routing_returned(Plain(), [5, 6])
+        check_routing_returned(Plain(), [5, 6], (2, 2, 16))
     import base64
 
     rows = base64.b64encode(np.arange(4 * 2 * 2, dtype=np.int32)[::-1].copy().tobytes()).decode()  # 4 positions

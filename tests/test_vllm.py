@@ -673,3 +673,81 @@ def test_rollout_while_sync_weights_pauses_a_034_server_loses_no_sequence(glmpos
         watched.close()
         slow.close()
         stop_server(proc)
+# ------------------------------------------------------------------ routed experts (issue 42)
+
+def test_vllm_routed_experts_become_sglang_payloads():
+    """vLLM's per-choice routed_experts (base64 .npy, uint8/uint16 [P + n - 1, layers, k]) as
+    SGLang's meta_info.routed_experts (base64 int32, the same rows)."""
+    import base64
+    import io
+
+    from glmpost.kernel.vllm_client import sglang_answer, sglang_routed_experts
+
+    rows = np.array([[[0, 0], [300, 7]], [[0, 0], [2, 299]]], dtype=np.uint16)  # 2 positions x 2 layers x 2
+    buffer = io.BytesIO()
+    np.save(buffer, rows)
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    assert np.frombuffer(base64.b64decode(sglang_routed_experts(encoded)), dtype=np.int32).tolist() == [0, 0, 300, 7, 0, 0, 2, 299]
+    response = {"id": "c", "choices": [{"text": "", "token_ids": [4], "prompt_token_ids": [1, 2], "finish_reason": "length",
+                                        "routed_experts": encoded}]}
+    assert "routed_experts" not in sglang_answer(response, weight_version=None)["meta_info"]  # not asked for
+    meta = sglang_answer(response, weight_version=None, routed_experts=True)["meta_info"]
+    assert meta["routed_experts"] == sglang_routed_experts(encoded) and meta["prompt_tokens"] == 2
+    for bad, words in (("%%", "not base64 of a .npy array"),
+                       (base64.b64encode(b"\x93NUMPY nonsense").decode(), "not base64 of a .npy array")):
+        with pytest.raises(ValueError, match=words):
+            sglang_routed_experts(bad)
+    flat = io.BytesIO()
+    np.save(flat, np.zeros(4, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"float32 array of shape \[4\], not integer \[positions, layers, k\]"):
+        sglang_routed_experts(base64.b64encode(flat.getvalue()).decode())
+
+
+def test_routed_experts_through_vllm_equal_the_local_engines_on_deepseek_v3(glmpost_cli, tiny_checkpoint, tmp_path):
+    """``serve --api vllm --enable-return-routed-experts`` of a DeepSeek-V3-shaped model answers
+    each choice's routed_experts as vLLM does (all hidden layers, the dense layer 0's rows 0);
+    ``rollout --engine vllm --record-routing`` records the local engine's experts from them."""
+    import base64
+    import io
+
+    from test_routing import _moe_checkpoint
+
+    checkpoint = _moe_checkpoint("deepseek_v3", tiny_checkpoint, tmp_path / "dsv3")
+    common = [_prompts(tmp_path, 2), "--checkpoint", checkpoint, "--group-size", "2", "--max-new-tokens", "5",
+              "--seed", "7", "--batch-size", "4", "--record-routing"]
+    assert glmpost_cli("rollout", *common, "--out", tmp_path / "local").exit_code == 0
+    proc, url = start_server(checkpoint, "--api", "vllm", "--logprobs-mode", "processed_logprobs", "--batch-size", "8",
+                             "--enable-return-routed-experts")
+    try:
+        status, answer = _post(url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True})
+        assert status == 200, answer
+        rows = np.load(io.BytesIO(base64.b64decode(answer["choices"][0]["routed_experts"])), allow_pickle=False)
+        assert rows.dtype == np.uint8 and rows.shape == (3 + 3 - 1, 2, 2)  # positions x num_hidden_layers x k
+        assert not rows[:, 0].any() and (rows[:, 1, 0] != rows[:, 1, 1]).all()
+        remote = glmpost_cli("rollout", *common, "--out", tmp_path / "remote", "--engine", "vllm", "--server", url, "--json")
+        assert remote.exit_code == 0, remote.stderr
+        assert json.loads(remote.stdout)["aborted"] == 0
+    finally:
+        stop_server(proc)
+    a, b = _records(tmp_path / "local"), _records(tmp_path / "remote")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert x["response_token_ids"].tolist() == y["response_token_ids"].tolist()
+        assert x["routed_experts"].shape == (len(x["response_token_ids"]), 1, 2)
+        assert x["routed_experts"].dtype == y["routed_experts"].dtype and np.array_equal(x["routed_experts"], y["routed_experts"])
+
+
+def test_a_vllm_without_routed_experts_is_refused_up_front(glmpost_cli, vllm_server, wide_checkpoint, tmp_path):
+    """A vLLM launched without --enable-return-routed-experts answers routed_experts null: the
+    pre-flight request says so in one line and nothing is written; serve refuses the flag with --api sglang."""
+    status, answer = _post(vllm_server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1})
+    assert status == 200 and answer["choices"][0]["routed_experts"] is None
+    out = tmp_path / "r"
+    result = glmpost_cli("rollout", _prompts(tmp_path, 1), "--checkpoint", wide_checkpoint, "--out", out, "--engine", "vllm",
+                         "--server", vllm_server, "--max-new-tokens", "2", "--record-routing")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("glmpost: error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert (f"{vllm_server} returns no routed_experts (--record-routing): launch vLLM with --enable-return-routed-experts"
+            in result.stderr) and not out.exists()
+    refused = glmpost_cli("serve", "--checkpoint", wide_checkpoint, "--enable-return-routed-experts")
+    assert refused.exit_code == 2 and "--enable-return-routed-experts is for --api vllm" in refused.stderr

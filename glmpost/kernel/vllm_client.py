@@ -54,6 +54,18 @@ rpc/api_router.py,dev/rlhf/api_router.py}``):
 * ``temperature`` above 2 is refused by vLLM (0.32 ``SamplingParams._verify_args``: ``temperature
   must be in [0, 2]``), so the client refuses it before sending.
 
+Routed experts (``rollout --record-routing``): a vLLM launched with ``--enable-return-routed-experts``
+answers every ``/v1/completions`` choice with ``routed_experts``, base64 of ``.npy`` bytes of shape
+``[prompt + output - 1, num_hidden_layers, num_experts_per_tok]`` (uint8 / uint16; None without the
+flag, or for a request aborted before its first forward); there is no request field
+(``CompletionResponseChoice.routed_experts`` in ``vllm/entrypoints/openai/completion/protocol.py`` as
+read at ``local-inference-lab/vllm`` 7b2bff9, a mirror of upstream ``vllm-project/vllm``; the rows
+come from ``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py`` at vllm-project/vllm
+42fa4c0, whose buffer is ``[tokens, num_hidden_layers, num_experts_per_tok]`` with zero rows for the
+dense layers, as SGLang's). :func:`sglang_routed_experts` turns it into SGLang's
+``meta_info.routed_experts`` (base64 of int32 of the same rows), which the routing code reads.
+
+
 ``weight_version``: a server with ``/weight_info`` reports the label glmpost set after its reload
 (``"default"``, never set, counts as none); one without it (no dev mode, or older than the label
 routes) has only what glmpost confirmed itself by a fingerprint (:mod:`glmpost.kernel.fingerprint`),
@@ -63,8 +75,12 @@ None until then: answers never claim more.
 from __future__ import annotations
 
 import time
+import base64
+import io
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
+
+import numpy as np
 
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS
@@ -87,7 +103,7 @@ DEV_MODE_HINT = ("answers 404 on /pause and /collective_rpc: vLLM serves its wei
                  "take no API key)")
 
 __all__ = ["DevModeError", "LOGITS_MODES", "LOGPROBS_MODES", "ReloadUncertain", "VLLMClient", "completion_request",
-           "sglang_answer"]
+           "sglang_answer", "sglang_routed_experts"]
 
 
 class DevModeError(ServerError):
@@ -142,8 +158,24 @@ def _top_row(row: Any) -> list[list]:
     return sorted(entries, key=lambda e: -e[0])
 
 
-def sglang_answer(response: Any, *, weight_version: str | None, top_logprobs_num: int = 0) -> dict:
-    """One ``/v1/completions`` answer (one choice) in the shape SGLang's ``/generate`` gives one sequence."""
+def sglang_routed_experts(value: Any) -> str:
+    """vLLM's per-choice ``routed_experts`` (base64 of ``.npy`` bytes, ``[positions, layers, k]``
+    of an integer dtype) as SGLang's ``meta_info.routed_experts`` (base64 of int32, the same rows);
+    raises ValueError (one line) for anything else."""
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(value, validate=True)), allow_pickle=False)
+    except (ValueError, TypeError, OSError, EOFError) as exc:
+        raise ValueError(f"routed_experts is not base64 of a .npy array ({str(exc).splitlines()[0]})") from None
+    if not isinstance(array, np.ndarray) or array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ValueError(f"routed_experts is a {getattr(array, 'dtype', type(array).__name__)} array of shape "
+                         f"{list(getattr(array, 'shape', []))}, not integer [positions, layers, k]")
+    return base64.b64encode(np.ascontiguousarray(array, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def sglang_answer(response: Any, *, weight_version: str | None, top_logprobs_num: int = 0,
+                  routed_experts: bool = False) -> dict:
+    """One ``/v1/completions`` answer (one choice) in the shape SGLang's ``/generate`` gives one
+    sequence; with ``routed_experts``, the choice's routed experts as SGLang's (:func:`sglang_routed_experts`)."""
     choices = response.get("choices") if isinstance(response, dict) else None
     if not choices or not isinstance(choices[0], dict):
         raise ValueError(f"no choices in the answer {str(response)[:200]!r}")
@@ -177,6 +209,8 @@ def sglang_answer(response: Any, *, weight_version: str | None, top_logprobs_num
         meta["output_token_logprobs"] = [[None if lp is None else float(lp), t, None] for lp, t in zip(lps, ids)]
         if top_logprobs_num > 0:
             meta["output_top_logprobs"] = [_top_row(row)[:top_logprobs_num] for row in logprobs.get("top_logprobs") or []]
+    if routed_experts and choice.get("routed_experts") is not None:
+        meta["routed_experts"] = sglang_routed_experts(choice["routed_experts"])
     return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
 
 
@@ -374,14 +408,16 @@ class VLLMClient(SGLangClient):
         """``POST /v1/completions``."""
         return self.request("POST", "/v1/completions", body)
 
-    def _one(self, prompt: Sequence[int], sampling: dict, return_logprob: bool, top_logprobs_num: int) -> dict:
+    def _one(self, prompt: Sequence[int], sampling: dict, return_logprob: bool, top_logprobs_num: int,
+             routed: bool = False) -> dict:
         body = completion_request(prompt, sampling, model=self.model(),
                                   logprobs=top_logprobs_num if return_logprob else None)
         if self.release_at_least(0, 34):
             body["return_weight_versions"] = True
         try:
             answer = sglang_answer(self.completions(body), weight_version=self.weight_version,
-                                   top_logprobs_num=top_logprobs_num)
+                                   top_logprobs_num=top_logprobs_num,
+                                   routed_experts=routed)
             if "weight_versions" in answer["meta_info"]:
                 self.per_choice_versions = True
             return answer
@@ -393,8 +429,11 @@ class VLLMClient(SGLangClient):
                  **fields: Any) -> dict | list[dict]:
         """SGLang's ``generate`` over ``/v1/completions``: one request per sequence (each with its own
         ``seed``), a batch's sent at once; answers as :meth:`SGLangClient.generate` shapes them (no
-        input log-probs: ``logprob_start_len`` must be -1; :meth:`score` scores prompts)."""
+        input log-probs: ``logprob_start_len`` must be -1; :meth:`score` scores prompts).
+        ``return_routed_experts``: read each choice's ``routed_experts`` (vLLM has no request field:
+        a server launched with ``--enable-return-routed-experts`` returns them always)."""
         fields.pop("rid", None)  # vLLM stops a request whose client went away: no rid to abort it by
+        routed = bool(fields.pop("return_routed_experts", False))
         if logprob_start_len != -1 or fields:
             raise ValueError("VLLMClient.generate takes no input log-probs nor extra fields (use score)")
         batch = len(input_ids) > 0 and isinstance(input_ids[0], (list, tuple))
@@ -408,10 +447,10 @@ class VLLMClient(SGLangClient):
         except ValueError as exc:
             raise ServerError(f"POST {self.url}/v1/completions: HTTP 400: {exc}", url=self.url, status=400) from None
         if len(prompts) == 1:
-            answers = [self._one(prompts[0], params[0], return_logprob, top_logprobs_num)]
+            answers = [self._one(prompts[0], params[0], return_logprob, top_logprobs_num, routed)]
         else:
             with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(prompts)), thread_name_prefix="vllm") as pool:
-                answers = list(pool.map(lambda a: self._one(a[0], a[1], return_logprob, top_logprobs_num),
+                answers = list(pool.map(lambda a: self._one(a[0], a[1], return_logprob, top_logprobs_num, routed),
                                         zip(prompts, params)))
         return answers if batch else answers[0]
 

@@ -22,7 +22,7 @@ from glmpost.config import ConfigError
 from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
 from glmpost.kernel.loading import load_model, load_tokenizer
-from glmpost.kernel.routing import config_moe_shape, routed_from_sglang
+from glmpost.kernel.routing import config_routing_layout, routed_from_sglang
 from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts, rejected_field
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.sglang_sampling import FIELD_SINCE, refused_message
@@ -190,7 +190,7 @@ class SGLangBackend:
         self.seed_reproducible = bool(self.settings) and all(s.seed_reproducible for s in self.settings)
         self.stamp = stamp or (lambda version: as_version(version))
         self.max_continuations = max_continuations
-        self.routing = routing  # (moe_layers, k, experts): record each token's experts (return_routed_experts)
+        self.routing = routing  # a RoutingLayout: record each token's experts (return_routed_experts)
         self.params: SamplingParams | None = None
         self.sglang_params: dict[str, Any] = {}
         self._served: dict[str, str] = {}
@@ -215,7 +215,7 @@ class SGLangBackend:
                    settings=settings, kind_setting=config.engine.server_log_prob_kind,
                    probe_prompts=probe_prompts(checkpoint.tokenizer), stamp=stamps[0],
                    max_continuations=config.engine.max_continuations,
-                   routing=config_moe_shape(model_config) if config.record_routing else None)
+                   routing=_routing_layout(model_config) if config.record_routing else None)
 
     def server_facts(self) -> list[dict]:
         """Each server's URL, engine and release, as stage.json records them."""
@@ -234,7 +234,7 @@ class SGLangBackend:
         for client, settings in zip(self.pool.clients, self.settings):
             self.sglang_params = checked_sampling(client, settings, self.sglang_params, probe, self._run_error)
             if self.routing is not None:
-                check_routing_returned(client, probe)
+                check_routing_returned(client, probe, self.routing)
         kinds = {client.url: self._server_kind(client, settings) for client, settings in zip(self.pool.clients, self.settings)}
         if len(set(kinds.values())) > 1:
             shown = ", ".join(f"{url} {kind}" for url, kind in kinds.items())
@@ -382,6 +382,15 @@ class SGLangBackend:
     def close(self) -> None:
         """Stop the pool's request threads."""
         self.pool.close()
+
+
+def _routing_layout(model_config: Any) -> Any:
+    """The checkpoint's :class:`~glmpost.kernel.routing.RoutingLayout` (None for a dense model);
+    a config whose MoE layers glmpost cannot tell is one ConfigError."""
+    try:
+        return config_routing_layout(model_config)
+    except ValueError as exc:
+        raise ConfigError("{record_routing}: {reason}", reason=exc) from None
 
 
 def _chunks(count: int, size: int) -> Iterator[list[int]]:

@@ -26,6 +26,7 @@ import numpy as np
 
 from glmpost.config import ConfigError
 from glmpost.kernel.engine import Completion
+from glmpost.kernel.routing import routed_from_sglang
 from glmpost.kernel.server_settings import ServerSettings
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_pool import SGLangPool
@@ -188,13 +189,30 @@ def continued(first: Outcome, then: Outcome) -> Outcome:
     return merged, new_version, reason
 
 
-def check_routing_returned(client: Any, probe: list[int]) -> None:
-    """Refuse a server that does not answer ``return_routed_experts`` (SGLang launched without
-    ``--enable-return-routed-experts``), with one 1-token request."""
-    answer = client.generate(probe, {"max_new_tokens": 1}, return_logprob=True, return_routed_experts=True)
-    if "routed_experts" not in (answer.get("meta_info") or {}):
-        raise ConfigError("{server} {url} returns no routed_experts ({record_routing}): launch SGLang with "
-                          "enable_return_routed_experts", url=client.url, exit_code=1)
+def check_routing_returned(client: Any, probe: list[int], layout: Any) -> None:
+    """Refuse, in one line and before anything is sampled, a server whose routed experts the run
+    cannot record: one real 1-token request asking for them (``return_routed_experts``), its
+    payload decoded and shape-checked by the code that reads every answer
+    (:func:`~glmpost.kernel.routing.routed_from_sglang` against ``layout``, the checkpoint's
+    :class:`~glmpost.kernel.routing.RoutingLayout`). No payload: SGLang launched without
+    ``--enable-return-routed-experts``, or a vLLM without it (or older than its per-choice
+    ``routed_experts``); a payload of another shape: a server of another model."""
+    engine = getattr(client, "engine", "sglang")
+    launch = "vLLM" if engine == "vllm" else "SGLang"
+    try:
+        answer = client.generate(probe, {"max_new_tokens": 1}, return_logprob=True, return_routed_experts=True)
+    except ServerError as exc:
+        raise ConfigError("{server} {url}: the {record_routing} check request failed ({reason})", url=client.url,
+                          reason=str(exc).splitlines()[0], exit_code=1) from None
+    meta = (answer.get("meta_info") or {}) if isinstance(answer, dict) else {}
+    if meta.get("routed_experts") is None:
+        raise ConfigError("{server} {url} returns no routed_experts ({record_routing}): launch {launch} with "
+                          "--enable-return-routed-experts", url=client.url, launch=launch, exit_code=1)
+    try:
+        routed_from_sglang(meta["routed_experts"], int(meta["prompt_tokens"]), len(answer.get("output_ids") or []), layout)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError("{server} {url} returns routed experts the checkpoint's model cannot have ({record_routing}): "
+                          "{reason}", url=client.url, reason=exc, exit_code=1) from None
 
 
 __all__ = ["UNVERSIONED", "Outcome", "api_key_error", "check_routing_returned", "check_server", "checked_sampling", "connect_servers", "continued", "one_by_one",

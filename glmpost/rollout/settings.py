@@ -163,8 +163,9 @@ class RolloutConfig:
     record_routing: bool = setting(
         False, "Record the MoE experts each sampled token was routed to, per MoE layer, as the record's routed_experts "
         "(uint8/uint16 [T, moe_layers, k]; formats/SPEC.md): what diff-logprobs --routing compares and --routing-replay "
-        "replays in training. --engine local, or sglang (its return_routed_experts: a server launched with "
-        "--enable-return-routed-experts); nothing is recorded for a dense model.",
+        "replays in training. --engine local, sglang (its return_routed_experts) or vllm (its per-choice "
+        "routed_experts), the servers launched with --enable-return-routed-experts (checked by one request first); "
+        "nothing is recorded for a dense model.",
         flag="--record-routing/--no-record-routing")
     engine: EngineConfig = section(EngineConfig)
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
@@ -214,11 +215,9 @@ class RolloutConfig:
         return params
 
     def check_engine(self) -> None:
-        """:meth:`EngineConfig.check`; ``record_routing`` needs the local engine or SGLang's."""
+        """:meth:`EngineConfig.check` (``record_routing`` is checked against each server by one request
+        when the run opens: :func:`~glmpost.rollout.servers.check_routing_returned`)."""
         self.engine.check()
-        if self.record_routing and self.engine.engine_name == "vllm":
-            raise ConfigError("{record_routing} needs {engine_name} local or sglang (vLLM's OpenAI server returns no "
-                              "routed experts)")
 
     def as_options(self) -> dict[str, Any]:
         """The settings as recorded options (JSON-safe; ``overwrite`` says nothing about the output,

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from glmpost.kernel.engine import Completion, Scores
-from glmpost.kernel.routing import moe_shape, prompt_routing
+from glmpost.kernel.routing import RoutingLayout, all_layer_rows, moe_shape, prompt_routing
 from glmpost.server.parsing import RequestError, SequenceRequest
 
 
@@ -72,11 +72,15 @@ def response_text(token_ids: list[int], finish: dict, tokenizer, *, no_stop_trim
 
 
 def sequence_answer(item: SequenceRequest, completion: Completion | None, scores: Scores | None, *, tokenizer,
-                    weight_version: str, latency: float, cached_tokens: int = 0, prompt_routing: Any = None) -> dict[str, Any]:
+                    weight_version: str, latency: float, cached_tokens: int = 0, prompt_routing: Any = None,
+                    routing_layout: RoutingLayout | None = None) -> dict[str, Any]:
     """``{"text", "output_ids", "meta_info"}`` of one sequence: ``completion`` is None for a
     prefill-only one (max_new_tokens 0); ``scores`` its input log-probs (None when not asked for,
     or when the window holds only the first, ``None``, entry); ``cached_tokens`` the prompt tokens
-    read from the prefix cache (SGLang's ``meta_info.cached_tokens``)."""
+    read from the prefix cache (SGLang's ``meta_info.cached_tokens``). ``routed_experts`` (asked for
+    with ``return_routed_experts``; ``prompt_routing`` the prompt's rows, MoE layers only) as SGLang's
+    capturer returns them (``python/sglang/srt/state_capturer/routed_experts.py``): base64 of int32
+    ``[P + n - 1, num_hidden_layers, k]``, the dense layers' rows 0 (``routing_layout`` says which)."""
     finish: dict[str, Any]
     if completion is not None:
         cut = stop_string_cut(completion.token_ids, item.stop_strs, tokenizer,
@@ -98,9 +102,11 @@ def sequence_answer(item: SequenceRequest, completion: Completion | None, scores
                             "weight_version": weight_version, "e2e_latency": round(latency, 6)}
     if item.return_logprob:
         meta.update(_log_prob_meta(item, completion, scores, tokenizer))
-    if item.return_routed_experts and prompt_routing is not None:  # SGLang: int32 [P + n - 1, L, k], base64
-        rows = [prompt_routing] + ([completion.routed_experts] if completion is not None and completion.routed_experts is not None else [])
-        meta["routed_experts"] = base64.b64encode(np.concatenate(rows).astype(np.int32).tobytes()).decode("ascii")
+    if item.return_routed_experts and prompt_routing is not None:  # SGLang: int32 [P + n - 1, layers, k], base64
+        rows = np.concatenate([prompt_routing] + ([completion.routed_experts] if completion is not None
+                                                  and completion.routed_experts is not None else []))
+        rows = all_layer_rows(rows, routing_layout) if routing_layout is not None else rows.astype(np.int32)
+        meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
     return {"text": response_text(out_ids, finish, tokenizer, no_stop_trim=item.no_stop_trim), "output_ids": out_ids,
             "meta_info": meta}
 

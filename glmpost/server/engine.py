@@ -64,6 +64,7 @@ from glmpost.checkpoints import resolve_checkpoint, tokenizer_revision
 from glmpost.errors import GlmpostError
 from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
 from glmpost.kernel.engine import Completion, Scores
+from glmpost.kernel.routing import model_routing_layout
 from glmpost.server.answers import input_start, prompt_rows, sequence_answer
 from glmpost.server.loading import load_checkpoint
 from glmpost.server.parsing import RequestError, SequenceRequest, parse_generate
@@ -311,6 +312,7 @@ class EngineServer:
                 groups.setdefault(key, []).append(i)
         completions, cached = {}, {}
         routed = prompt_rows(engine.model, items)
+        layout = self._routing_layout() if routed else None
         with self._cond:
             self._running = list(items)
         for key, idx in groups.items():
@@ -330,13 +332,21 @@ class EngineServer:
         for i, it in enumerate(items):
             it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
                                         weight_version=self.weight_version, latency=latency, cached_tokens=cached.get(i, 0),
-                                        prompt_routing=routed.get(i))
+                                        prompt_routing=routed.get(i), routing_layout=layout)
             out_ids = it.result["output_ids"]
             self.stats["generated_tokens"] += len(out_ids)
             self.stats["cached_tokens"] += cached.get(i, 0)
         self.stats["batches"] += 1
         self.stats["sequences"] += len(items)
         self.stats["engine_busy_s"] += time.perf_counter() - started
+
+    def _routing_layout(self):
+        """The served model's :class:`~glmpost.kernel.routing.RoutingLayout` (read once per loaded
+        checkpoint): which of its hidden layers ``routed_experts`` rows are MoE layers'."""
+        loaded = self.loaded
+        if loaded.routing_layout is None:
+            loaded.routing_layout = model_routing_layout(loaded.engine.model)
+        return loaded.routing_layout
 
     def _update(self, payload: dict) -> dict:
         """Validate and load a checkpoint; swap it in only when everything checks out."""

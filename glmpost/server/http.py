@@ -272,6 +272,10 @@ class ServeConfig:
     vllm_release: str = setting(DEFAULT_RELEASE, "With --api vllm: the vLLM release answered by /version and mimicked: "
                                 "from 0.34 a request that comes while paused is answered 503 (before, it waits for "
                                 "/resume) and return_weight_versions gives each choice its weight_versions.")
+    enable_return_routed_experts: bool = setting(
+        False, "With --api vllm: vLLM's --enable-return-routed-experts (MoE models): every /v1/completions choice "
+        "carries routed_experts (base64 .npy [prompt + output - 1, num_hidden_layers, k], dense layers' rows 0). "
+        "The SGLang API answers return_routed_experts per request.")
 
 
 class _MetricsLines:
@@ -327,6 +331,9 @@ def _checked_settings(config: ServeConfig) -> Optional[str]:
         check_release(config.vllm_release)
     except ValueError as exc:
         raise ConfigError("{vllm_release} {reason}", reason=exc) from None
+    if config.api == "sglang" and config.enable_return_routed_experts:
+        raise ConfigError("{enable_return_routed_experts} is for {api} vllm (the SGLang API answers "
+                          "return_routed_experts per request)")
     if config.log_prob_kind not in LOG_PROB_KINDS:
         raise ConfigError("{log_prob_kind} must be one of {kinds}, got {value!r}", kinds=", ".join(LOG_PROB_KINDS),
                           value=config.log_prob_kind)
@@ -348,8 +355,11 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=kind,
                               prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
         try:
+            if config.enable_return_routed_experts and engine._routing_layout() is None:
+                raise ConfigError("{enable_return_routed_experts}: {path} is a dense model (no MoE router)", path=config.checkpoint)
             vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs,
-                            dev_mode=config.vllm_dev_mode, release=config.vllm_release)
+                            dev_mode=config.vllm_dev_mode, release=config.vllm_release,
+                            return_routed_experts=config.enable_return_routed_experts)
                     if config.api == "vllm" else None)
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
                                       admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes, vllm=vllm)

@@ -25,6 +25,7 @@ class LoadedCheckpoint:
     config: dict
     tensors: dict[str, tuple[int, ...]]
     caches: TurnCaches | None = None  # KV caches of these weights that later requests may extend
+    routing_layout: Any = None  # its RoutingLayout, read on the first return_routed_experts (EngineServer)
 
 
 def model_tensors(model) -> dict[str, tuple[int, ...]]:

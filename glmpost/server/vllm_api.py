@@ -47,6 +47,13 @@ protocol.py``; ``/server_info`` at 09cb327, ``vllm/entrypoints/serve/instrumenta
 * ``POST /reset_prefix_cache`` answers ``{"success": true}`` (vLLM 0.32 ``serve/dev/cache/api_router.py``);
   ``max_tokens: null`` is 16 (0.32 ``CompletionRequest.normalize_null_max_tokens``); ``temperature``
   above 2 is refused, ``temperature must be in [0, 2], got T.`` (0.32 ``SamplingParams._verify_args``).
+* ``--enable-return-routed-experts`` (vLLM's flag; MoE models): every choice carries
+  ``routed_experts``, base64 of ``.npy`` bytes, uint8 (uint16 beyond 256 experts)
+  ``[prompt + output - 1, num_hidden_layers, num_experts_per_tok]``, the dense layers' rows 0; without
+  it the field is null (``CompletionResponseChoice.routed_experts``, ``vllm/entrypoints/openai/completion/
+  protocol.py`` as read at ``local-inference-lab/vllm`` 7b2bff9; the rows as
+  ``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py`` at vllm-project/vllm 42fa4c0
+  captures them). vLLM has no request field for them.
 * ``--api-key`` guards only ``/v1``, ``/v2`` and ``/inference`` (``Authorization: Bearer KEY``), as
   vLLM's middleware does (``server_utils`` ``GUARDED_PREFIX``): the RL routes are open, so keep such
   a server on loopback or a private network.
@@ -54,11 +61,15 @@ protocol.py``; ``/server_info`` at 09cb327, ``vllm/entrypoints/serve/instrumenta
 
 from __future__ import annotations
 
+import base64
+import io
 import secrets
 import threading
 import time
 import uuid
 from typing import Any, Callable
+
+import numpy as np
 
 from glmpost.kernel.vllm_client import LOGPROBS_MODES
 from glmpost.server.parsing import RequestError
@@ -125,12 +136,13 @@ class VLLMApi:
     ``log_prob_kind`` is ``logprobs_mode``'s kind)."""
 
     def __init__(self, engine: Any, *, logprobs_mode: str, max_logprobs: int = 20, dev_mode: bool = True,
-                 release: str = DEFAULT_RELEASE):
+                 release: str = DEFAULT_RELEASE, return_routed_experts: bool = False):
         self.engine = engine
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
         self.dev_mode = dev_mode
         self.release = release
+        self.return_routed_experts = return_routed_experts  # --enable-return-routed-experts
         self.rejects_while_paused = check_release(release) >= (0, 34)  # 0.34: 503 to new requests while paused
         self.weight_version = "default"  # vLLM's label until /update_weight_version
         self.started = int(time.time())
@@ -272,7 +284,7 @@ class VLLMApi:
                     "top_k": -1 if top_k in (None, 0, -1) else top_k, "stop_token_ids": stops,
                     "ignore_eos": bool(body.get("ignore_eos", False)),
                     "sampling_seed": secrets.randbits(63) if seed is None else seed}
-        return {"input_ids": prompt, "sampling_params": sampling,
+        return {"input_ids": prompt, "sampling_params": sampling, "return_routed_experts": self.return_routed_experts,
                 "return_logprob": logprobs is not None or prompt_logprobs is not None,
                 "logprob_start_len": 0 if prompt_logprobs is not None else -1,
                 "top_logprobs_num": max(logprobs or 0, prompt_logprobs or 0)}
@@ -291,7 +303,7 @@ class VLLMApi:
             "index": index, "text": tokenizer.decode(ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False),
             "logprobs": None, "finish_reason": finish.get("type"), "stop_reason": stop_reason,
             "token_ids": ids if with_ids else None, "prompt_logprobs": None,
-            "prompt_token_ids": prompt if with_ids else None, "_n": len(ids)}
+            "prompt_token_ids": prompt if with_ids else None, "routed_experts": self._routed_experts(meta), "_n": len(ids)}
         vocab = int(self.engine.loaded.config.get("vocab_size") or 0)
         if body.get("logprobs") is not None:
             choice["logprobs"] = self._output_logprobs(meta, ids, body, vocab if body["logprobs"] == -1 else body["logprobs"])
@@ -299,6 +311,18 @@ class VLLMApi:
             k = vocab if body["prompt_logprobs"] == -1 else body["prompt_logprobs"]
             choice["prompt_logprobs"] = self._prompt_logprobs(meta, k)
         return choice
+
+    def _routed_experts(self, meta: dict) -> str | None:
+        """The engine's SGLang-shaped ``routed_experts`` (base64 int32 ``[P + n - 1, num_hidden_layers, k]``)
+        as vLLM answers them: base64 of ``.npy`` bytes of the same rows, uint8 (uint16 beyond 256 experts)."""
+        encoded = meta.get("routed_experts")
+        if not self.return_routed_experts or encoded is None:
+            return None
+        layout = self.engine._routing_layout()
+        rows = np.frombuffer(base64.b64decode(encoded), dtype=np.int32).reshape(-1, layout.hidden_layers, layout.k)
+        buffer = io.BytesIO()
+        np.save(buffer, rows.astype(np.uint8 if layout.experts <= 256 else np.uint16), allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
 
     def _token(self, token: int, as_ids: bool) -> str:
         return f"token_id:{token}" if as_ids else self.engine.loaded.tokenizer.decode([token])
