@@ -68,7 +68,8 @@ ADDED_VLLM = {("rollout", "fingerprint_tolerance"): 0.05, ("sync-weights", "fing
               ("serve", "api"): "sglang", ("serve", "logprobs_mode"): "raw_logprobs", ("serve", "max_logprobs"): 20}
 # vLLM dev-mode gating and the release the stand-in mimics (issue 42).
 ADDED_VLLM_SERVE = {("serve", "vllm_dev_mode"): (True, ["--vllm-dev-mode"], ["--no-vllm-dev-mode"]),
-                    ("serve", "vllm_release"): ("0.32.0", ["--vllm-release"], [])}
+                    ("serve", "vllm_release"): ("0.32.0", ["--vllm-release"], []),
+                    ("serve", "enable_return_routed_experts"): (False, ["--enable-return-routed-experts"], [])}
 VLLM_HELP = {("rollout", "engine_name"), ("score-teacher", "engine")}
 VLLM_HELP |= {("rollout", name) for name in ("server", "concurrency", "timeout", "retries", "api_key", "server_log_prob_kind")}
 HELP_RENAMES = {(command, "trust_mask") for command in ("train-grpo", "opd-merge", "train-sao")}
