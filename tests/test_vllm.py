@@ -747,7 +747,7 @@ def test_a_vllm_without_routed_experts_is_refused_up_front(glmpost_cli, vllm_ser
                          "--server", vllm_server, "--max-new-tokens", "2", "--record-routing")
     errors = [line for line in result.stderr.splitlines() if line.startswith("glmpost: error:")]
     assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert (f"{vllm_server} returns no routed_experts (--record-routing): launch vLLM with --enable-return-routed-experts"
+    assert (f"{vllm_server} returns no routed_experts (--record-routing): launch vLLM with `--enable-return-routed-experts`"
             in result.stderr) and not out.exists()
     refused = glmpost_cli("serve", "--checkpoint", wide_checkpoint, "--enable-return-routed-experts")
     assert refused.exit_code == 2 and "--enable-return-routed-experts is for --api vllm" in refused.stderr

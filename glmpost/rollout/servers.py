@@ -207,7 +207,7 @@ def check_routing_returned(client: Any, probe: list[int], layout: Any) -> None:
     meta = (answer.get("meta_info") or {}) if isinstance(answer, dict) else {}
     if meta.get("routed_experts") is None:
         raise ConfigError("{server} {url} returns no routed_experts ({record_routing}): launch {launch} with "
-                          "--enable-return-routed-experts", url=client.url, launch=launch, exit_code=1)
+                          "`--enable-return-routed-experts`", url=client.url, launch=launch, exit_code=1)
     try:
         routed_from_sglang(meta["routed_experts"], int(meta["prompt_tokens"]), len(answer.get("output_ids") or []), layout)
     except (KeyError, TypeError, ValueError) as exc:
