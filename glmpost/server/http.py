@@ -74,10 +74,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, status: int, message: str) -> None:
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
         # A full queue or a stopping server: the client may come back (SGLang answers 503 the same way).
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-        payload = {"error": {"message": message, "code": int(status)}} if self.vllm is None else error_payload(status, message)
+        payload = ({"error": {"message": message, "code": int(status)}} if self.vllm is None
+                   else error_payload(status, message, param))
         self._send(status, payload, headers)
 
     def _body(self) -> Any:
@@ -122,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif self.vllm is not None:
                 answer = self.vllm.route(method, path, dict(urllib.parse.parse_qsl(query)), self._body)
                 if answer is None:
-                    self._error(404, f"no route {path}")
+                    self._send(404, {"detail": "Not Found"})  # FastAPI's answer to a route vLLM does not have
                 else:
                     self._send(*answer)
             elif method == "GET" and path in ("/get_weight_version", "/weight_version"):
@@ -149,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
                 log(f"{method} {path}: {exc} (answered HTTP 500, as SGLang does)")
                 self._bare_500()
             else:
-                self._error(exc.status, str(exc))
+                self._error(exc.status, str(exc), getattr(exc, "param", None))
         except (BrokenPipeError, ConnectionResetError):
             log(f"{self.client_address[0]}:{self.client_address[1]} disconnected before its answer to {method} {path}")
         except Exception as exc:  # never let one request take the server down
@@ -261,6 +262,8 @@ class ServeConfig:
     api: str = setting("sglang", "The HTTP API served: sglang (SGLang's native routes) or vllm (the vLLM OpenAI-server "
                        "routes glmpost uses: /v1/completions, /v1/models, dev-mode /server_info, /collective_rpc "
                        "reload_weights, /pause, /resume, /reset_prefix_cache; --api-key then guards only /v1, /v2, /inference).")
+    max_model_len: Optional[int] = setting(None, "With --api vllm: vLLM's --max-model-len, the longest prompt served and "
+                                           "reported (default: the model's max_position_embeddings).", min=1)
     max_logprobs: int = setting(20, "With --api vllm: vLLM's --max-logprobs, the most log-probs per position a request may "
                                 "ask for (logprobs, prompt_logprobs); -1 = the vocabulary.", min=-1)
     logprobs_mode: str = setting("raw_logprobs", "With --api vllm: vLLM's --logprobs-mode, what output log-probs are (in place of "
@@ -359,7 +362,7 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                 raise ConfigError("{enable_return_routed_experts}: {path} is a dense model (no MoE router)", path=config.checkpoint)
             vllm = (VLLMApi(engine, logprobs_mode=config.logprobs_mode, max_logprobs=config.max_logprobs,
                             dev_mode=config.vllm_dev_mode, release=config.vllm_release,
-                            return_routed_experts=config.enable_return_routed_experts)
+                            return_routed_experts=config.enable_return_routed_experts, max_model_len=config.max_model_len)
                     if config.api == "vllm" else None)
             server = make_http_server(engine, config.host, config.port, quiet=not config.log_requests, api_key=api_key,
                                       admin_api_key=config.admin_api_key, max_body_bytes=config.max_body_bytes, vllm=vllm)

@@ -73,6 +73,7 @@ import numpy as np
 
 from glmpost.kernel.vllm_client import LOGPROBS_MODES
 from glmpost.server.parsing import RequestError
+from glmpost.server.vllm_checks import VLLMRequestError, check_completion
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference")
 _NEUTRAL = {"n": 1, "echo": False, "stream": False, "min_tokens": 0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -103,11 +104,11 @@ def guarded(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in GUARDED_PREFIXES)
 
 
-def error_payload(status: int, message: str) -> dict:
+def error_payload(status: int, message: str, param: str | None = None) -> dict:
     """vLLM's OpenAI ``ErrorResponse``."""
     kind = {400: "BadRequestError", 404: "NotFoundError", 401: "Unauthorized",
             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": None, "code": int(status)}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": int(status)}}
 
 
 def _ids(value: Any) -> bool:
@@ -119,6 +120,8 @@ def _prompts(body: dict) -> list[list[int]]:
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
         raise RequestError("glmpost serve takes token ids: send prompt as a list of ids")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    if prompt is None or prompt == []:
+        raise VLLMRequestError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
     if not all(_ids(p) for p in prompts):
         raise RequestError("prompt must be a non-empty list of token ids (>= 0), or a list of such lists")
     return prompts
@@ -136,13 +139,14 @@ class VLLMApi:
     ``log_prob_kind`` is ``logprobs_mode``'s kind)."""
 
     def __init__(self, engine: Any, *, logprobs_mode: str, max_logprobs: int = 20, dev_mode: bool = True,
-                 release: str = DEFAULT_RELEASE, return_routed_experts: bool = False):
+                 release: str = DEFAULT_RELEASE, return_routed_experts: bool = False, max_model_len: int | None = None):
         self.engine = engine
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
         self.dev_mode = dev_mode
         self.release = release
         self.return_routed_experts = return_routed_experts  # --enable-return-routed-experts
+        self._max_model_len = max_model_len
         self.rejects_while_paused = check_release(release) >= (0, 34)  # 0.34: 503 to new requests while paused
         self.weight_version = "default"  # vLLM's label until /update_weight_version
         self.started = int(time.time())
@@ -191,17 +195,25 @@ class VLLMApi:
             return 200, {"is_paused": self._paused}
         return None
 
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's ``--max-model-len``: the longest sequence served (the model's ``max_position_embeddings`` by default)."""
+        return int(self._max_model_len or self.engine.loaded.config.get("max_position_embeddings") or 2 ** 31 - 1)
+
     def models(self) -> dict:
-        context = self.engine.loaded.config.get("max_position_embeddings")
+        permission = {"id": f"modelperm-{secrets.token_hex(8)}", "object": "model_permission", "created": self.started,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                      "group": None, "is_blocking": False}
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
                                             "owned_by": "vllm", "root": self.model_name, "parent": None,
-                                            "max_model_len": context, "permission": []}]}
+                                            "max_model_len": self.max_model_len, "permission": [permission]}]}
 
     def server_info(self, config_format: str) -> dict:
         config = self.engine.loaded.config
         vllm_config = {"model_config": {"model": self.model_name, "served_model_name": self.model_name,
                                         "logprobs_mode": self.logprobs_mode,
-                                        "max_model_len": config.get("max_position_embeddings"), "dtype": "float32"}}
+                                        "max_model_len": self.max_model_len, "dtype": "float32"}}
         if config_format not in ("text", "json"):
             raise RequestError(f"config_format must be text or json, got {config_format!r}")
         return {"vllm_config": vllm_config if config_format == "json" else str(vllm_config),
@@ -218,8 +230,9 @@ class VLLMApi:
     def collective_rpc(self, body: Any) -> tuple[int, Any]:
         if not isinstance(body, dict) or body.get("method") is None:
             raise RequestError("Missing 'method' in request body")
-        if body["method"] != "reload_weights":
-            raise RequestError(f"glmpost serve runs only reload_weights, not {body['method']!r}")
+        if body["method"] != "reload_weights":  # vLLM: the worker has no such method, a failed RPC (500)
+            raise RequestError(f"Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no "
+                               f"attribute '{body['method']}'' (glmpost serve runs only reload_weights)", 500)
         path = (body.get("kwargs") or {}).get("weights_path")
         if not isinstance(path, str) or not path:
             raise RequestError("reload_weights needs kwargs.weights_path (a checkpoint directory)")
@@ -233,9 +246,8 @@ class VLLMApi:
             raise RequestError("the request body must be a JSON object")
         prompts = _prompts(body)
         _check_neutral(body)
-        temperature = body.get("temperature")
-        if temperature is not None and not 0.0 <= float(temperature) <= 2.0:
-            raise RequestError(f"temperature must be in [0, 2], got {float(temperature)}.")
+        check_completion(body, prompts, model_name=self.model_name, vocab_size=int(self.engine.loaded.config.get("vocab_size")),
+                         max_model_len=self.max_model_len)
         with self._cond:
             if self._paused and self.rejects_while_paused:
                 raise RequestError("The engine is paused for a weight update: retry after /resume", 503)
