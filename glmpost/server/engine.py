@@ -113,6 +113,7 @@ class EngineServer:
         self._peak_now = 0
         self._last_arrival = 0.0
         self._running: list[SequenceRequest] = []  # the batch the worker runs now
+        self._rids: set[str] = set()  # request ids received and not yet answered (SGLang's rid_to_state)
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
         # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
         # and tokens generated, prompt tokens read from the prefix cache, and the seconds the engine
@@ -180,17 +181,34 @@ class EngineServer:
 
     def generate(self, body: dict) -> Any:
         items, batch = parse_generate(body, self.loaded, log_prob_kind=self.log_prob_kind)
-        if batch:
-            return self.submit(_Job("generate", items, batch=True))
-        with self._cond:
-            self._inflight += 1
-            self._peak_now = max(self._peak_now, self._inflight)
+        rids = self._hold_rids(items)
         try:
-            return self.submit(_Job("generate", items))[0]
+            if batch:
+                return self.submit(_Job("generate", items, batch=True))
+            with self._cond:
+                self._inflight += 1
+                self._peak_now = max(self._peak_now, self._inflight)
+            try:
+                return self.submit(_Job("generate", items))[0]
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
         finally:
             with self._cond:
-                self._inflight -= 1
-                self._cond.notify_all()
+                self._rids.difference_update(rids)
+
+    def _hold_rids(self, items: list[SequenceRequest]) -> list[str]:
+        """Register the request ids of ``items`` until they are answered, refusing one still held as
+        SGLang does: HTTP 400 ``Duplicate request ID detected: RID`` (an aborted request's id is held
+        until its abort is answered; managers/tokenizer_manager.py ``_init_req_state``, sglang 0.5.23)."""
+        rids = [item.rid for item in items if item.rid is not None]
+        with self._cond:
+            held = next((rid for rid in rids if rid in self._rids), None)
+            if held is not None:
+                raise RequestError(f"Duplicate request ID detected: {held}")
+            self._rids.update(rids)
+        return rids
 
     def server_info(self) -> dict:
         """``GET /server_info`` (and ``/get_server_info``): what ``/model_info`` says, the settings
