@@ -17,8 +17,9 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
   ``sampling_seed``, ``no_stop_trim`` (``text`` keeps the matched stop); ``skip_special_tokens``,
   ``spaces_between_special_tokens``, ``stream_interval``, ``custom_params`` accepted and ignored;
   penalties, ``min_p``, ``min_new_tokens``, ``n``, grammars, ``logit_bias`` and ``stop_regex``
-  refused unless at their defaults (None is every key's default); a key SGLang's ``SamplingParams``
-  lacks is answered as SGLang does, a bare HTTP 500),
+  refused unless at their defaults (None is every key's default); a key SGLang 0.5.23 lacks is
+  answered as its contract check answers, HTTP 400 ``{"error": "unknown field `X`, expected one of
+  ..."}``), a request id still in flight is HTTP 400 ``Duplicate request ID detected: RID``,
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``
   (entries ``[logprob, id, token_text]``), ``rid`` (echoed as ``meta_info["id"]``; a batch's string
   ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence), ``return_routed_experts``
