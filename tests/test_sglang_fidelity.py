@@ -513,29 +513,70 @@ def test_an_update_that_got_no_answer_is_watched_never_sent_twice(relay, tiny_ch
 
 # ------------------------------------------------------------------ formats (item 8)
 
+class _SGLangInfo:
+    """What SGLang 0.5.23's /model_info and /server_info say (not glmpost serve): ``model_path`` the
+    checkpoint it loaded, ``quantization`` the launch flag (None unless given, or filled on sm100)."""
+
+    def __init__(self, quantization, model_path="/not/here"):
+        self.quantization, self.model_path, self.url = quantization, str(model_path), "http://sglang:30000"
+
+    def model_info(self):
+        return {"model_path": self.model_path, "weight_version": "1"}
+
+    def settings(self):
+        return {"quantization": self.quantization, "version": "0.5.23"}
+
+
+def _fp8_checkpoint(tiny_checkpoint, where):
+    """The tiny checkpoint's files with an fp8 ``quantization_config`` (all the format check reads)."""
+    import shutil
+
+    shutil.copytree(tiny_checkpoint, where)
+    config = json.loads((where / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
 def test_a_quantized_version_is_refused_for_a_server_launched_in_another_format(glmpost_cli, tiny_checkpoint, tmp_path):
     from glmpost.weight_sync.sync import check_server_format
 
     quantized = tmp_path / "w4"
     assert glmpost_cli("quantize", tiny_checkpoint, "--out", quantized, "--scheme", "w4a16", "--group-size", "16").exit_code == 0
+    # The server loaded the float checkpoint (its model_path), launched without --quantization.
+    refusal = check_server_format(_SGLangInfo(None, tiny_checkpoint), quantized)
+    assert f"is compressed-tensors-quantized, but the server loaded a float model (read from {tiny_checkpoint} (the " in refusal
+    assert "launch it with a compressed-tensors checkpoint" in refusal
+    assert check_server_format(_SGLangInfo(None, quantized), quantized) is None  # loaded from a w4a16 checkpoint
+    assert check_server_format(_SGLangInfo("compressed-tensors"), quantized) is None  # nothing readable: the flag
+    assert "is not quantized, but the server loaded a fp8-quantized model (read from the launch flag" in check_server_format(
+        _SGLangInfo("fp8"), tiny_checkpoint)
+    assert check_server_format(_SGLangInfo(None), tiny_checkpoint) is None  # nothing tells: unchecked, said in a line
+    assert check_server_format(_SGLangInfo("w8a8_fp8", quantized), quantized) is None  # a flag SGLang keeps for it
 
-    class Fake:  # what SGLang's /model_info and /server_info say (not glmpost serve)
-        def __init__(self, quantization):
-            self.quantization = quantization
 
-        def model_info(self):
-            return {"model_path": "/m", "weight_version": "1"}
+def test_the_format_check_reads_what_the_server_loaded_not_the_launch_flag(tiny_checkpoint, tmp_path):
+    """Issue 42, case 4: off sm100 SGLang leaves /server_info.quantization None for an FP8 checkpoint
+    it loaded as FP8. A matching fp8 version goes on; a float one is refused."""
+    from glmpost.weight_sync.sync import check_server_format, served_quantization
 
-        def settings(self):
-            return {"quantization": self.quantization, "version": "0.5.15"}
+    served = _SGLangInfo(None, _fp8_checkpoint(tiny_checkpoint, tmp_path / "served-fp8"))
+    version = _fp8_checkpoint(tiny_checkpoint, tmp_path / "v2-fp8")
+    assert served_quantization(served) == ("fp8", f"{served.model_path} (the checkpoint the server loaded)")
+    assert check_server_format(served, version) is None
+    refusal = check_server_format(served, tiny_checkpoint)
+    assert refusal == (f"{tiny_checkpoint} is not quantized, but the server loaded a fp8-quantized model (read from "
+                       f"{served.model_path} (the checkpoint the server loaded)): SGLang loads tensors by name into the "
+                       "model it loaded without checking their format; launch it with a float checkpoint and no "
+                       "--quantization (or sync with the --quantize it was launched for)")
 
-    refusal = check_server_format(Fake(None), quantized)
-    assert "is compressed-tensors-quantized, but the server was launched with no --quantization" in refusal
-    assert "launch it with --quantization compressed-tensors" in refusal
-    assert check_server_format(Fake("compressed-tensors"), quantized) is None
-    assert "is not quantized, but the server was launched with --quantization fp8" in check_server_format(Fake("fp8"),
-                                                                                                         tiny_checkpoint)
-    assert check_server_format(Fake(None), tiny_checkpoint) is None
+
+def test_serve_reports_its_launch_flag_and_loaded_checkpoint_where_sglang_does(server, tiny_checkpoint):
+    from glmpost.weight_sync.sync import served_quantization
+
+    client = SGLangClient(server, retries=0)
+    assert client.settings()["quantization"] is None and client.model_info()["model_path"] == str(tiny_checkpoint)
+    assert served_quantization(client) == (None, f"{tiny_checkpoint} (the checkpoint the server loaded)")
 
 
 # ------------------------------------------------------------------ routing through a server (issue 33)

@@ -218,7 +218,9 @@ class EngineServer:
         and the counters since start."""
 
         stats = {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}
-        return {**self.model_info(), "enable_deterministic_inference": True, "log_prob_kind": self.log_prob_kind,
+        # quantization: SGLang's launch flag (serve has none); what was loaded is /model_info.model_path's config.
+        return {**self.model_info(), "quantization": None, "enable_deterministic_inference": True,
+                "log_prob_kind": self.log_prob_kind,
                 "version": __version__, "attention": self.attention, "batch_wait_s": self.batch_wait_s, "stats": stats}
 
     def abort_request(self, body: Any) -> int:
