@@ -59,7 +59,7 @@ def load() -> types.SimpleNamespace:
     (or is not the pinned release)."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed (bin/_setup installs sglang==%s without dependencies)" % SGLANG_RELEASE)
+        raise ImportError(f"sglang is not installed (bin/_setup installs sglang=={SGLANG_RELEASE} without dependencies)")
     root = Path(list(spec.submodule_search_locations)[0])
     if importlib.util.find_spec("msgspec") is None and "msgspec" not in sys.modules:
         stand_in = _msgspec_stand_in()
@@ -75,8 +75,10 @@ def load() -> types.SimpleNamespace:
     api_types = importlib.import_module("sglang.api.v1.api_types")
     contract = importlib.import_module("sglang.srt.entrypoints.api_contract")
     sampling = importlib.import_module("sglang.srt.sampling.sampling_params")
-    return types.SimpleNamespace(root=root, api_types=api_types, generate_contract_error=contract.generate_contract_error,
-                                 SamplingParams=sampling.SamplingParams, io_struct=root / "srt/managers/io_struct.py")
+    return types.SimpleNamespace(root=root, api_types=api_types,
+                                 generate_contract_error=contract.generate_contract_error,
+                                 SamplingParams=sampling.SamplingParams,
+                                 io_struct=root / "srt/managers/io_struct.py")
 
 
 def io_struct_fields(path: Path, name: str) -> dict[str, str]:

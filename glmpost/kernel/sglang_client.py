@@ -44,7 +44,8 @@ from typing import Any
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 
-__all__ = ["ADMIN_ROUTES", "SGLangClient", "ServerError", "check_api_key", "fresh_rid", "parse_server_urls", "without_api_key"]
+__all__ = ["ADMIN_ROUTES", "SGLangClient", "ServerError", "check_api_key", "fresh_rid", "parse_server_urls",
+           "without_api_key"]
 
 
 class ServerError(GlmpostError):

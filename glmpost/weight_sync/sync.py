@@ -200,10 +200,11 @@ def _watch_version(client: SGLangClient, weight_version: str, timeout: float, ba
     return version
 
 
-# SGLang's launch flags that keep a checkpoint of another quant_method (ModelConfig
-# ``_verify_quantization`` ``compatible_quantization_methods``, python/sglang/srt/configs/model_config.py, sglang 0.5.23).
-COMPATIBLE_QUANTIZATION = {"modelopt_fp8": ("modelopt",), "modelopt_fp4": ("modelopt", "fp8"), "modelopt_mixed": ("modelopt",),
-                           "nvfp4_online": ("fp8", "modelopt_fp8"), "petit_nvfp4": ("modelopt",),
+# SGLang's launch flags that keep a checkpoint of another quant_method (ModelConfig ``_verify_quantization``
+# ``compatible_quantization_methods``, python/sglang/srt/configs/model_config.py, sglang 0.5.23).
+COMPATIBLE_QUANTIZATION = {"modelopt_fp8": ("modelopt",), "modelopt_fp4": ("modelopt", "fp8"),
+                           "modelopt_mixed": ("modelopt",), "nvfp4_online": ("fp8", "modelopt_fp8"),
+                           "petit_nvfp4": ("modelopt",),
                            "w8a8_int8": ("compressed-tensors", "compressed_tensors"),
                            "w8a8_fp8": ("compressed-tensors", "compressed_tensors"),
                            "auto-round-int8": ("compressed-tensors", "compressed_tensors")}
