@@ -450,9 +450,19 @@ def test_serve_refuses_an_id_it_still_holds_as_sglang_does(tiny_checkpoint):
     waiting.start()
     while not engine.queued:
         time.sleep(0.01)
-    with pytest.raises(RequestError) as duplicate:
-        engine.generate({**body, "rid": ["r-c", "r-b"]})
-    assert (duplicate.value.status, str(duplicate.value)) == (400, "Duplicate request ID detected: r-b")
+    refused: list = []
+
+    def second():  # answered at once; a server that queued it instead would leave this thread waiting
+        try:
+            engine.generate({**body, "rid": ["r-c", "r-b"]})
+        except RequestError as exc:
+            refused.append(exc)
+
+    again = threading.Thread(target=second, daemon=True)
+    again.start()
+    again.join(10)
+    assert len(refused) == 1, "the second request under a held id was queued, not refused"
+    assert (refused[0].status, str(refused[0])) == (400, "Duplicate request ID detected: r-b")
     with pytest.raises(RequestError, match=r"^Duplicate request IDs detected within the request: \['r-x'\]$"):
         engine.generate({**body, "rid": ["r-x", "r-x"]})
     assert engine.abort_request({"rid": "r-a"}) == 2  # a queued job is answered whole
