@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -90,7 +92,14 @@ def test_serve_answers_an_unknown_sampling_key_as_sglang_and_takes_its_defaults(
     client = SGLangClient(server, retries=0)
     with pytest.raises(ServerError) as refused:
         client.generate([5, 6, 7], {"max_new_tokens": 2, "future_key": 1})
-    assert refused.value.status == 500 and "HTTP 500: Internal Server Error" in str(refused.value)
+    assert refused.value.status == 400 and str(refused.value).endswith(
+        "HTTP 400: unknown field `future_key` (not one of the server's 28 keys)")
+    request = urllib.request.Request(server + "/generate", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"input_ids": [5], "sampling_params": {"future_key": 1}}).encode())
+    with pytest.raises(urllib.error.HTTPError) as raw:  # SGLang's body, word for word
+        urllib.request.urlopen(request, timeout=30)
+    assert raw.value.code == 400 and json.loads(raw.value.read()) == {"error": _sglang_unknown_field("future_key",
+                                                                                                     SGLANG_0523_KEYS)}
     explicit = {**EXPLICIT_DEFAULTS, "max_new_tokens": 2, "temperature": 0.0}
     answer = client.generate([5, 6, 7], explicit, return_logprob=True)
     assert len(answer["output_ids"]) == 2 and answer["meta_info"]["input_token_logprobs"] == []  # start -1: none
@@ -102,6 +111,87 @@ def test_serve_answers_an_unknown_sampling_key_as_sglang_and_takes_its_defaults(
 
     with pytest.raises(ConfigError, match="preferred_sampling_params setting dry_multiplier"):
         checked_sampling(client, preferred, {**EXPLICIT_DEFAULTS, "max_new_tokens": 2}, [5, 6, 7], lambda exc: None)
+
+
+# SGLang 0.5.23's sampling keys, in the order its 400 lists them (api/v1/api_types.py SamplingParams).
+SGLANG_0523_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                    "custom_params", "beam_width", "watermark", "choice")
+
+
+def _sglang_unknown_field(key: str, keys: tuple) -> str:
+    """serde's unknown_field text, as SGLang 0.5.23's api/v1/api_types.py ``_unknown_field`` writes it."""
+    return f"unknown field `{key}`, expected one of " + ", ".join(f"`{k}`" for k in keys)
+
+
+class _ContractServer(BaseHTTPRequestHandler):
+    """SGLang 0.5.23's /generate contract check for a build whose sampling keys are ``keys``: a key
+    outside them is HTTP 400 ``{"error": "unknown field `X`, expected one of ..."}``; any other
+    request is answered with one token."""
+
+    keys: tuple = ()
+    sent: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).sent.append(body)
+        unknown = [k for k in body["sampling_params"] if k not in self.keys]
+        status, payload = (400, {"error": _sglang_unknown_field(unknown[0], self.keys)}) if unknown else (200, {
+            "text": "", "output_ids": [3], "meta_info": {"id": "x", "finish_reason": {"type": "length", "length": 1},
+                                                          "output_token_logprobs": [[-0.5, 3, None]], "weight_version": "1"}})
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def contract_server():
+    handler = type("Contract", (_ContractServer,), {"keys": SGLANG_0523_KEYS, "sent": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_400_listing_every_valid_key_names_the_key_it_refuses(contract_server):
+    """Issue 42, case 9: SGLang 0.5.23 lists every valid key after the refused one; the refusal is
+    the key named first, never a key of the list (``max_new_tokens`` comes first there)."""
+    from glmpost.kernel.server_settings import rejected_field
+
+    handler, url = contract_server
+    handler.keys = tuple(k for k in SGLANG_0523_KEYS if k != "sampling_seed")  # a build without sampling_seed
+    with pytest.raises(ServerError) as refused:
+        SGLangClient(url, retries=0).generate([5, 6], {"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 3})
+    assert refused.value.status == 400 and not refused.value.retryable
+    assert str(refused.value).endswith("HTTP 400: unknown field `sampling_seed` (not one of the server's 27 keys)")
+    assert rejected_field(refused.value, ["max_new_tokens", "temperature", "top_k", "sampling_seed"]) == "sampling_seed"
+    assert rejected_field(refused.value, ["max_new_tokens", "temperature"]) is None  # not a key of this run
+
+
+def test_a_key_a_contract_checked_server_lacks_is_named_or_dropped_when_it_restates_the_default(contract_server):
+    from glmpost.config import ConfigError
+
+    handler, url = contract_server
+    client = SGLangClient(url, retries=0)
+    settings = ServerSettings(url, {}, {})
+    sampling = {**EXPLICIT_DEFAULTS, "max_new_tokens": 4, "temperature": 1.0}
+    handler.keys = tuple(k for k in SGLANG_0523_KEYS if k != "sampling_seed")
+    with pytest.raises(ConfigError) as needed:
+        checked_sampling(client, settings, sampling, [5, 6], lambda exc: None)
+    assert "refuses sampling_params.sampling_seed came with SGLang v0.5.3" in str(needed.value) and "(HTTP 400)" in str(
+        needed.value)
+    handler.keys = tuple(k for k in SGLANG_0523_KEYS if k != "stop_regex")  # only ever sent at its default: dropped
+    assert checked_sampling(client, settings, sampling, [5, 6], lambda exc: None) == {
+        k: v for k, v in sampling.items() if k != "stop_regex"}
 
 
 # ------------------------------------------------------------------ keys (item 3)
@@ -326,7 +416,92 @@ def test_a_request_that_timed_out_is_aborted_by_rid_before_it_is_sent_again(rela
     answers = client.generate([[5, 6], [7, 8]], [{"max_new_tokens": 2, "ignore_eos": True}] * 2, rid=["r-a", "r-b"])
     assert [len(a["output_ids"]) for a in answers] == [2, 2]
     assert handler.aborts == ["r-a", "r-b"] and len(handler.generates) == 2  # aborted, then sent once more
-    assert handler.generates[1]["rid"] == ["r-a", "r-b"]
+    resent = handler.generates[1]["rid"]  # under fresh ids: SGLang holds an aborted id until the abort is answered
+    assert [r.partition("~resend-")[0] for r in resent] == ["r-a", "r-b"] and len(set(resent) | {"r-a", "r-b"}) == 4
+
+
+# ------------------------------------------------------------------ a resend's ids (issue 42, case 8)
+
+@pytest.fixture
+def inprocess_serve(tiny_checkpoint):
+    """``glmpost serve``'s engine and HTTP server in this process (so a test can slow its worker); (engine, url)."""
+    from glmpost.server.engine import EngineServer
+    from glmpost.server.http import make_http_server
+
+    engine = EngineServer(tiny_checkpoint, batch_wait_s=0.0)
+    httpd = make_http_server(engine, "127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    engine.start()
+    thread.start()
+    yield engine, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    engine.stop()
+
+
+def test_serve_refuses_an_id_it_still_holds_as_sglang_does(tiny_checkpoint):
+    from glmpost.server.engine import EngineServer
+    from glmpost.server.parsing import RequestError
+
+    engine = EngineServer(tiny_checkpoint)  # the worker is not started: the first request stays queued
+    body = {"input_ids": [[5, 6], [7, 8]], "rid": ["r-a", "r-b"], "sampling_params": {"max_new_tokens": 2}}
+    first: list = []
+    waiting = threading.Thread(target=lambda: first.append(engine.generate(body)))
+    waiting.start()
+    while not engine.queued:
+        time.sleep(0.01)
+    refused: list = []
+
+    def second():  # answered at once; a server that queued it instead would leave this thread waiting
+        try:
+            engine.generate({**body, "rid": ["r-c", "r-b"]})
+        except RequestError as exc:
+            refused.append(exc)
+
+    again = threading.Thread(target=second, daemon=True)
+    again.start()
+    again.join(10)
+    assert len(refused) == 1, "the second request under a held id was queued, not refused"
+    assert (refused[0].status, str(refused[0])) == (400, "Duplicate request ID detected: r-b")
+    with pytest.raises(RequestError, match=r"^Duplicate request IDs detected within the request: \['r-x'\]$"):
+        engine.generate({**body, "rid": ["r-x", "r-x"]})
+    assert engine.abort_request({"rid": "r-a"}) == 2  # a queued job is answered whole
+    waiting.join(10)
+    assert [a["meta_info"]["finish_reason"]["type"] for a in first[0]] == ["abort", "abort"]
+    engine.start()  # answered: the ids are free again
+    try:
+        answers = engine.generate(body)
+        assert [a["meta_info"]["id"] for a in answers] == ["r-a", "r-b"] and [len(a["output_ids"]) for a in answers] == [2, 2]
+    finally:
+        engine.stop()
+
+
+def test_a_timed_out_request_is_resent_under_fresh_ids_and_no_sequence_is_lost(inprocess_serve):
+    """The first attempt outlasts the client's timeout; its abort takes 0.5 s to be answered (as
+    SGLang's scheduler answers an abort later), and the resend arrives meanwhile: under the ids first
+    sent, the server answers 400 Duplicate request ID and both sequences are lost."""
+    engine, url = inprocess_serve
+    real, calls = engine._run_generate, []
+
+    def slow_first(items):
+        calls.append([it.rid for it in items])
+        if len(calls) == 1:
+            with engine._cond:
+                engine._running = list(items)  # running, as /abort_request finds it
+            deadline = time.monotonic() + 30
+            while not all(it.abort_message for it in items) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the abort is in flight: the ids are still held
+        return real(items)
+
+    engine._run_generate = slow_first
+    client = SGLangClient(url, timeout=2.0, retries=1, backoff=0.0)
+    answers = client.generate([[5, 6], [7, 8]], [{"max_new_tokens": 2, "ignore_eos": True}] * 2, rid=["r-a", "r-b"])
+    assert [len(a["output_ids"]) for a in answers] == [2, 2]
+    assert [a["meta_info"]["finish_reason"]["type"] for a in answers] == ["length", "length"]
+    assert calls[0] == ["r-a", "r-b"] and len(calls) == 2
+    assert [r.partition("~resend-")[0] for r in calls[1]] == ["r-a", "r-b"] and not set(calls[1]) & {"r-a", "r-b"}
+    assert [a["meta_info"]["id"] for a in answers] == calls[1]
 
 
 def test_an_update_that_got_no_answer_is_watched_never_sent_twice(relay, tiny_checkpoint):
@@ -348,29 +523,70 @@ def test_an_update_that_got_no_answer_is_watched_never_sent_twice(relay, tiny_ch
 
 # ------------------------------------------------------------------ formats (item 8)
 
+class _SGLangInfo:
+    """What SGLang 0.5.23's /model_info and /server_info say (not glmpost serve): ``model_path`` the
+    checkpoint it loaded, ``quantization`` the launch flag (None unless given, or filled on sm100)."""
+
+    def __init__(self, quantization, model_path="/not/here"):
+        self.quantization, self.model_path, self.url = quantization, str(model_path), "http://sglang:30000"
+
+    def model_info(self):
+        return {"model_path": self.model_path, "weight_version": "1"}
+
+    def settings(self):
+        return {"quantization": self.quantization, "version": "0.5.23"}
+
+
+def _fp8_checkpoint(tiny_checkpoint, where):
+    """The tiny checkpoint's files with an fp8 ``quantization_config`` (all the format check reads)."""
+    import shutil
+
+    shutil.copytree(tiny_checkpoint, where)
+    config = json.loads((where / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
 def test_a_quantized_version_is_refused_for_a_server_launched_in_another_format(glmpost_cli, tiny_checkpoint, tmp_path):
     from glmpost.weight_sync.sync import check_server_format
 
     quantized = tmp_path / "w4"
     assert glmpost_cli("quantize", tiny_checkpoint, "--out", quantized, "--scheme", "w4a16", "--group-size", "16").exit_code == 0
+    # The server loaded the float checkpoint (its model_path), launched without --quantization.
+    refusal = check_server_format(_SGLangInfo(None, tiny_checkpoint), quantized)
+    assert f"is compressed-tensors-quantized, but the server loaded a float model (read from {tiny_checkpoint} (the " in refusal
+    assert "launch it with a compressed-tensors checkpoint" in refusal
+    assert check_server_format(_SGLangInfo(None, quantized), quantized) is None  # loaded from a w4a16 checkpoint
+    assert check_server_format(_SGLangInfo("compressed-tensors"), quantized) is None  # nothing readable: the flag
+    assert "is not quantized, but the server loaded a fp8-quantized model (read from the launch flag" in check_server_format(
+        _SGLangInfo("fp8"), tiny_checkpoint)
+    assert check_server_format(_SGLangInfo(None), tiny_checkpoint) is None  # nothing tells: unchecked, said in a line
+    assert check_server_format(_SGLangInfo("w8a8_fp8", quantized), quantized) is None  # a flag SGLang keeps for it
 
-    class Fake:  # what SGLang's /model_info and /server_info say (not glmpost serve)
-        def __init__(self, quantization):
-            self.quantization = quantization
 
-        def model_info(self):
-            return {"model_path": "/m", "weight_version": "1"}
+def test_the_format_check_reads_what_the_server_loaded_not_the_launch_flag(tiny_checkpoint, tmp_path):
+    """Issue 42, case 4: off sm100 SGLang leaves /server_info.quantization None for an FP8 checkpoint
+    it loaded as FP8. A matching fp8 version goes on; a float one is refused."""
+    from glmpost.weight_sync.sync import check_server_format, served_quantization
 
-        def settings(self):
-            return {"quantization": self.quantization, "version": "0.5.15"}
+    served = _SGLangInfo(None, _fp8_checkpoint(tiny_checkpoint, tmp_path / "served-fp8"))
+    version = _fp8_checkpoint(tiny_checkpoint, tmp_path / "v2-fp8")
+    assert served_quantization(served) == ("fp8", f"{served.model_path} (the checkpoint the server loaded)")
+    assert check_server_format(served, version) is None
+    refusal = check_server_format(served, tiny_checkpoint)
+    assert refusal == (f"{tiny_checkpoint} is not quantized, but the server loaded a fp8-quantized model (read from "
+                       f"{served.model_path} (the checkpoint the server loaded)): SGLang loads tensors by name into the "
+                       "model it loaded without checking their format; launch it with a float checkpoint and no "
+                       "--quantization (or sync with the --quantize it was launched for)")
 
-    refusal = check_server_format(Fake(None), quantized)
-    assert "is compressed-tensors-quantized, but the server was launched with no --quantization" in refusal
-    assert "launch it with --quantization compressed-tensors" in refusal
-    assert check_server_format(Fake("compressed-tensors"), quantized) is None
-    assert "is not quantized, but the server was launched with --quantization fp8" in check_server_format(Fake("fp8"),
-                                                                                                         tiny_checkpoint)
-    assert check_server_format(Fake(None), tiny_checkpoint) is None
+
+def test_serve_reports_its_launch_flag_and_loaded_checkpoint_where_sglang_does(server, tiny_checkpoint):
+    from glmpost.weight_sync.sync import served_quantization
+
+    client = SGLangClient(server, retries=0)
+    assert client.settings()["quantization"] is None and client.model_info()["model_path"] == str(tiny_checkpoint)
+    assert served_quantization(client) == (None, f"{tiny_checkpoint} (the checkpoint the server loaded)")
 
 
 # ------------------------------------------------------------------ routing through a server (issue 33)

@@ -172,14 +172,31 @@ def probe_log_prob_kind(client, prompts: Iterable[Sequence[int]]) -> str:
 
 
 _KEYWORD_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
+# serde's unknown_field text, which SGLang 0.5.23's /generate contract check answers with HTTP 400
+# (api/v1/api_types.py ``_unknown_field``): "unknown field `X`, expected one of `a`, `b`, ...".
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+def unknown_field(exc: ServerError) -> str | None:
+    """The key an HTTP 400 ``unknown field `X`, expected one of ...`` refuses (SGLang 0.5.23 lists
+    every valid key after it: only the first name is the refused one), else None."""
+    if exc.status != 400:
+        return None
+    found = _UNKNOWN_FIELD.search(str(exc).split(": HTTP", 1)[-1])
+    return found.group(1) if found else None
 
 
 def rejected_field(exc: ServerError, fields: Iterable[str]) -> str | None:
-    """The one of ``fields`` (sampling field names) a server's refusal names: an HTTP 400 or 422 whose
-    message names it (``glmpost serve``: ``unknown key(s) X``; pydantic: ``X: Extra inputs are not
-    permitted``), or any answer saying ``unexpected keyword argument 'X'`` (a ``SamplingParams``
-    TypeError of an older SGLang build). None for every other failure."""
+    """The one of ``fields`` (sampling field names) a server's refusal names: SGLang 0.5.23's HTTP
+    400 ``unknown field `X`, expected one of ...`` (X, never a key of the list that follows: None
+    when X is not one of ``fields``), an HTTP 400 or 422 whose message names it (``glmpost serve``:
+    ``sampling_params.X is not supported``; pydantic: ``X: Extra inputs are not permitted``), or
+    any answer saying ``unexpected keyword argument 'X'`` (a ``SamplingParams`` TypeError of an
+    older SGLang build). None for every other failure."""
     message, names = str(exc), list(fields)
+    unknown = unknown_field(exc)
+    if unknown is not None:
+        return unknown if unknown in names else None
     typed = _KEYWORD_ARGUMENT.search(message)
     if typed and typed.group(1) in names:
         return typed.group(1)
@@ -198,4 +215,5 @@ __all__ = [
     "probe_prompts",
     "probe_values",
     "rejected_field",
+    "unknown_field",
 ]

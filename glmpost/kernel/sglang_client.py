@@ -37,13 +37,15 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 
-__all__ = ["ADMIN_ROUTES", "SGLangClient", "ServerError", "check_api_key", "parse_server_urls", "without_api_key"]
+__all__ = ["ADMIN_ROUTES", "SGLangClient", "ServerError", "check_api_key", "fresh_rid", "parse_server_urls",
+           "without_api_key"]
 
 
 class ServerError(GlmpostError):
@@ -139,13 +141,14 @@ class SGLangClient:
     # ------------------------------------------------------------------ transport
 
     def request(self, method: str, path: str, body: Any = None, *, ok_statuses: Iterable[int] = (),
-                before_retry: Callable[[ServerError], None] | None = None) -> Any:
+                before_retry: Callable[[ServerError], Any] | None = None) -> Any:
         """One JSON request with retries; returns the decoded JSON answer (None for an empty body).
 
         ``ok_statuses`` are non-2xx statuses whose JSON body is returned instead of raising (SGLang
         answers a refused weight update with HTTP 400 and ``{"success": false, ...}``).
         ``before_retry(error)`` runs before each retry of a request that got no answer (a timeout or
-        a dropped connection: the server may still be working on it), e.g. to abort it there first.
+        a dropped connection: the server may still be working on it), e.g. to abort it there first;
+        when it returns a body, that body is sent from then on (a resend under fresh request ids).
         """
         ok = set(ok_statuses)
         data = None if body is None else json.dumps(body).encode()
@@ -154,7 +157,9 @@ class SGLangClient:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
                 if before_retry is not None and last is not None and last.status is None:
-                    before_retry(last)
+                    resend = before_retry(last)
+                    if resend is not None:
+                        data = json.dumps(resend).encode()
             try:
                 return self._once(method, path, data, ok)
             except ServerError as exc:
@@ -304,16 +309,25 @@ class SGLangClient:
         ``fields`` (``return_text_in_logprobs``, ...) go into the body as they are. With ``rid`` (a
         string, or one per sequence of a batch) a request that times out or loses its connection is
         aborted on the server (``/abort_request``) before it is sent again, so the server never
-        generates the same sequences twice.
+        generates the same sequences twice; the resend carries fresh ids (:func:`fresh_rid`): SGLang
+        refuses an id it still holds with HTTP 400 ``Duplicate request ID detected: RID``, and it
+        holds an aborted request's id until the scheduler has answered the abort
+        (managers/tokenizer_manager.py ``_init_req_state``, sglang 0.5.23).
         """
         body = {"input_ids": [list(map(int, x)) for x in input_ids] if _is_batch(input_ids) else list(map(int, input_ids)),
                 "sampling_params": sampling_params, "return_logprob": return_logprob,
                 "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num, **fields}
-        rids = fields.get("rid")
-        if rids is None:
+        if fields.get("rid") is None:
             return self.request("POST", "/generate", body)
-        rids = [rids] if isinstance(rids, str) else list(rids)
-        return self.request("POST", "/generate", body, before_retry=lambda _: self.abort_quietly(rids))
+        sent = {"rid": fields["rid"]}
+
+        def abort_then_rename(_: ServerError) -> dict:
+            rid = sent["rid"]
+            self.abort_quietly([rid] if isinstance(rid, str) else list(rid))
+            sent["rid"] = fresh_rid(rid) if isinstance(rid, str) else [fresh_rid(r) for r in rid]
+            return {**body, "rid": sent["rid"]}
+
+        return self.request("POST", "/generate", body, before_retry=abort_then_rename)
 
     def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> Any:
         """``POST /abort_request``: stop request ``rid`` (or every request, ``abort_all``); SGLang answers
@@ -368,6 +382,12 @@ class SGLangClient:
         return result
 
 
+def fresh_rid(rid: str) -> str:
+    """``rid`` renamed for a resend: ``BASE~resend-XXXXXXXX`` (``BASE`` the id first sent, the suffix
+    new each time), so no resend reuses an id the server may still hold."""
+    return f"{rid.partition('~resend-')[0]}~resend-{uuid.uuid4().hex[:8]}"
+
+
 def _is_batch(input_ids: Any) -> bool:
     return len(input_ids) > 0 and isinstance(input_ids[0], (list, tuple))
 
@@ -393,5 +413,15 @@ def _error_detail(raw: bytes) -> str:
             return str(error.get("message", error))
         for key in ("message", "detail", "error"):
             if key in payload:
-                return str(payload[key])
+                return _short_key_list(str(payload[key]))
     return str(payload)[:200]
+
+
+def _short_key_list(detail: str) -> str:
+    """SGLang 0.5.23's 400 for an unknown key (``{"error": "unknown field `X`, expected one of `a`,
+    `b`, ..."}``, api/v1/api_types.py ``_unknown_field``) with its list of every valid key counted,
+    not repeated: ``unknown field `X` (not one of the server's N keys)``."""
+    head, sep, listed = detail.partition(", expected one of ")
+    if not sep or not head.startswith("unknown field `"):
+        return detail
+    return f"{head} (not one of the server's {listed.count('`') // 2} keys)"

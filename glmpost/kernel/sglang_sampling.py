@@ -10,9 +10,12 @@ read at sgl-project/sglang 00c17ca, 2026) that changes what is sampled, at the v
 nothing; glmpost sends them all. A key the server's preferred params set that is in neither list
 is refused (:func:`check_preferred`).
 
-An unknown key is a ``TypeError`` in ``SamplingParams(**kwargs)``, which SGLang's ``/generate`` does
-not map (only ``ValueError`` becomes a 400): the answer is a bare HTTP 500 that names nothing.
-:func:`refused_fields` finds the keys a server refuses with one 1-token request per key.
+An unknown key is, on SGLang 0.5.23, refused by ``/generate``'s contract check with HTTP 400
+``{"error": "unknown field `X`, expected one of `max_new_tokens`, ..."}`` (api/v1/api_types.py
+``_unknown_field``; :func:`~glmpost.kernel.server_settings.unknown_field` reads X); on older builds
+it is a ``TypeError`` in ``SamplingParams(**kwargs)``, which ``/generate`` does not map (only
+``ValueError`` becomes a 400): a bare HTTP 500 that names nothing. :func:`refused_fields` finds the
+keys a server refuses with one 1-token request per key.
 """
 
 from __future__ import annotations

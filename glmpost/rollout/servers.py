@@ -27,8 +27,8 @@ import numpy as np
 from glmpost.config import ConfigError
 from glmpost.kernel.engine import Completion
 from glmpost.kernel.routing import routed_from_sglang
-from glmpost.kernel.server_settings import ServerSettings
-from glmpost.kernel.sglang_client import ServerError, SGLangClient
+from glmpost.kernel.server_settings import ServerSettings, unknown_field
+from glmpost.kernel.sglang_client import ServerError, SGLangClient, fresh_rid
 from glmpost.kernel.sglang_pool import SGLangPool
 from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS, check_preferred, refused_fields, refused_message
 from glmpost.kernel.vllm_client import VLLMClient
@@ -122,8 +122,11 @@ def checked_sampling(client: Any, settings: ServerSettings, sampling: dict[str, 
     try:
         client.generate(probe, {**sampling, "max_new_tokens": 1, "sampling_seed": 0}, return_logprob=True)
     except ServerError as exc:
-        fatal = run_error(exc)
-        if fatal is not None or exc.status != 500:  # a 400 names its field (run_error); a 500 names nothing
+        # SGLang 0.5.23 answers a key it does not have with 400 "unknown field `X`, ...", older builds
+        # with a bare 500: either way a key that only restates the default is dropped (_without_refused).
+        unknown = unknown_field(exc)
+        fatal = None if unknown is not None else run_error(exc)
+        if fatal is not None or (exc.status != 500 and unknown is None):  # another 400 names its field (run_error)
             raise (fatal or ConfigError("{server} {url} refused this rollout's sampling settings ({reason})",
                                         url=client.url, reason=exc, exit_code=1)) from None
         sampling = _without_refused(client, sampling, probe, exc)
@@ -155,7 +158,9 @@ def _without_refused(client: Any, sampling: dict[str, Any], probe: list[int], ex
 
 def one_by_one(client: Any, ids: list[list[int]], sampling: list[dict], rids: list[str], **fields: Any) -> list[Any]:
     """One batch request; when the server refuses it whole with HTTP 400 (SGLang fails a batch for
-    one bad sequence), each sequence alone, a refused one answered by its :class:`ServerError`."""
+    one bad sequence), each sequence alone under a fresh id (:func:`~glmpost.kernel.sglang_client.fresh_rid`:
+    the batch may have been a resend whose first ids the server still holds), a refused one answered
+    by its :class:`ServerError`."""
     try:
         return client.generate(ids, sampling, return_logprob=True, rid=rids, **fields)
     except ServerError as exc:
@@ -164,7 +169,7 @@ def one_by_one(client: Any, ids: list[list[int]], sampling: list[dict], rids: li
     answers = []
     for one, sp, rid in zip(ids, sampling, rids):
         try:
-            answers.append(client.generate([one], [sp], return_logprob=True, rid=[rid], **fields)[0])
+            answers.append(client.generate([one], [sp], return_logprob=True, rid=[fresh_rid(rid)], **fields)[0])
         except ServerError as exc:
             if exc.status != 400:
                 raise

@@ -17,8 +17,9 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
   ``sampling_seed``, ``no_stop_trim`` (``text`` keeps the matched stop); ``skip_special_tokens``,
   ``spaces_between_special_tokens``, ``stream_interval``, ``custom_params`` accepted and ignored;
   penalties, ``min_p``, ``min_new_tokens``, ``n``, grammars, ``logit_bias`` and ``stop_regex``
-  refused unless at their defaults (None is every key's default); a key SGLang's ``SamplingParams``
-  lacks is answered as SGLang does, a bare HTTP 500),
+  refused unless at their defaults (None is every key's default); a key SGLang 0.5.23 lacks is
+  answered as its contract check answers, HTTP 400 ``{"error": "unknown field `X`, expected one of
+  ..."}``), a request id still in flight is HTTP 400 ``Duplicate request ID detected: RID``,
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``
   (entries ``[logprob, id, token_text]``), ``rid`` (echoed as ``meta_info["id"]``; a batch's string
   ``RID`` as ``RID_0``, ``RID_1``, ..., or a list, one per sequence), ``return_routed_experts``
@@ -114,6 +115,7 @@ class EngineServer:
         self._peak_now = 0
         self._last_arrival = 0.0
         self._running: list[SequenceRequest] = []  # the batch the worker runs now
+        self._rids: set[str] = set()  # request ids received and not yet answered (SGLang's rid_to_state)
         self._worker = threading.Thread(target=self._work, name="glmpost-serve-engine", daemon=True)
         # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
         # and tokens generated, prompt tokens read from the prefix cache, and the seconds the engine
@@ -181,17 +183,34 @@ class EngineServer:
 
     def generate(self, body: dict) -> Any:
         items, batch = parse_generate(body, self.loaded, log_prob_kind=self.log_prob_kind)
-        if batch:
-            return self.submit(_Job("generate", items, batch=True))
-        with self._cond:
-            self._inflight += 1
-            self._peak_now = max(self._peak_now, self._inflight)
+        rids = self._hold_rids(items)
         try:
-            return self.submit(_Job("generate", items))[0]
+            if batch:
+                return self.submit(_Job("generate", items, batch=True))
+            with self._cond:
+                self._inflight += 1
+                self._peak_now = max(self._peak_now, self._inflight)
+            try:
+                return self.submit(_Job("generate", items))[0]
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
         finally:
             with self._cond:
-                self._inflight -= 1
-                self._cond.notify_all()
+                self._rids.difference_update(rids)
+
+    def _hold_rids(self, items: list[SequenceRequest]) -> list[str]:
+        """Register the request ids of ``items`` until they are answered, refusing one still held as
+        SGLang does: HTTP 400 ``Duplicate request ID detected: RID`` (an aborted request's id is held
+        until its abort is answered; managers/tokenizer_manager.py ``_init_req_state``, sglang 0.5.23)."""
+        rids = [item.rid for item in items if item.rid is not None]
+        with self._cond:
+            held = next((rid for rid in rids if rid in self._rids), None)
+            if held is not None:
+                raise RequestError(f"Duplicate request ID detected: {held}")
+            self._rids.update(rids)
+        return rids
 
     def server_info(self) -> dict:
         """``GET /server_info`` (and ``/get_server_info``): what ``/model_info`` says, the settings
@@ -200,7 +219,9 @@ class EngineServer:
         and the counters since start."""
 
         stats = {**self.stats, "engine_busy_s": round(self.stats["engine_busy_s"], 6)}
-        return {**self.model_info(), "enable_deterministic_inference": True, "log_prob_kind": self.log_prob_kind,
+        # quantization: SGLang's launch flag (serve has none); what was loaded is /model_info.model_path's config.
+        return {**self.model_info(), "quantization": None, "enable_deterministic_inference": True,
+                "log_prob_kind": self.log_prob_kind,
                 "version": __version__, "attention": self.attention, "batch_wait_s": self.batch_wait_s, "stats": stats}
 
     def abort_request(self, body: Any) -> int:

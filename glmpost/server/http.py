@@ -149,6 +149,8 @@ class _Handler(BaseHTTPRequestHandler):
             if exc.bare:
                 log(f"{method} {path}: {exc} (answered HTTP 500, as SGLang does)")
                 self._bare_500()
+            elif exc.contract and self.vllm is None:  # SGLang's /generate contract check: {"error": TEXT}
+                self._send(exc.status, {"error": str(exc)})
             else:
                 self._error(exc.status, str(exc), getattr(exc, "param", None))
         except (BrokenPipeError, ConnectionResetError):

@@ -12,6 +12,7 @@ honoured are refused unless at SGLang's default.
 from __future__ import annotations
 
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,26 +21,42 @@ from glmpost.kernel.engine import SamplingParams
 from glmpost.server.loading import LoadedCheckpoint
 
 # Sampling parameters that would change the output if honoured; refused unless at SGLang's default
-# (None is SGLang's default for every key: SamplingParams.__post_init__).
+# (None is SGLang's default for every key: SamplingParams.__post_init__; an empty ``logit_bias`` or
+# ``choice`` is no bias, no choice).
 _UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                          "min_new_tokens": 0, "min_p": 0.0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-                         "structural_tag": None, "logit_bias": None, "stop_regex": None}
-# SGLang's SamplingParams keys (sampling/sampling_params.py at 00c17ca); any other is SGLang's
-# TypeError, an HTTP 500 without a message.
-_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "sampling_seed",
-          "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
-          *_UNSUPPORTED_DEFAULTS}
+                         "structural_tag": None, "logit_bias": None, "stop_regex": None, "beam_width": None,
+                         "watermark": None, "choice": None}
+# SGLang's sampling keys in the order its /generate contract check lists them (sglang 0.5.23:
+# api/v1/api_types.py ``SamplingParams``, "unknown keys rejected"; entrypoints/api_contract.py
+# ``generate_contract_error``); any other key is refused before the request runs (:func:`unknown_key_message`).
+SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                 "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+                 "watermark", "choice")
+_KNOWN = set(SAMPLING_KEYS)
+
+
+def unknown_key_message(key: str, keys: tuple[str, ...] = SAMPLING_KEYS) -> str:
+    """SGLang's answer to an unknown sampling key: serde's ``unknown_field`` text, which its
+    /generate sends as HTTP 400 ``{"error": TEXT}`` (sglang 0.5.23: api/v1/api_types.py
+    ``_unknown_field``; entrypoints/http_server.py ``generate_request``)."""
+    listed = ", ".join(f"`{k}`" for k in keys)
+    return f"unknown field `{key}`, expected one of {listed}"
 
 
 class RequestError(Exception):
     """A request the server refuses (HTTP 4xx) with a one-line message; ``bare``: answered as SGLang's
     framework answers an exception it does not map, HTTP 500 ``Internal Server Error`` in plain text
-    (the message goes to the server's log only)."""
+    (the message goes to the server's log only); ``contract``: answered as SGLang's /generate
+    contract check answers, ``{"error": message}``."""
 
-    def __init__(self, message: str, status: int = 400, *, bare: bool = False):
+    def __init__(self, message: str, status: int = 400, *, bare: bool = False, contract: bool = False):
         super().__init__(message)
         self.status = status
         self.bare = bare
+        self.contract = contract
 
 
 @dataclass
@@ -102,6 +119,9 @@ def _rids(rid: Any, count: int, batch: bool) -> list[str | None]:
     if batch and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
         if len(rid) != count:
             raise RequestError(f"rid: {len(rid)} ids for {count} sequences")
+        duplicates = [r for r, n in Counter(rid).items() if n > 1]
+        if duplicates:  # GenerateReqInput._validate_rid_uniqueness (managers/io_struct.py, sglang 0.5.23)
+            raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}")
         return list(rid)
     raise RequestError("rid must be a string (or, for a batch, a list of strings, one per sequence)")
 
@@ -120,12 +140,13 @@ def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top
     """One sequence of a request, checked against the served model ``loaded`` (its config and eos ids)."""
     if not isinstance(sp, dict):
         raise RequestError("sampling_params must be an object (or a list of objects, one per sequence)")
-    unknown = sorted(set(sp) - _KNOWN)
-    if unknown:  # SGLang: SamplingParams(**sp) raises TypeError, which /generate does not map
-        raise RequestError(f"SamplingParams got an unexpected keyword argument '{unknown[0]}'", 500, bare=True)
+    unknown = [key for key in sp if key not in _KNOWN]
+    if unknown:  # SGLang 0.5.23: its contract check names the first, before SamplingParams is made
+        raise RequestError(unknown_key_message(unknown[0]), 400, contract=True)
     sp = {key: value for key, value in sp.items() if value is not None}  # None: SGLang's default
     for key, default in _UNSUPPORTED_DEFAULTS.items():
-        if sp.get(key, default) not in (default, None):
+        value = sp.get(key, default)
+        if value not in (default, None) and not (default is None and value in ([], {})):
             raise RequestError(f"sampling_params.{key} is not supported by glmpost serve")
     try:
         max_new = int(sp.get("max_new_tokens", 128))
@@ -186,6 +207,8 @@ def _per_item(value: Any, count: int, name: str) -> list:
 
 
 __all__ = [
+    "SAMPLING_KEYS",
     "RequestError",
     "parse_generate",
+    "unknown_key_message",
 ]

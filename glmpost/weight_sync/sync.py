@@ -37,6 +37,7 @@ from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve
 from glmpost.fsutil import fsync_dir
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state, read_tensors
+from glmpost.stage import log
 
 STAGING_PREFIX = ".staging-"
 PAUSE_ENV = "GLMPOST_SYNC_PAUSE_BEFORE_PUBLISH"
@@ -201,25 +202,84 @@ def _watch_version(client: SGLangClient, weight_version: str, timeout: float, ba
     return version
 
 
+# SGLang's launch flags that keep a checkpoint of another quant_method (ModelConfig ``_verify_quantization``
+# ``compatible_quantization_methods``, python/sglang/srt/configs/model_config.py, sglang 0.5.23).
+COMPATIBLE_QUANTIZATION = {"modelopt_fp8": ("modelopt",), "modelopt_fp4": ("modelopt", "fp8"),
+                           "modelopt_mixed": ("modelopt",), "nvfp4_online": ("fp8", "modelopt_fp8"),
+                           "petit_nvfp4": ("modelopt",),
+                           "w8a8_int8": ("compressed-tensors", "compressed_tensors"),
+                           "w8a8_fp8": ("compressed-tensors", "compressed_tensors"),
+                           "auto-round-int8": ("compressed-tensors", "compressed_tensors")}
+
+
+def served_quantization(client: Any) -> tuple[str | None, str | None]:
+    """``(format, where)``: the quantization the server's model was LOADED in, and what it was read from
+    (None when nothing tells: no readable checkpoint and no launch flag).
+
+    SGLang resolves the format in ``ModelConfig._verify_quantization`` (python/sglang/srt/configs/
+    model_config.py, sglang 0.5.23): the ``--quantization`` flag when given, else the ``quant_method``
+    of the loaded checkpoint's ``quantization_config``. No route reports that resolved value:
+    ``/server_info.quantization`` is the launch flag, which SGLang fills from the checkpoint only on
+    some GPUs (arg_groups/overrides.py and model_overrides/glm4_moe.py: ``get_platform().is_sm100``),
+    so an FP8 checkpoint launched elsewhere reads None there. What the server loaded is
+    ``/model_info.model_path`` (http_server.py ``model_info``: moved by each weight update), so its
+    ``config.json`` is read (a directory, or a hub id in the local Hugging Face cache) and resolved as
+    SGLang does."""
+    flag = (client.settings().get("quantization") or None)
+    info = client.model_info()
+    path = info.get("model_path") if isinstance(info, dict) else None
+    config, directory = _served_config(path) if isinstance(path, str) and path else (None, None)
+    if config is None:
+        return flag, ("the launch flag (/server_info.quantization)" if flag else None)
+    checkpoint = is_quantized_checkpoint(directory, config)
+    return (flag or checkpoint), f"{path} (the checkpoint the server loaded)"
+
+
+def _served_config(path: str) -> tuple[dict | None, Path | None]:
+    """The ``config.json`` of the checkpoint a server loaded from ``path`` (a directory readable here,
+    or a hub id found in the local Hugging Face cache; nothing is downloaded), or (None, None)."""
+    candidate = Path(path) / "config.json"
+    if not candidate.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json")
+        except Exception:  # not a hub id (or no hub client): nothing to read here
+            cached = None
+        if not isinstance(cached, str):
+            return None, None
+        candidate = Path(cached)
+    try:
+        return json.loads(candidate.read_text()), candidate.parent
+    except (OSError, ValueError):
+        return None, None
+
+
 def check_server_format(client: SGLangClient, model_path: Path) -> str | None:
     """Why ``model_path`` cannot go onto ``client``'s server, or None. SGLang's
     ``update_weights_from_disk`` streams tensors by name into the model it was launched with, with
     no config, tokenizer or quantization check (model_executor/model_runner.py): a quantized version
-    needs a server launched in its format (``--quantization``), a float one a float server.
-    ``glmpost serve`` checks and dequantizes on its own."""
+    needs a server that loaded that format, a float one a float server. What the server loaded is
+    :func:`served_quantization` (its loaded checkpoint, not only the launch flag); when nothing tells,
+    the version goes on and a line says the format was not checked. ``glmpost serve`` checks and
+    dequantizes on its own."""
     info = client.model_info()
     if isinstance(info, dict) and info.get("engine") == "glmpost-serve":
         return None
     directory = resolve_checkpoint(model_path)
     ours = is_quantized_checkpoint(directory, json.loads((directory / "config.json").read_text()))
-    theirs = client.settings().get("quantization")
-    if (ours or None) == (theirs or None):
+    theirs, where = served_quantization(client)
+    if where is None:
+        log(f"{client.url}: neither /model_info.model_path nor /server_info.quantization tells the format the server "
+            f"loaded; {model_path} ({ours or 'float'}) goes on unchecked")
         return None
-    launched = f"--quantization {theirs}" if theirs else "no --quantization"
-    wanted = f"--quantization {ours} and a {ours} checkpoint" if ours else "no --quantization and a float checkpoint"
-    return (f"{model_path} is {ours + '-quantized' if ours else 'not quantized'}, but the server was launched with "
-            f"{launched}: SGLang loads tensors by name into its launch-time model without checking their format; "
-            f"launch it with {wanted} (or sync with the --quantize it was launched for)")
+    if (ours or None) == (theirs or None) or (ours and ours in COMPATIBLE_QUANTIZATION.get(theirs or "", ())):
+        return None
+    loaded = f"{theirs}-quantized" if theirs else "float"
+    wanted = f"a {ours} checkpoint" if ours else "a float checkpoint and no --quantization"
+    return (f"{model_path} is {ours + '-quantized' if ours else 'not quantized'}, but the server loaded a {loaded} "
+            f"model (read from {where}): SGLang loads tensors by name into the model it loaded without checking their "
+            f"format; launch it with {wanted} (or sync with the --quantize it was launched for)")
 
 
 def sync_servers(urls: list[str], model_path: Path, weight_version: str, *, one: Any = None,
@@ -264,10 +324,12 @@ def read_root_state(root: Path) -> tuple[int | None, list[int]]:
 __all__ = [
     "LATEST",
     "ServerResult",
+    "check_server_format",
     "clean_stale_staging",
     "load_rollout_state",
     "prune",
     "publish",
+    "served_quantization",
     "staging_dir",
     "sync_server",
     "sync_servers",
