@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from transformers import AutoConfig
 import sglang_contract
 
 try:
@@ -22,6 +23,7 @@ try:
 except ImportError as exc:
     pytest.skip(f"SGLang's classes are not importable ({exc})", allow_module_level=True)
 
+from glmpost.kernel.routing import config_routing_layout  # noqa: E402
 from glmpost.kernel.engine import SamplingParams, sequence_seed  # noqa: E402
 from glmpost.kernel.server_settings import ServerSettings, probe_values  # noqa: E402
 from glmpost.kernel.sglang_client import SGLangClient  # noqa: E402
@@ -90,7 +92,7 @@ def test_the_sampling_keys_serve_knows_are_sglangs_in_its_order():
     assert SAMPLING_KEYS == _fields(SGL.api_types.SamplingParams)
 
 
-def test_every_generate_request_passes_sglangs_checks_and_every_answer_decodes(server, recorded):
+def test_every_generate_request_passes_sglangs_checks_and_every_answer_decodes(server, recorded, tiny_checkpoint):
     client = SGLangClient(server, retries=0)
     vocab = int(client.model_info()["vocab_size"])
     # A rollout's batch as SGLangBackend._submit sends it: the run's params, a seed and a budget per sequence.
@@ -106,7 +108,7 @@ def test_every_generate_request_passes_sglangs_checks_and_every_answer_decodes(s
     probe_values(client, [5, 6, 7, 8])  # the log-prob kind probe
     scored = client.score([5, 6, 7, 8, 9], 2, top_logprobs_num=2)
     assert len(scored["token_log_probs"]) == 3 and len(scored["top_ids"]) == 3
-    check_routing_returned(client, [5, 6, 7])
+    check_routing_returned(client, [5, 6, 7], config_routing_layout(AutoConfig.from_pretrained(tiny_checkpoint)))
     generates = [(body, answer) for method, path, body, answer in recorded if path == "/generate"]
     assert len(generates) >= 8
     for body, answer in generates:

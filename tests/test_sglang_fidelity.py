@@ -444,7 +444,7 @@ def test_serve_refuses_an_id_it_still_holds_as_sglang_does(tiny_checkpoint):
     from glmpost.server.parsing import RequestError
 
     engine = EngineServer(tiny_checkpoint)  # the worker is not started: the first request stays queued
-    body = {"input_ids": [[5, 6], [7, 8]], "rid": ["r-a", "r-b"], "sampling_params": {"max_new_tokens": 2}}
+    body = {"input_ids": [[5, 6], [7, 8]], "rid": ["r-a", "r-b"], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
     first: list = []
     waiting = threading.Thread(target=lambda: first.append(engine.generate(body)))
     waiting.start()

@@ -96,7 +96,7 @@ def test_completions_answer_as_vllm_shapes_them(vllm_server, wide_checkpoint):
     status, answer = _post(vllm_server, "/v1/completions", {"prompt": prompt, "ignore_eos": True, "max_tokens": None})
     assert status == 200 and answer["usage"]["completion_tokens"] == 16
     status, answer = _post(vllm_server, "/v1/completions", {"prompt": prompt, "temperature": 2.5})
-    assert status == 400 and answer["error"]["message"] == "temperature must be in [0, 2], got 2.5."
+    assert status == 400 and answer["error"]["message"] == "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)"
     assert _post(vllm_server, "/reset_prefix_cache", {}) == (200, {"success": True})
     assert _get(vllm_server, "/version") == (200, {"version": "0.32.0"})
     for field, value in (("repetition_penalty", 1.2), ("n", 2), ("stop", ["x"]), ("stream", True), ("min_p", 0.1)):
