@@ -26,7 +26,11 @@ times, medians reported (the machine is shared: ratios of the same round are the
   only in ``.venv-vllm``, not in glmpost's venv: it runs in a worker process of that Python, timed
   inside it); ``httpx``: ``httpx.AsyncClient`` (C connections, keep-alive; the transport ``openai``
   uses) in this process; ``asyncio``: C keep-alive HTTP/1.1 connections on bare asyncio streams, no
-  client library (the floor of any client).
+  client library (the floor of any client); ``threads_urllib``: C threads, a new connection per
+  request through ``urllib`` (VLLMClient's transport without glmpost's rollout around it);
+  ``threads_keepalive``: C threads, each keeping one ``http.client`` connection alive. The last two
+  split glmpost's distance to ``asyncio`` into the rollout's own cost, the connection per request
+  and threads vs asyncio.
 * ``local``: the embedded engine, :class:`glmpost.kernel.engine.LocalEngine` on the same float32
   weights (torch threads: ``--threads``), the same prompts and seeds in batches of C (what vLLM batches
   with C requests in flight), compared with each peer (vLLM through that client).
@@ -167,6 +171,42 @@ async def _asyncio_client(url: str, bodies: list[dict], concurrency: int) -> lis
     return [answers[i] for i in range(len(bodies))]
 
 
+def _threaded_client(url: str, bodies: list[dict], concurrency: int, *, keepalive: bool) -> list[list[int]]:
+    """The bodies POSTed from ``concurrency`` threads: each request on a new connection through
+    ``urllib.request`` (what :class:`~glmpost.kernel.vllm_client.VLLMClient` does, without glmpost's
+    rollout around it), or each thread keeping one ``http.client`` connection alive."""
+    import http.client
+    import threading
+    import urllib.request
+
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    local = threading.local()
+
+    def one(body: dict) -> list[int]:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if not keepalive:
+            request = urllib.request.Request(url + "/v1/completions", data=data, method="POST", headers=headers)
+            with urllib.request.urlopen(request, timeout=600) as response:
+                return json.loads(response.read())["choices"][0]["token_ids"]
+        if getattr(local, "connection", None) is None:
+            local.connection = http.client.HTTPConnection(host, int(port), timeout=600)
+            connections.append(local.connection)
+        local.connection.request("POST", "/v1/completions", body=data, headers=headers)
+        response = local.connection.getresponse()
+        answer = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"vLLM answered HTTP {response.status}")
+        return json.loads(answer)["choices"][0]["token_ids"]
+
+    connections: list = []
+    with ThreadPoolExecutor(concurrency) as pool:
+        ids = list(pool.map(one, bodies))
+    for connection in connections:
+        connection.close()
+    return ids
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -286,6 +326,13 @@ def main(argv=None) -> dict:
             assert all(len(t) == T for t in ids)
             return seconds
 
+        def run_threads(keepalive: bool) -> float:
+            t0 = time.perf_counter()
+            ids = _threaded_client(url, bodies, C, keepalive=keepalive)
+            seconds = time.perf_counter() - t0
+            assert all(len(t) == T for t in ids)
+            return seconds
+
         async def httpx_run() -> list[list[int]]:
             limit = asyncio.Semaphore(C)
             limits = httpx.Limits(max_connections=C, max_keepalive_connections=C)
@@ -318,7 +365,8 @@ def main(argv=None) -> dict:
             assert all(len(c.token_ids) == T for c in done)
             return seconds
 
-        sides = {"openai": run_openai, "asyncio": run_asyncio, "httpx": run_httpx}
+        sides = {"openai": run_openai, "asyncio": run_asyncio, "httpx": run_httpx,
+                 "threads_urllib": lambda: run_threads(False), "threads_keepalive": lambda: run_threads(True)}
         if "rollout" not in skip:
             sides["glmpost"] = lambda: rollout(1, C)
             sides["glmpost_batched"] = lambda: rollout(C, 1)
@@ -339,7 +387,7 @@ def main(argv=None) -> dict:
         def row(seconds: list[float]) -> dict:
             return {"median_s": _median(seconds), "tokens_per_s": tokens / _median(seconds), "times_s": seconds}
 
-        peers = ("openai", "asyncio", "httpx")
+        peers = ("openai", "asyncio", "httpx", "threads_urllib", "threads_keepalive")
         rows: dict = {name: row(per_round(name, None)) for name in peers}
         ratios: dict = {}  # tokens/s of a side over a peer's: the median over rounds of peer seconds / side seconds
         for name in ("glmpost", "glmpost_batched"):
