@@ -7,7 +7,7 @@ action tokens (:mod:`glmpost.diff.mismatch` measures; this module runs the compa
 * **path A**: the trainer's forward of ``checkpoint`` (``dtype``, ``device``, top-k rule, ``batch_size``).
 * **path B** (``mode``): ``rollout`` (the recorded ``rollout_log_probs``), ``checkpoint`` (``against``,
   dequantized), ``local`` (another dtype, device, top-k rule or batch size) or ``server``
-  (``against_server``, prefill log-probs).
+  (``against_server``, prefill log-probs); :mod:`glmpost.diff.paths` scores the local and server paths.
 * **output**: :meth:`LogprobDiff.write` writes ``report.json``, the plots, ``metrics.jsonl`` and
   ``stage.json`` into the caller's staging directory; :meth:`LogprobDiff.check_gates` raises on a failed gate.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from tqdm import tqdm
 
@@ -30,13 +30,11 @@ from glmpost.diff.mismatch import (
     PathScores,
     compare_indexers,
     compare_paths,
-    load_path_model,
-    local_path,
     mismatch_report,
     rollout_path,
-    server_path,
     summarize,
 )
+from glmpost.diff.paths import LocalSide, server_path_b
 from glmpost.diff.plots import write_mismatch_plots
 from glmpost.diff.report import GATE_METRICS, apply_gates, metrics_row, parse_gates
 from glmpost.diff.routing_probe import path_routing, routing_report
@@ -46,11 +44,8 @@ from glmpost.formats.windows import window_views
 from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.loading import attention_ran, load_tokenizer
-from glmpost.kernel.sglang_client import ServerError, SGLangClient
-from glmpost.kernel.vllm_client import VLLMClient
-from glmpost.models.native_attention import set_attention
 from glmpost.npu import resolve_device
-from glmpost.npu.topk import indexers, set_indexer_topk
+from glmpost.npu.topk import indexers
 from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
 
 STAGE = "diff-logprobs"
@@ -148,43 +143,6 @@ class DiffConfig:
         return gates
 
 
-@dataclass
-class LocalSide:
-    """One local path: a checkpoint's model in ``dtype`` on ``device`` with a DSA top-k rule and a
-    GLM-5 attention implementation, scoring ``batch_size`` trajectories per forward pass."""
-
-    checkpoint: Path
-    dtype: str
-    device: Any
-    deterministic_topk: bool
-    batch_size: int
-    attention: str = "native"
-
-    def load(self):
-        """The model of this path (:func:`~glmpost.diff.mismatch.load_path_model`)."""
-        return load_path_model(self.checkpoint, dtype=self.dtype, device=self.device, deterministic_topk=self.deterministic_topk,
-                               attention=self.attention)
-
-    def adopt(self, model):
-        """Another path's model (same weights, dtype and device), switched to this path's top-k rule and attention."""
-
-        set_indexer_topk(model, deterministic=self.deterministic_topk)
-        set_attention(model, self.attention)
-        return model
-
-    def score(self, model, records, *, distribution: ScoredDistribution, label: str, indexer: bool, progress: Callable) -> PathScores:
-        """``records`` scored through the trainer's forward (:func:`~glmpost.diff.mismatch.local_path`)."""
-        return local_path(model, records, distribution=distribution, label=label, batch_size=self.batch_size,
-                          indexer=indexer, progress=progress)
-
-    def describe(self) -> dict[str, Any]:
-        """The path as the report names it."""
-        return {"kind": "checkpoint", "checkpoint": str(self.checkpoint), "dtype": self.dtype, "device": str(self.device),
-                "topk": "deterministic" if self.deterministic_topk else "torch",
-                "attention": attention_ran(self.checkpoint, self.attention),
-                "batch_size": self.batch_size}
-
-
 def resolve_field_checkpoint(name: str, path: Path) -> Path:
     """The version directory ``path`` names; an error names the config field ``name``."""
     try:
@@ -243,31 +201,6 @@ def comparison_distribution(settings: set[tuple], mode: str) -> ScoredDistributi
                                "log-prob 0: nothing to compare (glmpost now records greedy log-probs as 'raw')")
         return ScoredDistribution()
     return scored_distribution(kind, temperature=temperature, top_k=top_k, top_p=top_p)
-
-
-def server_path_b(url: str, records, *, distribution: ScoredDistribution, revision: str, vocab_size: int,
-                  progress: Callable, api_key: Optional[str] = None, engine: str = "sglang") -> tuple[PathScores, dict[str, Any]]:
-    """Path B on a server: its scores and its description; the server must be reachable and serve
-    tokenizer ``revision``."""
-
-    client = (VLLMClient if engine == "vllm" else SGLangClient)(url, timeout=120.0, retries=2, backoff=0.2, api_key=api_key)
-    try:
-        info = client.model_info()
-    except ServerError as exc:
-        raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
-    problem = client.scoring_problem() if isinstance(client, VLLMClient) else None
-    if problem:
-        raise ConfigError("{against_server} {problem}", problem=problem, exit_code=1)
-    theirs = info.get("tokenizer_revision") if isinstance(info, dict) else None
-    if theirs is not None and theirs != revision:
-        raise ConfigError("{against_server} {url}: tokenizer revision {theirs} differs from {checkpoint}'s {revision}",
-                          url=client.url, theirs=theirs, revision=revision, exit_code=1)
-    try:
-        path = server_path(client, records, distribution=distribution, vocab_size=vocab_size, label="B", progress=progress)
-    except (ValueError, ServerError) as exc:
-        raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
-    return path, {"kind": "server", "engine": engine, "url": client.url, "weight_version": info.get("weight_version"),
-                  "model_path": info.get("model_path")}
 
 
 def worst_context(tokenizer, record: dict[str, Any], position: int, size: int) -> dict[str, Any]:

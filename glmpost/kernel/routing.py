@@ -28,11 +28,13 @@ patches the DSA indexer):
 Without ties the patched routers compute the transformers forward's values bit for bit (the same
 operations in the same order; ``tests/test_routing.py`` checks it), so a run without replay trains
 as before.
+
+The record's arrays and the servers' routing payloads (:class:`RoutingLayout`, :func:`compact_ids`,
+:func:`routed_from_sglang`, ...) are :mod:`glmpost.kernel.routing_payloads`'s, re-exported here.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import re
 from collections.abc import Iterator
@@ -42,11 +44,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from glmpost.kernel.routing_payloads import (NOT_RECORDED, RoutingLayout, all_layer_rows, compact_ids, config_field,
+                                           moe_layer_indices, recorded_rows, routed_from_sglang, routing_dtype,
+                                           select_moe_rows)
 from glmpost.npu.topk import composite_topk, deterministic_topk
 
 ROUTER_SUFFIXES = ("TopkRouter", "TopKRouter")
-# The record's "not recorded" row (formats/SPEC.md, ``routed_experts``): the dtype's largest value.
-NOT_RECORDED = {np.dtype(np.uint8): 0xFF, np.dtype(np.uint16): 0xFFFF}
+
+__all__ = ["NOT_RECORDED", "ROUTER_SUFFIXES", "RoutingLayout", "RoutingSession", "StepRouting", "all_layer_rows",
+           "check_routing_fits", "compact_ids", "config_routing_layout", "gate_weights", "group_limited_choice",
+           "install_routing", "model_routing_layout", "moe_layer_indices", "moe_shape", "prompt_routing",
+           "recorded_rows", "routed_from_sglang", "router_family", "router_scores", "router_topk", "routers",
+           "routing_dtype", "routing_session", "same_expert_sets", "select_moe_rows"]
 
 
 def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -236,31 +245,6 @@ def moe_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     return len(found), int(first.top_k), int(first.num_experts)
 
 
-def routing_dtype(experts: int, k: int) -> np.dtype:
-    """The record's id dtype: the narrowest of uint8 / uint16 whose largest value can mean "not
-    recorded": a row of it is no real row when it is no expert id (``experts`` below it) or when
-    ``k >= 2`` (a layer's ids are distinct), so GLM-5's 256 experts, 8 per token, fit uint8."""
-    for dtype in (np.dtype(np.uint8), np.dtype(np.uint16)):
-        largest = int(np.iinfo(dtype).max)
-        if experts <= largest or (experts == largest + 1 and k >= 2):
-            return dtype
-    raise ValueError(f"{experts} experts do not fit a uint16 routing record")
-
-
-def compact_ids(ids: torch.Tensor | np.ndarray, experts: int) -> np.ndarray:
-    """Expert ids ``[..., k]`` as the record stores them: each layer's set in ascending id order (a
-    set: replay recomputes the gate weights; sorted ids compress better), in :func:`routing_dtype`;
-    a row of ``-1`` is "not recorded"."""
-    values = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-    dtype = routing_dtype(experts, values.shape[-1])
-    return np.where(values < 0, NOT_RECORDED[dtype], np.sort(values, axis=-1)).astype(dtype)
-
-
-def recorded_rows(routed: np.ndarray) -> np.ndarray:
-    """``[T]`` bool: the record's rows that hold experts (not the "not recorded" value)."""
-    return ~(routed == NOT_RECORDED[routed.dtype]).all(axis=tuple(range(1, routed.ndim)))
-
-
 class StepRouting(RoutingSession):
     """The rollout engine's routing record: per decode step, the experts of each row's last position
     (the forward whose logits sampled the row's next token), attached to the completions as
@@ -303,122 +287,6 @@ def prompt_routing(model: torch.nn.Module, prompt_ids: list[int]) -> np.ndarray:
         return session.experts().cpu().numpy()
 
 
-def _field(config, name: str, default=None):
-    """``config.name`` of a transformers config or a ``config.json`` dict (``default`` when absent or None)."""
-    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-    return default if value is None else value
-
-
-def moe_layer_indices(config) -> tuple[int, ...] | None:
-    """The decoder layers ``0 .. num_hidden_layers - 1`` whose MLP is a routed MoE, in order, as
-    the model ``config`` (a transformers config or a ``config.json`` dict) says; None for a model
-    without routed experts. The rules are transformers' own (the decoder layer's ``__init__``), in
-    this order:
-
-    * ``mlp_layer_types`` (GLM-5 ``glm_moe_dsa``, Kimi-Linear, HY-V3, ...): layer ``i`` is MoE
-      where the entry is ``"sparse"`` (``models/glm_moe_dsa/modeling_glm_moe_dsa.py``);
-    * ``decoder_sparse_step`` / ``mlp_only_layers`` (Qwen2/3-MoE): MoE where ``i`` is not in
-      ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (``models/qwen3_moe/modeling_qwen3_moe.py``);
-    * ``first_k_dense_replace`` (GLM-4.5/4.7 ``glm4_moe``, DeepSeek-V3): MoE from layer
-      ``first_k_dense_replace`` on (``models/deepseek_v3/modeling_deepseek_v3.py``), every
-      ``moe_layer_freq``-th where a config sets one (DeepSeek-V2's rule, SGLang ``models/deepseek_v2.py``);
-    * otherwise every layer, when the config has routed experts (``n_routed_experts``,
-      ``num_experts`` or ``num_local_experts``; Mixtral and the like).
-
-    SGLang and vLLM return routed experts for all ``num_hidden_layers`` (their capturers size the
-    buffer ``[tokens, num_hidden_layers, num_experts_per_tok]`` and leave dense layers' rows 0),
-    so these indices pick the MoE layers' rows (:func:`select_moe_rows`).
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = int(_field(text, "num_hidden_layers", 0))
-    experts = int(_field(text, "n_routed_experts") or _field(text, "num_experts") or _field(text, "num_local_experts") or 0)
-    types = _field(text, "mlp_layer_types")
-    if types is not None:
-        chosen = [i for i, kind in enumerate(list(types)[:layers]) if kind == "sparse"]
-    elif experts <= 0:
-        return None
-    elif _field(text, "decoder_sparse_step") is not None or _field(text, "mlp_only_layers") is not None:
-        step, dense = int(_field(text, "decoder_sparse_step", 1)), set(_field(text, "mlp_only_layers", []))
-        chosen = [i for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0]
-    elif _field(text, "first_k_dense_replace") is not None:
-        first, freq = int(_field(text, "first_k_dense_replace")), int(_field(text, "moe_layer_freq", 1))
-        chosen = [i for i in range(first, layers) if i % freq == 0]
-    else:
-        chosen = list(range(layers))
-    return tuple(chosen) or None
-
-
-@dataclass(frozen=True)
-class RoutingLayout:
-    """What a routing payload of a server must hold: ``k`` experts (of ``experts``) per token in
-    each of ``hidden_layers`` decoder layers, of which ``moe_layers`` (indices) are MoE layers."""
-
-    hidden_layers: int
-    moe_layers: tuple[int, ...]
-    k: int
-    experts: int
-
-    @classmethod
-    def of(cls, shape) -> "RoutingLayout":
-        """A layout as it is, or from a ``(moe_layers, k, experts)`` tuple (:func:`moe_shape`: every layer MoE)."""
-        if isinstance(shape, RoutingLayout):
-            return shape
-        layers, k, experts = shape
-        return cls(int(layers), tuple(range(int(layers))), int(k), int(experts))
-
-
-def select_moe_rows(rows: np.ndarray, layout: RoutingLayout) -> np.ndarray:
-    """The MoE layers' experts ``[P, len(moe_layers), k]`` of a server's ``rows`` ``[P, W, k]``:
-    ``W`` all ``hidden_layers`` (SGLang, vLLM: a dense layer's rows are 0; any other value there
-    says the config is not the served model's, and is refused) or the MoE layers only (older
-    servers, the stand-in before issue 42). Raises ValueError (one line) for any other width."""
-    moe = len(layout.moe_layers)
-    if rows.ndim == 3 and rows.shape[1] == layout.hidden_layers and rows.shape[2] == layout.k:
-        dense = [i for i in range(layout.hidden_layers) if i not in set(layout.moe_layers)]
-        filled = [i for i in dense if rows[:, i].any()]
-        if filled:
-            at = filled[0]
-            raise ValueError(f"routed_experts has experts in layer {at}, dense in the model config "
-                             f"(MoE layers {list(layout.moe_layers)}): the server serves another model")
-        return rows[:, list(layout.moe_layers)]
-    if rows.ndim == 3 and rows.shape[1:] == (moe, layout.k):
-        return rows
-    raise ValueError(f"routed_experts rows of {list(rows.shape[1:])} per position are neither "
-                     f"{layout.hidden_layers} hidden layers x {layout.k} nor {moe} MoE layers x {layout.k}")
-
-
-def routed_from_sglang(encoded: str, prompt_tokens: int, tokens: int, shape) -> np.ndarray:
-    """The record's ``routed_experts`` ``[tokens, L, k]`` from SGLang's ``meta_info.routed_experts``
-    (``return_routed_experts``: base64 of int32 ``[prompt + output - 1, W, k]``, row ``i`` the
-    experts of position ``i``, ``W`` = ``num_hidden_layers`` with zero rows for dense layers:
-    SGLang ``python/sglang/srt/state_capturer/routed_experts.py`` @30dbb06 sizes its capture
-    buffer so; read in slime's ``sglang_rollout.py``): the MoE layers' rows (:func:`select_moe_rows`;
-    ``shape`` a :class:`RoutingLayout` or ``(moe_layers, k, experts)``) of the positions whose
-    logits sampled the output tokens, ``prompt_tokens - 1`` on. Raises ValueError (one line) when
-    the payload does not hold them."""
-    layout = RoutingLayout.of(shape)
-    moe, k = len(layout.moe_layers), layout.k
-    try:
-        flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype=np.int32)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"routed_experts is not base64 of int32 ids ({exc})") from None
-    positions = prompt_tokens + tokens - 1
-    widths = {w for w in (moe, layout.hidden_layers) if positions * w * k == flat.size}
-    if positions < 1 or not widths:  # another layout (another k, another layer count) is refused, never guessed
-        also = f" nor x {layout.hidden_layers} hidden layers x {k}" if layout.hidden_layers != moe else ""
-        raise ValueError(f"routed_experts holds {flat.size} ids, not {positions} positions x {moe} MoE layers x {k}{also}")
-    rows = flat.reshape(positions, max(widths), k)
-    return compact_ids(select_moe_rows(rows, layout)[prompt_tokens - 1 :], layout.experts)
-
-
-def all_layer_rows(rows: np.ndarray, layout: RoutingLayout) -> np.ndarray:
-    """int32 ``[P, hidden_layers, k]`` from the MoE layers' ``rows`` ``[P, len(moe_layers), k]``,
-    zero rows for the dense layers: the payload SGLang's and vLLM's capturers return (the
-    inverse of :func:`select_moe_rows`)."""
-    out = np.zeros((rows.shape[0], layout.hidden_layers, layout.k), dtype=np.int32)
-    out[:, list(layout.moe_layers)] = rows
-    return out
-
 
 def model_routing_layout(model: torch.nn.Module) -> RoutingLayout | None:
     """The :class:`RoutingLayout` of a loaded ``model`` (its config's MoE layers, checked against
@@ -451,4 +319,4 @@ def _layout(config, model: torch.nn.Module) -> RoutingLayout | None:
     if indices is None or len(indices) != layers or (routed is not None and routed != indices):
         raise ValueError(f"the model config's MoE layers {list(indices or [])} are not its routers' "
                          f"{list(routed) if routed is not None else f'{layers} layers'}")
-    return RoutingLayout(int(_field(text, "num_hidden_layers")), indices, k, experts)
+    return RoutingLayout(int(config_field(text, "num_hidden_layers")), indices, k, experts)
