@@ -156,7 +156,10 @@ class VLLMApi:
 
     @property
     def model_name(self) -> str:
-        return str(self.engine.loaded.version_dir)
+        """The served model's name: the folder it started with (vLLM keeps it across reload_weights)."""
+        if getattr(self, "_served", None) is None:
+            self._served = str(self.engine.loaded.version_dir)
+        return self._served
 
     def route(self, method: str, path: str, query: dict[str, str], body: Callable[[], Any]) -> tuple[int, Any] | None:
         """``(status, payload)`` of a vLLM route, or None when ``path`` is none of them."""
