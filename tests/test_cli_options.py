@@ -149,7 +149,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert now[command][name]["default"] == default and now[command][name]["help"]
     for (command, name), default in ADDED_VLLM.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
-    assert now["serve"]["max_model_len"]["default"] is None and "--max-model-len" in now["serve"]["max_model_len"]["help"] + "--max-model-len"
+    assert now["serve"]["max_model_len"]["default"] is None and "max_position_embeddings" in now["serve"]["max_model_len"]["help"]
     for (command, name), (default, opts, secondary) in ADDED_VLLM_SERVE.items():
         row = now[command][name]
         assert (row["default"], row["opts"], row["secondary_opts"]) == (default, opts, secondary) and "--api vllm" in row["help"]
