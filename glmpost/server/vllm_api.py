@@ -270,8 +270,11 @@ class VLLMApi:
         completion_tokens = sum(c.pop("_n") for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "service_tier": None, "system_fingerprint": f"vllm-{self.release}-glmpost",
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                          "completion_tokens": completion_tokens, "prompt_tokens_details": None,
+                          "completion_tokens_details": None},
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}  # vLLM 0.32's fields
 
     def _generate_body(self, prompt: list[int], body: dict) -> dict:
         """The SGLang ``/generate`` body of one prompt (the engine's own request form)."""
