@@ -10,6 +10,7 @@ serve --api vllm against a real vLLM"); a case there must still differ, so the l
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -70,7 +71,9 @@ def shape(value, key: str = ""):
     """The structure of a JSON value: dicts by their keys, lists by their first element, scalars by kind
     (``int`` and ``float`` as ``number``: vLLM writes 1.0 where Python writes 1); the error ``type``,
     ``param`` and ``code`` by value, since clients branch on them."""
-    if isinstance(value, dict):
+    if isinstance(value, dict):  # a map keyed by token ids (top_logprobs, prompt_logprobs): its first entry
+        if value and all(re.fullmatch(r"(token_id:)?\d+", str(k)) for k in value):
+            return {"<token id>": shape(next(iter(value.values())))}
         return {k: shape(v, k) for k, v in sorted(value.items())}
     if isinstance(value, list):
         return [shape(value[0], key)] if value else []
@@ -97,6 +100,15 @@ def answers(real_vllm, standin):
     return got
 
 
+def _paths(value, prefix=""):
+    """``(path, leaf)`` pairs of a nested shape, for a readable difference."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _paths(v, f"{prefix}.{k}")] or [(prefix, "{}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _paths(v, f"{prefix}[{i}]")] or [(prefix, "[]")]
+    return [(prefix, value)]
+
+
 def _comparable(name: str, status: int, answer):
     """What must agree: the status, and the shape of the answer without values that name the server
     (the model's path, ids, the vLLM release, the model's size)."""
@@ -112,8 +124,8 @@ def test_the_standin_answers_as_the_real_vllm(name, answers):
     if name in KNOWN_DIFFERENCES:
         assert not same, f"{name} no longer differs: drop it from KNOWN_DIFFERENCES and the guide"
         return
-    assert _comparable(name, standin_status, stood) == _comparable(name, real_status, real), (
-        f"real vLLM: {real_status} {json.dumps(real)[:600]}\nglmpost serve: {standin_status} {json.dumps(stood)[:600]}")
+    a, b = (dict(_paths(_comparable(name, *x))) for x in ((real_status, real), (standin_status, stood)))
+    assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}  # path: (real, stand-in)
     if name == "max_tokens_null_is_16":
         assert len(real["choices"][0]["token_ids"]) == len(stood["choices"][0]["token_ids"]) == 16
 
