@@ -22,7 +22,7 @@ DATA = ROOT / "recipes" / "data"
 ITERATIONS = 3
 
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_one_thread")]
 
 
 def env_reward(run, prompts: Path, checkpoint: Path, out: Path, *options) -> float:

@@ -40,6 +40,8 @@ from glmpost.rl.micro_batches import collate
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+pytestmark = pytest.mark.slow  # the slow tier (tests/README.md): ~3 minutes of learning on a loaded 2-core machine
+
 DATA = RECIPES / "data"
 ITERATIONS = 10
 TEACHER_SFT = {"lr": 3e-3, "epochs": 15}  # 15 full-batch steps: ~0.6-1.0 nat from the student
