@@ -253,13 +253,13 @@ def test_an_aborted_sequence_keeps_its_partial_output_in_the_engine_and_in_serve
 
 
 def test_serve_aborts_queued_requests_by_rid_and_answers_them(tiny_checkpoint):
-    from glmpost.server.engine import EngineServer, _Job
+    from glmpost.server.engine import EngineServer, Job
     from glmpost.server.parsing import parse_generate
 
     server = EngineServer(tiny_checkpoint)  # the worker is not started: jobs stay queued
     items, _ = parse_generate({"input_ids": [[5, 6], [7, 8]], "rid": "job", "return_logprob": True,
                                "sampling_params": {"max_new_tokens": 3}}, server.loaded)
-    job = _Job("generate", items, batch=True)
+    job = Job("generate", items, batch=True)
     server._queue.append(job)
     assert server.abort_request({"rid": "job"}) == 2 and job.done.is_set() and not server._queue
     for answer, rid in zip(job.result, ("job_0", "job_1")):

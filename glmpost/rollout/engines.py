@@ -5,12 +5,14 @@ server checked first: reachable, taking the API key, serving the checkpoint's to
 taking the run's sampling fields; its settings read once for ``seed_reproducible`` and the log-prob
 kind records carry). A request that finally fails comes back as an aborted outcome with its reason,
 never a lost prompt, unless every request would fail alike (a refused key or field: one error).
+
+The local engine's backend is :mod:`glmpost.rollout.local_backend` (re-exported here).
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
@@ -19,13 +21,13 @@ from tqdm import tqdm
 from glmpost import __version__
 from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 from glmpost.config import ConfigError
-from glmpost.kernel.continuation import TurnCaches
-from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams, sequence_seed
-from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.engine import SamplingParams, sequence_seed
+from glmpost.kernel.loading import load_tokenizer
 from glmpost.kernel.routing import config_routing_layout, routed_from_sglang
 from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts, rejected_field
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.sglang_sampling import FIELD_SINCE, refused_message
+from glmpost.rollout.local_backend import LocalBackend
 from glmpost.rollout.records import as_version, completion_from_sglang, sglang_sampling_params
 from glmpost.rollout.servers import (
     Outcome,
@@ -42,6 +44,7 @@ from glmpost.stage import log
 if TYPE_CHECKING:
     from glmpost.rollout.settings import RolloutConfig
 
+__all__ = ["LocalBackend", "Outcome", "PolicyCheckpoint", "SGLangBackend", "engine_version", "eos_id_list", "open_backend"]
 
 
 def eos_id_list(default_stops: int | list[int] | None) -> list[int]:
@@ -76,90 +79,6 @@ class PolicyCheckpoint:
             policy_version = 0
         tokenizer, revision = load_tokenizer(version_dir)
         return cls(version_dir, policy_version, tokenizer, revision)
-
-
-class LocalBackend:
-    """``--engine local``: the checkpoint's model in this process, ``batch_size`` sequences per call;
-    a sequence's samples are a function of its seed (``seed_reproducible``)."""
-
-    seed_reproducible = True
-
-    def __init__(self, model: Any, *, batch_size: int, pad_token_id: int, version: int | None = None,
-                 record_routing: bool = False):
-        self.model = model
-        self.record_routing = record_routing  # each sampled token's MoE experts (glmpost.kernel.routing)
-        self.model_config = model.config
-        self.default_stops = model.generation_config.eos_token_id
-        self.batch_size = batch_size
-        self.pad_token_id = pad_token_id
-        self.engine: LocalEngine | None = None
-        self.params: SamplingParams | None = None
-        self.version = version  # the policy version of the weights sampling now
-        self.turn_caches = TurnCaches(version=version)
-
-    @classmethod
-    def open(cls, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any) -> "LocalBackend":
-        """Load the model on ``device`` (``config.device`` resolved)."""
-        model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
-                           attention=config.attention)
-        return cls(model, batch_size=config.batch_size, pad_token_id=checkpoint.tokenizer.pad_token_id,
-                   version=checkpoint.policy_version, record_routing=config.record_routing)
-
-    def switch(self, checkpoint: PolicyCheckpoint, config: RolloutConfig, device: Any, *, keep_cache: bool) -> None:
-        """Sample with ``checkpoint``'s weights from now on, trajectories in flight included (the KV
-        owner contract; brief: "多轮会话的 ... KV Cache owner 同步迁移或显式失效"): their caches are
-        dropped, so the next turn prefills the whole history under the new weights, or with
-        ``keep_cache`` kept: the next turns attend to keys and values the old weights computed, and
-        each such completion's ``cache_version`` names the version that built them."""
-        self.model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
-                                attention=config.attention)
-        if self.engine is not None:
-            self.engine = self._engine()
-        self.version = self.turn_caches.version = checkpoint.policy_version
-        if not keep_cache:
-            self.turn_caches.clear()
-
-    def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
-        """Sample with ``params`` from now on."""
-        self.engine = self._engine()
-        self.params = params
-
-    def _engine(self) -> LocalEngine:
-        return LocalEngine(self.model, batch_size=self.batch_size, pad_token_id=self.pad_token_id,
-                           record_routing=self.record_routing)
-
-    def engine_name(self) -> str:
-        """The name stamped in each record's engine map."""
-        return LocalEngine.name
-
-    def generate(self, sequences: list[list[int]], keys: list[str], progress: tqdm, *,
-                 homes: Optional[list[int]] = None, sessions: Optional[list[str]] = None,
-                 max_new_tokens: Optional[int] = None) -> list[Outcome]:
-        """Sample every sequence, ``batch_size`` at a time; none is ever aborted (``homes``: no servers
-        here, ignored). With ``sessions`` (one trajectory key per sequence), every batch keeps its KV
-        cache for the trajectories' next turn, which then prefills only its new tokens.
-        ``max_new_tokens`` overrides the run's for this call (a compaction's summaries)."""
-        if sessions is not None:
-            params = self.params if max_new_tokens is None else replace(self.params, max_new_tokens=max_new_tokens)
-            completions = self.engine.generate(sequences, keys, params, sessions=sessions, caches=self.turn_caches)
-            for completion, built_by in zip(completions, self.turn_caches.last_cache_versions):
-                completion.cache_version = built_by
-            progress.update(len(sequences))
-            return [(c, self.version, None) for c in completions]
-        completions: list[Completion] = []
-        for start in range(0, len(sequences), self.batch_size):
-            batch = sequences[start : start + self.batch_size]
-            completions += self.engine.generate(batch, keys[start : start + self.batch_size], self.params)
-            progress.update(len(batch))
-        return [(c, self.version, None) for c in completions]
-
-    def served(self, key: str) -> Optional[str]:
-        """No server answers a local sequence."""
-        return None
-
-    def close(self) -> None:
-        """Release the trajectories' KV caches."""
-        self.turn_caches.clear()
 
 
 class SGLangBackend:
