@@ -22,6 +22,7 @@ from test_agentic import STOPS
 from test_agentic import _prompts as _turn_prompts
 from test_async_rl import _all_shards
 from test_serve import _prompts, _records
+from test_vllm import _perturbed
 from vllm_server import QWEN3_MOE, VLLMServer, tiny_folder
 
 from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
@@ -128,24 +129,6 @@ def test_moe_rollout_through_real_vllm_closes_with_the_trainer(glmpost_cli, tiny
     _closure(glmpost_cli, tmp_path / "r", model, tmp_path / "d")
 
 
-def _perturbed_version(root: Path, policy_version: int) -> Path:
-    """A copy of ``root``'s v000000 with every float tensor scaled by 1.5, as a checkpoint of ``policy_version``."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    target = root.parent / f"trained-v{policy_version}"
-    shutil.copytree(root / "v000000", target)
-    for path in target.glob("*.safetensors"):
-        tensors = load_file(path)
-        save_file({k: (v * 1.5 if v.is_floating_point() else v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
-    manifest = json.loads((target / "glmpost.json").read_text())
-    (target / "glmpost.json").write_text(json.dumps({**manifest, "policy_version": policy_version}))
-    for stale in target.glob("glmpost-fingerprint.json"):
-        stale.unlink()
-    return target
-
-
 @pytest.fixture(scope="module")
 def synced_server(qwen3, tmp_path_factory):
     """A real vLLM of its own (the tests below move its weights), serving v000000 of the rollout
@@ -163,7 +146,7 @@ def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(g
     and every token carries the version that sampled it (its log-prob closes with that version's
     forward, and would not with the other's)."""
     server, served = synced_server
-    trained = _perturbed_version(served, 1)
+    trained = _perturbed(served / "v000000", served.parent / "trained-v1", 1)
     rollout = subprocess.Popen(
         [sys.executable, "-m", "glmpost.commands.app", "rollout", _prompts(tmp_path, 48), "--checkpoint", served,
          "--out", tmp_path / "r", "--group-size", "4", "--max-new-tokens", "96", "--stop-token-ids", "none",

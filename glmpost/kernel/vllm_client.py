@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
-from glmpost.kernel.vllm_protocol import (LOGITS_MODES, LOGPROBS_MODES, completion_request, sglang_answer,
+from glmpost.kernel.vllm_protocol import (LOGITS_MODES, LOGPROBS_MODES, completion_request, release_parts, sglang_answer,
                                           sglang_routed_experts, vllm_settings)
 from glmpost.kernel.vllm_weights import PAUSE_POLL, DevModeError, ReloadUncertain, VLLMWeights
 
@@ -177,13 +177,8 @@ class VLLMClient(VLLMWeights, SGLangClient):
             release = self.release()
         except ServerError:
             return False
-        parts = []
-        for piece in str(release or "").split("."):
-            digits = "".join(c for c in piece if c.isdigit())
-            if not digits or digits != piece[: len(digits)]:
-                break
-            parts.append(int(digits))
-        return bool(parts) and tuple(parts) >= wanted
+        parts = release_parts(release)
+        return bool(parts) and parts >= wanted
 
     def scoring_problem(self) -> str | None:
         """Why this server's prompt log-probs are no log-probs (None when they are, or it does not say):

@@ -60,8 +60,20 @@ MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 DEFAULT_LABEL = "default"  # vLLM's weight_version before anyone sets one (v1/engine/core.py)
 UNCONFIRMED_LABEL = "glmpost-unconfirmed"  # set where a reload may or may not have happened
 
-__all__ = ["DEFAULT_LABEL", "LOGITS_MODES", "LOGPROBS_MODES", "UNCONFIRMED_LABEL", "completion_request", "sglang_answer",
-           "sglang_routed_experts", "vllm_settings"]
+__all__ = ["DEFAULT_LABEL", "LOGITS_MODES", "LOGPROBS_MODES", "UNCONFIRMED_LABEL", "completion_request", "release_parts",
+           "sglang_answer", "sglang_routed_experts", "vllm_settings"]
+
+
+def release_parts(release: Any) -> tuple[int, ...]:
+    """A vLLM release as numbers, ``"0.34.0rc1"`` -> ``(0, 34, 0)``: each dotted part's leading digits, up
+    to the first part that starts with none; ``()`` for no release number."""
+    parts = []
+    for piece in str(release or "").split("."):
+        digits = piece[: len(piece) - len(piece.lstrip("0123456789"))]
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 def completion_request(prompt: Sequence[int], sampling: dict[str, Any], *, model: str | None, logprobs: int | None) -> dict:

@@ -72,6 +72,7 @@ from typing import Any, Callable
 import numpy as np
 
 from glmpost.kernel.vllm_client import LOGPROBS_MODES
+from glmpost.kernel.vllm_protocol import release_parts
 from glmpost.server.parsing import RequestError
 from glmpost.server.vllm_checks import VLLMRequestError, check_completion
 
@@ -89,11 +90,9 @@ __all__ = ["DEFAULT_RELEASE", "DEV_ROUTES", "GUARDED_PREFIXES", "VLLMApi", "chec
 
 
 def check_release(release: str) -> tuple[int, ...]:
-    """``"0.34.0"`` -> ``(0, 34, 0)``; raises ValueError for what is no release number."""
-    try:
-        parts = tuple(int(p) for p in str(release).split("."))
-    except ValueError:
-        parts = ()
+    """``"0.34.0"`` -> ``(0, 34, 0)`` (:func:`~glmpost.kernel.vllm_protocol.release_parts`); raises
+    ValueError for what is no release number."""
+    parts = release_parts(release)
     if len(parts) < 2:
         raise ValueError(f"must be a vLLM release such as 0.32.0 or 0.34.0, got {release!r}")
     return parts
@@ -141,6 +140,7 @@ class VLLMApi:
     def __init__(self, engine: Any, *, logprobs_mode: str, max_logprobs: int = 20, dev_mode: bool = True,
                  release: str = DEFAULT_RELEASE, return_routed_experts: bool = False, max_model_len: int | None = None):
         self.engine = engine
+        self._served = str(engine.loaded.version_dir)
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
         self.dev_mode = dev_mode
@@ -157,8 +157,6 @@ class VLLMApi:
     @property
     def model_name(self) -> str:
         """The served model's name: the folder it started with (vLLM keeps it across reload_weights)."""
-        if getattr(self, "_served", None) is None:
-            self._served = str(self.engine.loaded.version_dir)
         return self._served
 
     def route(self, method: str, path: str, query: dict[str, str], body: Callable[[], Any]) -> tuple[int, Any] | None:
