@@ -110,3 +110,19 @@ def real_vllm(qwen3):
     server = VLLMServer(qwen3, qwen3.parent / "vllm.log", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
     yield server
     server.stop()
+
+
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
+
+
+@pytest.fixture(scope="session")
+def real_vllm_lora(qwen3):
+    """A real vLLM serving ``qwen3`` as ``real_vllm`` does, with LoRA on (rank up to 16, two adapters
+    in a batch) and adapters loaded and unloaded at run time (``/v1/load_lora_adapter``,
+    ``/v1/unload_lora_adapter``), once per session."""
+    from vllm_server import VLLMServer
+
+    server = VLLMServer(qwen3, qwen3.parent / "vllm-lora.log", "--logprobs-mode", "processed_logprobs",
+                        "--max-logprobs", "-1", *LORA_ARGS, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    yield server
+    server.stop()
