@@ -13,6 +13,7 @@ import pytest
 
 from glmpost.checkpoints import tokenizer_revision
 from glmpost.envs import (
+    TOOL_CALL_PARSERS,
     Action,
     ToolCall,
     calculator_glm_tasks,
@@ -21,7 +22,7 @@ from glmpost.envs import (
     tool_responses,
 )
 from glmpost.envs.calculator_glm import CALCULATOR_TOOL
-from glmpost.envs.glm_tool_calls import TAGS, tag_ids
+from glmpost.envs.glm_tool_calls import REPAIRS, TAGS, ToolCalls, tag_ids
 from glmpost.errors import UsageError
 from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 from glmpost.formats.prompts import encode_prompt, renders_tools
@@ -99,6 +100,126 @@ def test_malformed_calls_say_why_and_have_no_calls(which, text, error, request):
     tok = request.getfixturevalue(which)
     parsed = parse_tool_calls(ids_of(tok, CALL + text + "<|observation|>"), tok, TOOLS)
     assert parsed.malformed and parsed.calls == () and error in parsed.error
+
+
+SEARCH = "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>x</arg_value>\n</tool_call>"
+LITERALS = ("<tool_call>lookup<arg_key>a</arg_key><arg_value>'abc'</arg_value><arg_key>b</arg_key><arg_value>True</arg_value>"
+            "<arg_key>c</arg_key><arg_value>None</arg_value><arg_key>d</arg_key><arg_value>[1, 2]</arg_value>"
+            "<arg_key>e</arg_key><arg_value>{'a': 1}</arg_value><arg_key>f</arg_key><arg_value>(1, 2)</arg_value>"
+            "<arg_key>key</arg_key><arg_value>'abc'</arg_value><arg_key>count</arg_key><arg_value> 12 </arg_value></tool_call>")
+CALCULATED = ("calculator", {"expression": "37*91"})
+# The engine mode's expected calls are what vLLM's GLM tool parser returns on the same text (read from
+# vllm/tool_parsers/glm4_moe_tool_parser.py, Glm4MoeModelToolParser.extract_tool_calls / _deserialize /
+# _is_string_type at commit 081866a6, with the two regexes of glm47_moe_tool_parser.py at commit b91ee1b4;
+# the unknown tool dropped as vllm/parser/glm47_moe.py's validate_tool_names=True drops it), worked out by
+# hand from those regexes. Each row: text, the engine's calls, its `repaired`, strict's error or calls.
+ENGINE_CASES = {
+    "unknown tool beside a known one": (CALL + SEARCH, [CALCULATED], ("unknown-tool",), "unknown tool 'search'"),
+    "repeated key: the last value": (
+        "<tool_call>lookup<arg_key>key</arg_key><arg_value>a</arg_value><arg_key>key</arg_key><arg_value>b</arg_value>"
+        "</tool_call>", [("lookup", {"key": "b"})], ("repeated-key",), "a repeated argument key 'key'"),
+    "missing </arg_value>: the argument lost": (
+        "<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>37*91\n</tool_call>", [("calculator", {})],
+        ("ignored-text",), "argument 'expression''s <arg_value> without </arg_value> (found </tool_call>)"),
+    "missing </arg_value> before a pair: the value runs to the next </arg_value>": (
+        "<tool_call>lookup<arg_key>key</arg_key><arg_value>a<arg_key>count</arg_key><arg_value>2</arg_value></tool_call>",
+        [("lookup", {"key": "a<arg_key>count</arg_key><arg_value>2"})], ("tag-in-argument",),
+        "argument 'key''s <arg_value> without </arg_value> (found <arg_key>)"),
+    "unclosed <tool_call>: no call": (
+        CALL + "<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>1+1</arg_value>", [CALCULATED],
+        ("unclosed-call",), "tool call 'calculator' without <arg_key> (found the end of the turn)"),
+    "junk between key and value: the argument lost": (
+        "<tool_call>lookup<arg_key>key</arg_key>junk<arg_value>a</arg_value></tool_call>", [("lookup", {})],
+        ("ignored-text",), "text between </arg_key> and <arg_value>"),
+    "junk between key and value before a pair: the key runs to the next </arg_key>": (
+        "<tool_call>lookup<arg_key>key</arg_key>junk<arg_value>a</arg_value><arg_key>count</arg_key><arg_value>2</arg_value>"
+        "</tool_call>", [("lookup", {"key</arg_key>junk<arg_value>a</arg_value><arg_key>count": 2})], ("tag-in-argument",),
+        "text between </arg_key> and <arg_value>"),
+    "untyped values: JSON, else a Python literal, else text": (
+        LITERALS, [("lookup", {"a": "abc", "b": True, "c": None, "d": [1, 2], "e": {"a": 1}, "f": [1, 2], "key": "'abc'",
+                               "count": 12})], ("python-literal",) * 5,
+        [("lookup", {"a": "'abc'", "b": "True", "c": "None", "d": [1, 2], "e": "{'a': 1}", "f": "(1, 2)", "key": "'abc'",
+                     "count": 12})]),
+    "tags outside calls ignored": ("hi </arg_key>" + CALL + " x <arg_value>", [CALCULATED], ("stray-tag", "stray-tag"),
+                                   "</arg_key> outside a <tool_call>"),
+    "a call without a name dropped": ("<tool_call>\n<arg_key>q</arg_key><arg_value>x</arg_value></tool_call>", [],
+                                      ("no-name",), "a <tool_call> without a function name"),
+}
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "glm_tokenizer"])
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_the_engine_mode_reads_malformed_calls_as_vllm_does(which, case, request):
+    tok = request.getfixturevalue(which)
+    text, expected, repaired, strict = ENGINE_CASES[case]
+    ids = ids_of(tok, text + "<|observation|>")
+    parsed = parse_tool_calls(ids, tok, TOOLS, mode="engine")
+    assert [(call.name, call.arguments) for call in parsed.calls] == expected and not parsed.malformed
+    assert parsed.repaired == repaired and set(repaired) <= set(REPAIRS)
+    for call in parsed.calls:  # a kept call's span is its <tool_call> to its </tool_call>
+        spanned = tok.decode(ids[call.span[0] : call.span[1]])
+        assert spanned.startswith("<tool_call>" + call.name) and spanned.endswith("</tool_call>")
+    # content: the text before the first <tool_call>, the whole turn when no call is kept (vLLM's)
+    assert parsed.content == (text[: text.index("<tool_call>")] if expected else text)
+    before = parse_tool_calls(ids, tok, TOOLS)  # the strict mode: as it was
+    assert before.repaired == ()
+    if isinstance(strict, str):
+        assert before.malformed and before.calls == () and strict in before.error
+    else:
+        assert [(call.name, call.arguments) for call in before.calls] == strict and not before.malformed
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "glm_tokenizer"])
+def test_the_engine_mode_on_clean_turns_without_tools_and_on_unserializable_values(which, request):
+    tok = request.getfixturevalue(which)
+    second = ("<tool_call>lookup<arg_key>key</arg_key><arg_value>12</arg_value><arg_key>count</arg_key>"
+              "<arg_value>12</arg_value><arg_key>extra</arg_key><arg_value>{\"a\": [1, true]}</arg_value></tool_call>")
+    clean = ids_of(tok, "Let me compute. " + CALL + "\n" + second + "<|observation|>")
+    engine, strict = parse_tool_calls(clean, tok, TOOLS, mode="engine"), parse_tool_calls(clean, tok, TOOLS)
+    assert engine == strict and engine.repaired == () and len(engine.calls) == 2  # a clean turn: the same calls
+    # No tools (or none declared): no name is checked, as vLLM checks none; the strict mode refuses [] tools' names.
+    unknown = ids_of(tok, CALL + SEARCH)
+    for tools in (None, []):
+        assert [c.name for c in parse_tool_calls(unknown, tok, tools, mode="engine").calls] == ["calculator", "search"]
+    assert "unknown tool 'calculator' (tools: none)" in parse_tool_calls(unknown, tok, []).error
+    # vLLM's parser fails on arguments JSON cannot hold (a set): no calls for the whole turn.
+    text = CALL + "<tool_call>lookup<arg_key>a</arg_key><arg_value>{1, 2}</arg_value></tool_call>"
+    failed = parse_tool_calls(ids_of(tok, text), tok, TOOLS, mode="engine")
+    assert failed.calls == () and "no JSON" in failed.error and failed.content == text
+    assert failed.repaired == ("python-literal",)
+    assert parse_tool_calls(ids_of(tok, text), tok, TOOLS).calls[1].arguments == {"a": "{1, 2}"}
+    with pytest.raises(ValueError, match="the tool-call parsers are strict, engine"):
+        parse_tool_calls(clean, tok, TOOLS, mode="lenient")
+    assert TOOL_CALL_PARSERS == ("strict", "engine")
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "glm_tokenizer"])
+@pytest.mark.parametrize("mode", TOOL_CALL_PARSERS)
+def test_start_parses_after_the_reasoning_with_spans_in_the_whole_action(which, mode, request):
+    tok = request.getfixturevalue(which)
+    reasoning = ids_of(tok, "<think>maybe " + CALL + " or <tool_call>calculator</think>")
+    action = reasoning + ids_of(tok, "Let me compute. " + CALL + "<|observation|>")
+    whole = parse_tool_calls(action, tok, TOOLS, mode=mode)  # the reasoning's call and open tag in the way
+    if mode == "strict":
+        assert whole.malformed
+    else:  # the reasoning's call kept; its open <tool_call> runs to the answer's </tool_call>: one unknown name
+        assert len(whole.calls) == 1 and whole.calls[0].span[1] <= len(reasoning) and whole.repaired == ("unknown-tool",)
+    parsed = parse_tool_calls(action, tok, TOOLS, mode=mode, start=len(reasoning))
+    assert parsed.calls == (ToolCall("calculator", {"expression": "37*91"}, parsed.calls[0].span),)
+    assert parsed.content == "Let me compute. " and parsed.repaired == () and not parsed.malformed
+    assert parsed.calls[0].span[0] >= len(reasoning) and spans_text(tok, action, parsed) == [CALL]  # whole-action positions
+    assert parse_tool_calls(action, tok, TOOLS, mode=mode, start=len(action)) == ToolCalls()
+    for bad in (-1, len(action) + 1):
+        with pytest.raises(ValueError, match="is not a position"):
+            parse_tool_calls(action, tok, TOOLS, mode=mode, start=bad)
+
+
+@pytest.mark.parametrize("mode", TOOL_CALL_PARSERS)
+def test_a_spelled_out_tag_is_text_in_either_mode(glm_tokenizer, mode):
+    tok = glm_tokenizer
+    spelled = [i for piece in ("<tool", "_call>calculator\n<arg", "_key>expression</arg", "_key>") for i in ids_of(tok, piece)]
+    parsed = parse_tool_calls(spelled, tok, mode=mode)
+    assert parsed == ToolCalls((), tok.decode(spelled))
 
 
 def test_the_turn_ends_at_its_marker_and_text_between_calls_is_ignored(tokenizer):

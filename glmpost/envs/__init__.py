@@ -11,7 +11,7 @@ from glmpost.envs.builtin import (  # also registers the built-in environments
     kv_recall_tasks,
 )
 from glmpost.envs.calculator_glm import calculator_glm_tasks  # also registers calculator-glm
-from glmpost.envs.glm_tool_calls import ToolCall, ToolCalls, parse_tool_calls, tool_responses
+from glmpost.envs.glm_tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCalls, parse_tool_calls, tool_responses
 from glmpost.envs.protocol import (
     ENVIRONMENTS,
     Action,
@@ -28,5 +28,5 @@ from glmpost.envs.protocol import (
 
 __all__ = ["calculator_glm_tasks", "calculator_tasks", "kv_lookup_demos", "kv_lookup_tasks", "kv_recall_demos",
            "kv_recall_tasks", "ENVIRONMENTS", "Action", "Environment", "EnvironmentFactory", "EnvironmentFailure", "Step",
-           "ToolCall", "ToolCalls", "call_environment", "checked_reset", "checked_step", "declared_tools",
+           "TOOL_CALL_PARSERS", "ToolCall", "ToolCalls", "call_environment", "checked_reset", "checked_step", "declared_tools",
            "parse_tool_calls", "resolve_environment", "tool_responses"]
