@@ -132,11 +132,14 @@ def read_prompts(path: Path, rows=None) -> list[PromptItem]:
     return items
 
 
-def encode_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the chat template, ending with the assistant turn opener;
-    with ``tools`` (JSON function schemas), the template renders them too (GLM: into the system prompt)."""
+    with ``tools`` (JSON function schemas), the template renders them too (GLM: into the system prompt);
+    ``template_kwargs``: the template's own arguments (GLM's ``enable_thinking``)."""
     extra = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra,
+                                        **(template_kwargs or {}))
     return [int(i) for i in ids]
 
 
@@ -158,7 +161,8 @@ def encode_response(tokenizer, text: str, *, eos: bool = True) -> list[int]:
     return ids
 
 
-def conversation_record(item: PromptItem, tokenizer, revision: str) -> dict[str, Any]:
+def conversation_record(item: PromptItem, tokenizer, revision: str,
+                        template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A trajectory record for a text conversation: the prompt through the chat template, the
     reference response (if any) tokenized as the model would emit it, every response token an action.
 
@@ -171,7 +175,7 @@ def conversation_record(item: PromptItem, tokenizer, revision: str) -> dict[str,
         "group_id": item.id,
         "domain": item.domain,
         "task": item.task,
-        "prompt_token_ids": np.asarray(encode_prompt(tokenizer, item.messages), dtype=np.int32),
+        "prompt_token_ids": np.asarray(encode_prompt(tokenizer, item.messages, None, template_kwargs), dtype=np.int32),
         "response_token_ids": np.asarray(response, dtype=np.int32),
         "action_mask": np.ones(len(response), dtype=bool),
         "observation_mask": np.zeros(len(response), dtype=bool),

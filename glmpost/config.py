@@ -47,6 +47,9 @@ SHARED_SETTINGS: dict[str, dict[str, Any]] = {
     "attention": dict(default="native", help="GLM-5 attention implementation: native (glmpost's MLA over the "
                       "compressed KV cache, attention over the DSA top-k keys only: linear in context) or reference "
                       "(transformers' modules, dense masks); the same weights and checkpoints."),
+    "chat_template_kwargs": dict(default="{}", help="Extra arguments of the checkpoint's chat template, a JSON object "
+                                 "(GLM: '{\"enable_thinking\": false}', '{\"clear_thinking\": false}'), passed wherever "
+                                 "prompts are rendered; recorded in stage.json."),
     "zstd_level": dict(default=3, help="zstd compression level of the output shards.", min=1, max=22),
     "shard_index": dict(default=0, help="This task's index among --num-shards (a Slurm array task id).", min=0),
     "num_shards": dict(default=1, help="Tasks splitting this stage's work (a Slurm array's size); each writes "

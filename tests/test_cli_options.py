@@ -56,6 +56,7 @@ ADDED_COMMANDS = {"import-model": {"source", "out", "link", "overwrite", "as_jso
                            "fingerprint_tolerance", "env", "env_options", "env_timeout", "env_workers", "max_turns",
                            "compaction", "context_budget", "compaction_threshold", "keep_last", "summary_prompt",
                            "resume_template", "max_summary_tokens", "zstd_level", "overwrite", *DATA_COLUMNS,
+                           "chat_template_kwargs", "reasoning_parser", "tool_call_parser",
                            "follow", "every", "poll_s", "idle_timeout", "math_checker"},
                   # A run report (issue 34): RUN_DIRs, --out, the run names, the page's title and the PNGs' dpi.
                   "report": {"runs", "out", "as_json", "config", "names", "title", "dpi"}}
@@ -95,6 +96,11 @@ TRACKER_DEFAULTS = {"tracker": [], "tracker_dir": "glmpost-trackers", "tracker_p
 ADDED_TRACKERS = {(command, name) for command in TRACKED for name in TRACKER_DEFAULTS}
 # The math verifier's checker (issue 34, "math-verify"): Math-Verify by default, glmpost's normaliser on request.
 ADDED_MATH = {("judge", "math_checker"): "math-verify"}
+# Real GLM chat formats (issue 43): the chat template's own arguments wherever prompts are rendered,
+# the reasoning split and the tool-call parser of multi-turn rollouts.
+ADDED_43 = {(command, "chat_template_kwargs"): "{}" for command in ("rollout", "eval", "qat", "shards import")}
+ADDED_43 |= {(command, name): default for command in ("rollout", "eval")
+             for name, default in (("reasoning_parser", "auto"), ("tool_call_parser", "strict"))}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -131,7 +137,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             before, after = expected[command].get(name), now[command].get(name)
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
-                    command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len"):
+                    command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
+                    command, name) in ADDED_43:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -155,6 +162,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
         assert (row["default"], row["opts"], row["secondary_opts"]) == (default, opts, secondary) and "--api vllm" in row["help"]
     for (command, name), default in ADDED_DATA.items():
         assert now[command][name]["default"] == default and now[command][name]["opts"] == ["--" + name.replace("_", "-")]
+    for (command, name), default in ADDED_43.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and row["help"]
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]

@@ -21,6 +21,7 @@ from test_agentic import STOPS, Countdown, judged_by_env
 from test_formats import compacted_record
 
 from glmpost.formats import ShardReader, context_windows, resolve_shard_paths
+from glmpost.formats.chat_format import ChatFormat
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.advantages import ADVANTAGE_SCALINGS, cross_segment_factor, later_trainable_tokens
 from glmpost.rl.batches import prepare_batch, segment_accounting, train_examples
@@ -225,7 +226,7 @@ def _builder(checkpoint, mode="summary"):
     settings = CompactionSettings(mode, BUDGET, 8, 1, "Summarize what you must remember to finish the task.",
                                   "Summary: {summary}", 8)
     stops = [int(i) for i in STOPS.split(",")]
-    return tokenizer, ContextBuilder(tokenizer, settings, stops)
+    return tokenizer, ContextBuilder(ChatFormat(tokenizer), settings, stops)
 
 
 def _head(record, tokenizer):

@@ -421,5 +421,10 @@ def test_observations_render_as_tool_messages_where_the_template_has_no_observat
     assert tok.decode(ids) == f"<|observation|>\n{text}<|assistant|>"
     assert tok.decode(ids).count("<tool_response>") == 2
     tok.chat_template = "{%- for m in messages -%}{{ raise_exception('no') }}{%- endfor -%}"
+    with pytest.raises(Exception, match="the chat template cannot render the generation prompt"):
+        ObservationRenderer(tok)
+    # a template that renders turns, but neither an observation nor a tool message: refused before any sampling
+    tok.chat_template = ("{%- for m in messages -%}{%- if m.role in ('user', 'assistant') -%}<|{{ m.role }}|>{{ m.content }}"
+                         "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
     with pytest.raises(Exception, match="renders neither an observation nor a tool turn"):
-        ObservationRenderer(tok).ids(text, after=())
+        ObservationRenderer(tok)

@@ -38,12 +38,14 @@ from glmpost.rewards.verifiers import load_hook
 
 @dataclass(frozen=True)
 class Action:
-    """One model turn: its exact token ids (what is trained) and their decoded text (what the
-    environment reads)."""
+    """One model turn: its exact token ids (what is trained, reasoning included) and the decoded text
+    the environment reads: the turn's content, after its reasoning block when the rollout splits
+    reasoning off (``--reasoning-parser glm45``: :mod:`glmpost.envs.reasoning`, as vLLM and SGLang do)."""
 
     token_ids: tuple[int, ...]
     text: str
-    tool_calls: ToolCalls | None = None  # for an environment with ``tools``: GLM tool calls parsed from token_ids
+    tool_calls: ToolCalls | None = None  # for an environment with ``tools``: GLM tool calls parsed from the content's ids
+    reasoning: str = ""  # the decoded reasoning block ("" without one): never acted on
 
 
 @dataclass

@@ -116,8 +116,12 @@ class RecordView:
 
     @cached_property
     def text(self) -> str:
-        """The whole response (actions and observations)."""
-        return self.tokenizer.decode([int(t) for t in self.record["response_token_ids"]], skip_special_tokens=True)
+        """The whole response (actions and observations) after the reasoning block a single-turn
+        rollout split off (``extra.reasoning_tokens``, ``rollout --reasoning-parser``): an answer
+        inside the reasoning is never scored."""
+        skip = (self.record.get("extra") or {}).get("reasoning_tokens", 0)
+        skip = skip if isinstance(skip, int) and not isinstance(skip, bool) else 0
+        return self.tokenizer.decode([int(t) for t in self.record["response_token_ids"][skip:]], skip_special_tokens=True)
 
     @cached_property
     def prompt_text(self) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from glmpost.errors import GlmpostError
 from glmpost.formats import normalize_record, read_checked_records
+from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import conversation_record, parse_prompt_line
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.quant.core import fake_quant
@@ -23,9 +24,11 @@ from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 from glmpost.rollout.sources import is_prompt_source, source_rows
 
 
-def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat") -> list[dict]:
+def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat",
+                     template_kwargs: dict[str, Any] | None = None) -> list[dict]:
     """Records from conversations (JSONL, parquet, CSV or JSON files, datasets directories:
-    :func:`~glmpost.rollout.sources.source_rows`; tokenized with the checkpoint's chat template) or shards."""
+    :func:`~glmpost.rollout.sources.source_rows`; tokenized with the checkpoint's chat template and its
+    ``template_kwargs``) or shards."""
     records = []
     for item in inputs:
         path = Path(item)
@@ -34,7 +37,7 @@ def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: 
                 prompt = parse_prompt_line(obj, where=where, default_id=default_id)
                 if prompt.response is None:
                     raise GlmpostError(f"{where}: no response to learn (give 'response' or end 'messages' with the assistant's turn)")
-                records.append(normalize_record(conversation_record(prompt, tokenizer, revision)))
+                records.append(normalize_record(conversation_record(prompt, tokenizer, revision, template_kwargs)))
         else:
             records.extend(read_checked_records([item], revision=revision, stage=stage))
     if not records:
@@ -67,8 +70,9 @@ def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, qu
     run.check_staging()
     config.validate()
     tokenizer, revision = load_tokenizer(run.parent)
-    examples = sft_examples(read_sft_records(inputs, tokenizer, revision))
-    held_out = sft_examples(read_sft_records(eval_data, tokenizer, revision)) if eval_data else []
+    kwargs = template_kwargs(config.chat_template_kwargs)
+    examples = sft_examples(read_sft_records(inputs, tokenizer, revision, template_kwargs=kwargs))
+    held_out = sft_examples(read_sft_records(eval_data, tokenizer, revision, template_kwargs=kwargs)) if eval_data else []
     if not examples:
         raise GlmpostError(f"{stage}: no record has a response token to learn")
     seen: dict[str, Any] = {}

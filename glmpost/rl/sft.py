@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from glmpost.config import setting
+from glmpost.config import setting, shared
 from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE, sequence_log_probs
 from glmpost.rl.batches import TrainExample, train_examples
 from glmpost.rl.distributed import OptimizerConfig, TorchBackend
@@ -38,6 +38,7 @@ class SFTConfig(OptimizerConfig):
     pack_sequences: bool = pack_sequences_setting()
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation.", min=1)
     seed: int = setting(0, "Seed of the data shuffling.")
+    chat_template_kwargs: str = shared("chat_template_kwargs")
 
 
 def sft_examples(records: Sequence[dict[str, Any]]) -> list[TrainExample]:

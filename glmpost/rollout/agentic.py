@@ -30,14 +30,17 @@ from __future__ import annotations
 import concurrent.futures
 import difflib
 import hashlib
-import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from glmpost.config import ConfigError
-from glmpost.envs import Action, EnvironmentFailure, call_environment, checked_reset, checked_step, parse_tool_calls
+from glmpost.envs import EnvironmentFailure, call_environment, checked_reset, checked_step
 from glmpost.kernel.engine import Completion, turn_key
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, due, fit_pairs
+from glmpost.rollout.observations import ObservationRenderer
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Turn:
     summary_request: bool = False  # observation_ids are the observation, then the summary prompt
     pair_ids: list[int] = field(default_factory=list)  # the observation as a kept pair copies it
     sampled_on: int = 0  # tokens of context the turn was sampled after
+    reasoning_tokens: int = 0  # of the action: its reasoning block (ObservationRenderer.action)
 
 
 @dataclass
@@ -126,53 +130,6 @@ def home_server(key: str, servers: int) -> int:
     """The server every turn of trajectory ``key`` goes to first: a stable hash of the key, so a
     trajectory's prefix stays in one server's cache."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % max(servers, 1)
-
-
-TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.S)  # glmpost.envs.tool_responses' blocks
-
-
-class ObservationRenderer:
-    """Observation text as the exact ids the chat template gives an observation turn followed by the
-    assistant's generation prompt."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.observation_id = tokenizer.convert_tokens_to_ids("<|observation|>")
-
-    def _render(self, messages: list[dict[str, str]]) -> str | None:
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception:  # jinja's TemplateError: a template that refuses the role
-            return None
-
-    def _turn_text(self, text: str) -> str:
-        """The template's rendering of one observation turn and the generation prompt, without what
-        it puts before a conversation's first turn ([gMASK]<sop> for GLM). A template without GLM's
-        ``observation`` role (GLM-4.5+'s speak OpenAI's ``tool``, one message per ``<tool_response>``
-        block, which they write themselves under one ``<|observation|>``) gets the text as tool messages."""
-        rendered = self._render([{"role": "observation", "content": text}])
-        if rendered is None or text not in rendered:
-            contents = TOOL_RESPONSE.findall(text) or [text]
-            rendered = self._render([{"role": "tool", "content": content} for content in contents])
-            if rendered is None or not all(content in rendered for content in contents):
-                raise ConfigError("the checkpoint's chat template renders neither an observation nor a tool turn; "
-                                  "{env} needs one")
-        start = rendered.find("<|observation|>")
-        return rendered[start:] if start >= 0 else rendered
-
-    def ids(self, text: str, *, after: Sequence[int]) -> list[int]:
-        """The ids of observation ``text``; without the leading ``<|observation|>`` when the action
-        ``after`` already ends with it."""
-        ids = list(self.tokenizer.encode(self._turn_text(text), add_special_tokens=False))
-        if after and after[-1] == self.observation_id and ids and ids[0] == self.observation_id:
-            ids = ids[1:]
-        return ids
-
-    def prompt_with(self, messages_ids: list[int], text: str) -> list[int]:
-        """A prompt's ids with a reset observation placed before the assistant's generation prompt."""
-        opener = list(self.tokenizer.encode("<|assistant|>\n", add_special_tokens=False))
-        base = messages_ids[: -len(opener)] if messages_ids[-len(opener):] == opener else messages_ids
-        return base + self.ids(text, after=())
 
 
 @dataclass
@@ -289,9 +246,8 @@ def _take_turn(trajectory: Trajectory, turn: Turn, env: Any, renderer: Observati
     if completion.finish_reason == "length":
         trajectory.status, trajectory.reason = "truncated", "a turn reached max_new_tokens"
         return False
-    tools = getattr(env, "tools", None)  # GLM's own tool calls, read from the exact ids
-    calls = parse_tool_calls(completion.token_ids, renderer.tokenizer, tools) if tools else None
-    action = Action(tuple(completion.token_ids), decode(completion.token_ids), calls)
+    # GLM's own tool calls, read from the exact ids of the turn's content
+    action, turn.reasoning_tokens = renderer.action(completion.token_ids, decode, getattr(env, "tools", None))
     try:
         step = checked_step(call_environment(env.step, action, timeout=settings.env_timeout, what="step()"))
     except EnvironmentFailure as exc:
@@ -362,6 +318,29 @@ def _rebuild(trajectory: Trajectory, summary: Turn | None, settings: MultiTurnSe
         return False
     trajectory.next_context = context
     return True
+
+
+def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
+    """The multi-turn part of a shard's metrics line (none for single-turn rollouts): turns,
+    observation tokens, the environment's reward, malformed tool calls, reasoning tokens (the turns'
+    reasoning blocks, --reasoning-parser), and trajectories by status."""
+    if not trajectories:
+        return {}
+    statuses = Counter(t.status for t in trajectories)
+    return {
+        "rollout/turns_mean": float(np.mean([len(t.turns) for t in trajectories])),
+        "rollout/observation_tokens": sum(len(turn.observation_ids) for t in trajectories for turn in t.turns),
+        "rollout/env_reward_mean": float(np.mean([t.reward for t in trajectories])),
+        "rollout/malformed_tool_calls": sum(t.malformed for t in trajectories),
+        "rollout/reasoning_tokens": sum(turn.reasoning_tokens for t in trajectories for turn in t.turns),
+        "rollout/retokenize_drift_tokens": sum(t.drift or 0 for t in trajectories),
+        "rollout/peak_context_mean": float(np.mean([t.peak_context() for t in trajectories])),
+        "rollout/peak_context_max": max(t.peak_context() for t in trajectories),
+        "rollout/compactions": sum(len(t.compactions) for t in trajectories),
+        "rollout/summary_tokens": sum(len(turn.action.token_ids) for t in trajectories for turn in t.turns
+                                      if turn.kind == "summary"),
+        **{f"rollout/status/{status}": count for status, count in sorted(statuses.items())},
+    }
 
 
 def retokenize_drift(tokenizer, response_ids: Sequence[int], action_mask: Sequence[bool]) -> int:

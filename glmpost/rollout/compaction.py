@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from glmpost.config import ConfigError
+from glmpost.envs.reasoning import split_reasoning
+from glmpost.formats.chat_format import ChatFormat
 
 COMPACTION_MODES = ("off", "summary", "drop")
 SUMMARY_SLOT = "{summary}"
@@ -64,43 +66,36 @@ def due(settings: CompactionSettings, context_length: int, max_new_tokens: int) 
 
 
 class ContextBuilder:
-    """The template pieces of compaction as exact ids of the policy's tokenizer."""
+    """The template pieces of compaction as exact ids of the policy's tokenizer, each rendered by the
+    checkpoint's own chat template (:class:`~glmpost.formats.chat_format.ChatFormat`): its generation
+    prompt, its observation role (GLM-4.5+'s ``tool`` messages), its user turn."""
 
-    def __init__(self, tokenizer, settings: CompactionSettings, stop_ids: Sequence[int]):
-        self.tokenizer, self.settings = tokenizer, settings
+    def __init__(self, chat: ChatFormat, settings: CompactionSettings, stop_ids: Sequence[int], *,
+                 reasoning_parser: str = "none"):
+        self.chat, self.tokenizer, self.settings = chat, chat.tokenizer, settings
+        self.reasoning_parser = reasoning_parser
         self.stop_ids = set(stop_ids)
-        self.observation_id = tokenizer.convert_tokens_to_ids("<|observation|>")
-        self.opener = self._encode("<|assistant|>\n")
-        before, after = self._turn_text("user", resume_pieces(settings.resume_template)).split(_SENTINEL)
-        self.resume_before, self.resume_after = self._encode(before), self._encode(after)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _turn_text(self, *turns: str, generation_prompt: bool = True) -> str:
-        """The template's rendering of ``(role, content)`` turns, without what it puts before a
-        conversation's first turn (``[gMASK]<sop>`` for GLM)."""
-        messages = [{"role": role, "content": content} for role, content in zip(turns[::2], turns[1::2])]
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
-        start = rendered.find(f"<|{turns[0]}|>")
-        return rendered[start:] if start >= 0 else rendered
+        self.opener = list(chat.generation_ids)
+        before, after = chat.user_turn_text(resume_pieces(settings.resume_template)).split(_SENTINEL)
+        self.resume_before, self.resume_after = chat.encode(before), chat.encode(after)
 
     def head(self, prompt_ids: Sequence[int]) -> list[int]:
         """``(s)``: a prompt's ids without its trailing generation prompt."""
-        prompt = list(prompt_ids)
-        return prompt[: -len(self.opener)] if prompt[-len(self.opener):] == self.opener else prompt
+        return self.chat.strip_generation_prompt(prompt_ids)
 
     def request(self, observation: str, *, after: Sequence[int]) -> list[int]:
         """The summary request: ``observation`` as an observation turn (its ``<|observation|>`` left
         out when the action ``after`` ends with it), ``q_sum`` as a user turn, the generation prompt."""
-        ids = self._encode(self._turn_text("observation", observation, "user", self.settings.summary_prompt))
-        if after and after[-1] == self.observation_id and ids and ids[0] == self.observation_id:
-            ids = ids[1:]
-        return ids
+        ids = self.chat.encode(self.chat.summary_request_text(observation, self.settings.summary_prompt))
+        return self.chat.strip_observation_marker(ids, after=after)
 
     def summary_body(self, summary_ids: Sequence[int]) -> list[int]:
-        """The summary's ids as the resume turn copies them: without the stop token that ended it."""
+        """The summary's ids as the resume turn copies them: its content (after its reasoning block,
+        when the reasoning parser splits one off), without the stop token that ended it."""
         ids = list(summary_ids)
+        start = split_reasoning(ids, self.tokenizer, self.reasoning_parser,
+                                prompt_in_reasoning=self.chat.prompt_in_reasoning).content_start
+        ids = ids[start:]
         return ids[:-1] if ids and ids[-1] in self.stop_ids else ids
 
     def rebuild(self, head: Sequence[int], summary_ids: Sequence[int] | None,

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from glmpost.config import ConfigError, section, setting, shared
 from glmpost.errors import GlmpostError
 from glmpost.formats import ShardWriter, record_from_json
+from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import conversation_record, parse_prompt_line
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.rollout.sources import ColumnsConfig, source_rows
@@ -37,6 +38,7 @@ class ImportConfig:
         None, "Checkpoint (root or version) whose tokenizer and chat template encode text lines.")
     records_per_shard: int = setting(1024, "Records in each output shard.", min=1)
     columns: ColumnsConfig = section(ColumnsConfig)
+    chat_template_kwargs: str = shared("chat_template_kwargs")
     zstd_level: int = shared("zstd_level")
     overwrite: bool = shared("overwrite")
 
@@ -50,6 +52,7 @@ class JsonlImport:
         self.tokenizer = self.revision = None
         if config.checkpoint is not None:
             self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
+        self.template_kwargs = template_kwargs(config.chat_template_kwargs)
 
     def write(self, staging: Path, options: dict[str, Any]) -> dict[str, int]:
         """Every line (row) of ``source`` as a record in shards under ``staging``, with ``metrics.jsonl`` and
@@ -112,7 +115,7 @@ class JsonlImport:
             raise ConfigError("{where}: a text line needs {checkpoint} (its tokenizer and chat template encode the text)",
                               where=where)
         item = parse_prompt_line(obj, where=where, default_id=default_id)
-        return conversation_record(item, self.tokenizer, self.revision)
+        return conversation_record(item, self.tokenizer, self.revision, self.template_kwargs)
 
 
 def import_summary(out: Path, counts: dict[str, int]) -> tuple[dict[str, Any], str]:

@@ -49,10 +49,11 @@ def as_version(value: Any) -> int | None:
 
 def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
                          columns: ColumnsConfig | None = None,
-                         tools: list[dict[str, Any]] | None = None) -> list[RolloutPrompt]:
+                         tools: list[dict[str, Any]] | None = None,
+                         template_kwargs: dict[str, Any] | None = None) -> list[RolloutPrompt]:
     """Prompts from JSONL, parquet, CSV or JSON files or datasets directories (their ``columns``
-    mapped, :mod:`glmpost.rollout.sources`; rendered with the chat template, and ``tools`` when
-    given) or shards (their prompt ids, as recorded).
+    mapped, :mod:`glmpost.rollout.sources`; rendered with the chat template, its ``template_kwargs``,
+    and ``tools`` when given) or shards (their prompt ids, as recorded).
 
     Shards are accepted so a stage can resample the prompts of earlier trajectories; their records
     must have been tokenized with the same tokenizer revision. Prompt ids must be unique across
@@ -65,7 +66,7 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
         if is_prompt_source(path):
             for prompt in read_prompts(path, source_rows(path, columns)):
                 where = f"{path}: prompt {prompt.id!r}"
-                ids = encode_prompt(tokenizer, prompt.messages, tools)
+                ids = encode_prompt(tokenizer, prompt.messages, tools, template_kwargs)
                 _add(prompts, seen, RolloutPrompt(prompt.id, ids, prompt.domain, prompt.task, where))
             continue
         for shard in resolve_shard_paths([item]):
@@ -240,6 +241,9 @@ def _trajectory_extra(trajectory: Any, *, env_name: str, drift: int | None, comp
         extra["compaction"] = compaction_extra(trajectory, compaction)
     if drift is not None:
         extra["env"]["retokenize_drift"] = drift
+    reasoning = [t.reasoning_tokens for t in acted]
+    if any(reasoning):  # turns split by the reasoning parser: each action turn's reasoning tokens
+        extra["env"]["reasoning_tokens"] = reasoning
     servers = [t.server for t in trajectory.turns if t.server]
     if servers:  # sampled by servers: where it lived, and every move to another one
         extra["env"]["server"] = servers[0]

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
 from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
+from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import renders_tools
 from glmpost.formats.shards import remove_partial_shards
 from glmpost.kernel.engine import Completion, SamplingParams
@@ -39,13 +40,14 @@ from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
 from glmpost.rollout.agentic import (
     MultiTurnSettings,
-    ObservationRenderer,
     Trajectory,
     home_server,
     retokenize_drift,
     run_trajectories,
+    trajectory_metrics,
 )
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, check_rebuild_room
+from glmpost.rollout.observations import open_renderer, reasoning_counter
 from glmpost.rollout.engines import (
     LocalBackend,
     Outcome,
@@ -173,16 +175,19 @@ class RolloutRunner:
         config = self.config
         config.check_engine()
         self.environment = config.environment()
+        self.template_kwargs = template_kwargs(config.chat_template_kwargs)
+        self.reasoning = None if self.environment else reasoning_counter(checkpoint, config.multi_turn.reasoning_parser,
+                                                                            self.template_kwargs)
         tools = None
         if self.environment is not None:
-            self.renderer = ObservationRenderer(checkpoint.tokenizer)
+            self.renderer = open_renderer(checkpoint, config.multi_turn, self.template_kwargs)
             self.decode = lambda ids: checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
             tools = getattr(self.environment[1], "tools", None)  # rendered into the prompts by the chat template
             if tools and not renders_tools(checkpoint.tokenizer, tools):
                 raise ConfigError("{env} {value} declares tools, but the checkpoint's chat template does not render "
                                   "them (apply_chat_template(tools=...))", value=self.environment[0])
         self.prompts = load_rollout_prompts(config.inputs, checkpoint.tokenizer, checkpoint.revision, config.columns,
-                                            tools)[: config.limit]
+                                            tools, self.template_kwargs)[: config.limit]
         return self.prompts
 
     def run(self) -> dict[str, Any]:
@@ -216,7 +221,8 @@ class RolloutRunner:
         check_context(prompts, max_new_tokens=self.config.max_new_tokens, context=self.compaction.budget,
                       budget=self.config.context.context_budget is not None)
         if self.compaction.on:
-            self.builder = ContextBuilder(self.renderer.tokenizer, self.compaction, params.stop_token_ids or eos_ids)
+            self.builder = ContextBuilder(self.renderer.chat, self.compaction, params.stop_token_ids or eos_ids,
+                                          reasoning_parser=self.renderer.reasoning_parser)
             check_rebuild_room(prompts, self.builder, self.config.max_new_tokens)
         backend.prepare(params, eos_ids)
 
@@ -230,6 +236,8 @@ class RolloutRunner:
                            facts=facts)
         local = self.config.engine.engine_name == "local"
         ran = {"attention_ran": attention_ran(checkpoint.version_dir, self.config.attention)} if local else {"servers": servers}
+        if self.environment is not None:
+            ran["chat_format"] = self.renderer.facts()
         write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
                          policy_version=checkpoint.policy_version, **ran)
 
@@ -328,6 +336,8 @@ class RolloutRunner:
                                             **common)
                 else:
                     record = rollout_record(prompt, completion, token_policy_version=as_version(version), **common)
+                    if self.reasoning is not None:  # what judge's verifiers skip: the response's reasoning block
+                        record["extra"] = {"reasoning_tokens": self.reasoning(completion.token_ids)}
                 if sample.replaces is not None:
                     group = record["group_id"]
                     record.setdefault("extra", {})["refill"] = {"replaces": f"{group}/{sample.replaces}", "round": sample.round}
@@ -358,27 +368,6 @@ class _Trajectory(Completion):
     ``token_ids``: the whole response; ``finish_reason`` "length" when it ended truncated)."""
 
     trajectory: Any = None
-
-
-def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, Any]:
-    """The multi-turn part of a shard's metrics line (none for single-turn rollouts): turns,
-    observation tokens, the environment's reward, malformed tool calls, and trajectories by status."""
-    if not trajectories:
-        return {}
-    statuses = Counter(t.status for t in trajectories)
-    return {
-        "rollout/turns_mean": float(np.mean([len(t.turns) for t in trajectories])),
-        "rollout/observation_tokens": sum(len(turn.observation_ids) for t in trajectories for turn in t.turns),
-        "rollout/env_reward_mean": float(np.mean([t.reward for t in trajectories])),
-        "rollout/malformed_tool_calls": sum(t.malformed for t in trajectories),
-        "rollout/retokenize_drift_tokens": sum(t.drift or 0 for t in trajectories),
-        "rollout/peak_context_mean": float(np.mean([t.peak_context() for t in trajectories])),
-        "rollout/peak_context_max": max(t.peak_context() for t in trajectories),
-        "rollout/compactions": sum(len(t.compactions) for t in trajectories),
-        "rollout/summary_tokens": sum(len(turn.action.token_ids) for t in trajectories for turn in t.turns
-                                      if turn.kind == "summary"),
-        **{f"rollout/status/{status}": count for status, count in sorted(statuses.items())},
-    }
 
 
 def _as_outcome(trajectory: Trajectory) -> Outcome:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from glmpost.config import ConfigError, flat_values, section, setting, shared
-from glmpost.envs import resolve_environment
+from glmpost.envs import TOOL_CALL_PARSERS, resolve_environment
+from glmpost.envs.reasoning import REASONING_PARSERS
 from glmpost.errors import UsageError
 from glmpost.kernel.distribution import LOG_PROB_KINDS
 from glmpost.kernel.engine import SamplingParams
@@ -91,10 +92,26 @@ class MultiTurnConfig:
     env_workers: int = setting(
         8, "With --env: environment steps of one turn run at once, each trajectory on its own environment (1: one "
         "after another); the records do not depend on it (for environments whose instances share no state).", min=1)
+    reasoning_parser: str = setting(
+        "auto", "How a response's reasoning is split off (it stays in the trained ids and is counted): glm45 (vLLM's and "
+        "SGLang's GLM rule: reasoning ends at the first </think>; all of it when the generation prompt ends in <think>), "
+        "none, or auto (glm45 when the chat template writes </think>, else none). With --env, tool calls and answers are "
+        "read from each turn's content only; a single-turn record keeps extra.reasoning_tokens, which judge's "
+        "verifiers skip.")
+    tool_call_parser: str = setting(
+        "strict", "With --env and an environment with tools: strict (a malformed call makes the turn malformed, no call "
+        "runs) or engine (what vLLM's GLM parsers give: the known calls of a turn, a repeated key's last value, {} for "
+        "an unclosed value; untyped values read as JSON, then a Python literal).")
 
     def environment(self):
         """``(name, factory)`` of the environment, or None for single-turn rollouts; an unknown one or
         bad options is one error naming the option."""
+        if self.reasoning_parser not in ("auto", *REASONING_PARSERS):
+            raise ConfigError("{reasoning_parser} must be auto or one of {choices}, got {value!r}",
+                              choices=", ".join(REASONING_PARSERS), value=self.reasoning_parser)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError("{tool_call_parser} must be one of {choices}, got {value!r}",
+                              choices=", ".join(TOOL_CALL_PARSERS), value=self.tool_call_parser)
         if self.env is None:
             return None
         try:
@@ -155,6 +172,7 @@ class RolloutConfig:
     prompts_per_shard: int = setting(64, "Prompts per output shard (x group size records).", min=1)
     limit: Optional[int] = setting(None, "Use only the first N prompts.", min=1)
     columns: ColumnsConfig = section(ColumnsConfig)
+    chat_template_kwargs: str = shared("chat_template_kwargs")
     shard_index: int = shared("shard_index")
     num_shards: int = shared("num_shards")
     device: str = shared("device")
