@@ -182,7 +182,12 @@ def test_a_call_or_an_answer_inside_the_reasoning_is_never_acted_on(tok, fmt, pa
 
 @pytest.fixture(scope="module")
 def glm_checkpoint(fmt, tiny_checkpoint, tmp_path_factory):
-    return glm_format_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp(f"ckpt-{fmt}") / "ckpt", fmt)
+    """The tiny checkpoint speaking ``fmt``, with the agentic preset's context (the tools' system turn
+    alone is 500 tokens; rope positions are not parameters)."""
+    out = glm_format_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp(f"ckpt-{fmt}") / "ckpt", fmt)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}, indent=2))
+    return out
 
 
 def _rollout(run, checkpoint, tmp_path, *extra, env="test_compaction:Ticks", name="ro"):
@@ -259,3 +264,112 @@ def test_enable_thinking_reaches_the_template_and_is_recorded(glm_checkpoint, fm
     bad = glmpost_cli("rollout", tmp_path / "prompts.jsonl", "--checkpoint", glm_checkpoint, "--out", tmp_path / "bad",
                       "--chat-template-kwargs", "[1]")
     assert bad.exit_code == 2 and "--chat-template-kwargs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_tool_loop_is_the_templates_rendering_of_the_whole_conversation(tok, fmt):
+    """Where the template is prefix-stable (a tool loop: no new user turn clears past reasoning), the
+    prompt and every turn of a trajectory are exactly the template's rendering of the conversation:
+    the model's turns as assistant messages with their reasoning and calls, the results as tool
+    messages. (Not prefix-stable, by the template's design: a GLM-4.7 turn without reasoning re-renders
+    as ``</think>...``, and reasoning before a newer user turn is cleared; glmpost never re-renders past
+    turns, so the ids stay those the model sampled.)"""
+    line = calculator_glm_tasks(1, seed=5)[0]
+    expression, answer = line["task"]["expression"], line["task"]["answer"]
+    factory = resolve_environment("calculator-glm")
+    question = [{"role": "user", "content": line["prompt"]}]
+    prompt = encode_prompt(tok, question, factory.tools)
+    call = {"function": {"name": "calculator", "arguments": {"expression": expression}}}
+    messages = question + [{"role": "assistant", "content": "", "reasoning_content": "I need the tool.", "tool_calls": [call]},
+                           {"role": "tool", "content": answer},
+                           {"role": "assistant", "content": f"<answer>{answer}</answer>", "reasoning_content": "Got it."}]
+    whole = rendered_ids(tok, messages, generation_prompt=False, tools=factory.tools)
+    stop, marker = glm_stop_ids(tok)[0], tok.convert_tokens_to_ids("<|observation|>")
+    first_turn = rendered_ids(tok, messages[:3], generation_prompt=False, tools=factory.tools)[len(prompt):]
+    first = first_turn[: first_turn.index(marker) + 1]  # the model's turn ends with the <|observation|> it emits
+    last = whole[len(rendered_ids(tok, messages[:3], tools=factory.tools)):] + [stop]
+    generate, prompts = _scripted([first, last])
+    renderer = ObservationRenderer(tok, ChatFormat(tok), reasoning_parser="glm45")
+    settings = MultiTurnSettings(max_turns=4, max_new_tokens=64, context=4096, env_timeout=None)
+    (trajectory,) = run_trajectories(generate, [prompt], ["q/0"], [line["task"]], factory, renderer, settings,
+                                     lambda ids: tok.decode(ids, skip_special_tokens=True))
+    assert trajectory.status == "completed" and trajectory.reward == 1.0
+    assert prompt + trajectory.response_ids() == whole + [stop]
+    assert prompts[1] == rendered_ids(tok, messages[:3], tools=factory.tools)  # the second turn's prompt, exactly
+
+
+def test_calculator_glm_rollouts_are_the_templates_rendering_and_close(glm_checkpoint, fmt, glmpost_cli, tmp_path):
+    """``rollout --env calculator-glm`` under each format: the prompt is the template's rendering with
+    the tools, each observation the template's tool turn, the reasoning counted, and the trainer's
+    log-probs equal the rollout's on every action token (<= 1e-5)."""
+    prompts = tmp_path / "calc.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in calculator_glm_tasks(3, seed=1)))
+    out = tmp_path / "calc"
+    result = glmpost_cli("rollout", prompts, "--checkpoint", glm_checkpoint, "--out", out, "--env", "calculator-glm",
+                         "--group-size", "2", "--max-new-tokens", "8", "--max-turns", "3", "--stop-token-ids", STOPS,
+                         "--temperature", "0.8", "--tool-call-parser", "engine")
+    assert result.exit_code == 0, result.stderr
+    tok, factory = glm_format_tokenizer(fmt), resolve_environment("calculator-glm")
+    chat = ChatFormat(tok)
+    records = [r for p in resolve_shard_paths([out]) for r in ShardReader(p)]
+    lines = {line["id"]: line for line in calculator_glm_tasks(3, seed=1)}
+    observations = 0
+    for record in records:
+        question = [{"role": "user", "content": lines[record["prompt_id"]]["prompt"]}]
+        assert record["prompt_token_ids"].tolist() == rendered_ids(tok, question, tools=factory.tools)
+        ids = record["response_token_ids"].tolist()
+        for segment in record["segments"]:
+            if segment["kind"] == "observation":
+                observations += 1
+                text = tok.decode(ids[segment["start"] : segment["end"]])
+                assert text.endswith("</tool_response>" + chat.generation_prompt), text
+        reasoning = record["extra"]["env"].get("reasoning_tokens", [])
+        assert len(reasoning) in (0, record["extra"]["env"]["turns"])
+    assert observations >= 3
+    diff = glmpost_cli("diff-logprobs", out, "--checkpoint", glm_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
+    assert diff.exit_code == 0, diff.stderr
+    overall = json.loads(diff.stdout)["overall"]
+    assert overall["tokens"] == sum(int(r["action_mask"].sum()) for r in records) and overall["max_abs"] <= 1e-5
+
+
+def test_single_turn_records_keep_their_reasoning_tokens_and_the_judge_reads_past_them(glm_checkpoint, fmt, glmpost_cli, tmp_path):
+    """A single-turn rollout records each response's reasoning tokens (the glm45 split, resolved from
+    the template and recorded in stage.json); the judge's verifiers read the content after them."""
+    from glmpost.envs.reasoning import split_reasoning
+    from glmpost.rewards.mixture import RecordView
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{d}", "prompt": f"count {d}"}) + "\n" for d in range(3)))
+    out = tmp_path / "single"
+    result = glmpost_cli("rollout", prompts, "--checkpoint", glm_checkpoint, "--out", out, "--group-size", "4",
+                         "--max-new-tokens", "24", "--stop-token-ids", "0,4,6")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((out / "stage.json").read_text())["chat_format"] == {"reasoning_parser": "glm45"}
+    tok, chat = glm_format_tokenizer(fmt), ChatFormat(glm_format_tokenizer(fmt))
+    for record in (r for p in resolve_shard_paths([out]) for r in ShardReader(p)):
+        ids = record["response_token_ids"].tolist()
+        expected = split_reasoning(ids, tok, "glm45", prompt_in_reasoning=chat.prompt_in_reasoning).reasoning_tokens
+        assert record["extra"]["reasoning_tokens"] == expected
+    opened = "" if chat.prompt_in_reasoning else "<think>"
+    response = tok.encode(f"{opened}It is <answer>7</answer>.</think>So: <answer>8</answer>", add_special_tokens=False)
+    record = {"response_token_ids": response, "extra": {"reasoning_tokens": response.index(tok.convert_tokens_to_ids("</think>")) + 1}}
+    assert RecordView(record, tok).text == "So: <answer>8</answer>"
+
+
+def test_shards_import_and_qat_data_render_with_the_template_arguments(glm_checkpoint, fmt, glmpost_cli, tmp_path):
+    """--chat-template-kwargs reaches every stage that renders prompts: shards import, qat's SFT data."""
+    from glmpost.rl.qat_update import read_sft_records
+
+    conversation = {"id": "c0", "messages": [*QUESTION, {"role": "assistant", "content": "417"}]}
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(conversation) + "\n")
+    tok = glm_format_tokenizer(fmt)
+    off = rendered_ids(tok, QUESTION, enable_thinking=False)
+    assert off != rendered_ids(tok, QUESTION)
+    result = glmpost_cli("shards", "import", data, "--checkpoint", glm_checkpoint, "--out", tmp_path / "imported",
+                         "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert result.exit_code == 0, result.stderr
+    (record,) = [r for p in resolve_shard_paths([tmp_path / "imported"]) for r in ShardReader(p)]
+    assert record["prompt_token_ids"].tolist() == off
+    revision = json.loads((glm_checkpoint / "glmpost.json").read_text())["tokenizer_revision"]
+    (sft,) = read_sft_records([str(data)], tok, revision, template_kwargs={"enable_thinking": False})
+    assert sft["prompt_token_ids"].tolist() == off

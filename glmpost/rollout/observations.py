@@ -63,17 +63,19 @@ def resolved_parser(parser: str, chat: ChatFormat) -> str:
     return default_reasoning_parser(chat.has_reasoning) if parser == "auto" else parser
 
 
-def reasoning_counter(checkpoint: Any, parser: str, kwargs: dict[str, Any]) -> Callable[[Sequence[int]], int] | None:
-    """For a single-turn rollout: the number of reasoning tokens a response starts with (its
-    reasoning block, :func:`~glmpost.envs.reasoning.split_reasoning`), or None when the parser
-    (resolved from the template) is ``none`` or there is no chat template."""
+def reasoning_counter(checkpoint: Any, parser: str, kwargs: dict[str, Any]) -> tuple[str, Callable[[Sequence[int]], int] | None]:
+    """For a single-turn rollout: the reasoning parser (``auto`` resolved from the template) and the
+    number of reasoning tokens a response starts with (its reasoning block,
+    :func:`~glmpost.envs.reasoning.split_reasoning`), None when the parser is ``none`` (or there is
+    no chat template)."""
     if parser == "none" or not getattr(checkpoint.tokenizer, "chat_template", None):
-        return None
+        return "none", None
     chat = ChatFormat(checkpoint.tokenizer, kwargs, where=f"{checkpoint.version_dir}'s chat template")
     parser = resolved_parser(parser, chat)
     if parser == "none":
-        return None
-    return lambda ids: split_reasoning(ids, chat.tokenizer, parser, prompt_in_reasoning=chat.prompt_in_reasoning).reasoning_tokens
+        return parser, None
+    return parser, lambda ids: split_reasoning(ids, chat.tokenizer, parser,
+                                               prompt_in_reasoning=chat.prompt_in_reasoning).reasoning_tokens
 
 
 def open_renderer(checkpoint: Any, multi_turn: Any, kwargs: dict[str, Any]) -> ObservationRenderer:

@@ -176,8 +176,8 @@ class RolloutRunner:
         config.check_engine()
         self.environment = config.environment()
         self.template_kwargs = template_kwargs(config.chat_template_kwargs)
-        self.reasoning = None if self.environment else reasoning_counter(checkpoint, config.multi_turn.reasoning_parser,
-                                                                            self.template_kwargs)
+        self.reasoning_parser, self.reasoning = (reasoning_counter(checkpoint, config.multi_turn.reasoning_parser,
+                                                                   self.template_kwargs) if not self.environment else ("", None))
         tools = None
         if self.environment is not None:
             self.renderer = open_renderer(checkpoint, config.multi_turn, self.template_kwargs)
@@ -236,8 +236,7 @@ class RolloutRunner:
                            facts=facts)
         local = self.config.engine.engine_name == "local"
         ran = {"attention_ran": attention_ran(checkpoint.version_dir, self.config.attention)} if local else {"servers": servers}
-        if self.environment is not None:
-            ran["chat_format"] = self.renderer.facts()
+        ran["chat_format"] = self.renderer.facts() if self.environment is not None else {"reasoning_parser": self.reasoning_parser}
         write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
                          policy_version=checkpoint.policy_version, **ran)
 
