@@ -160,6 +160,14 @@ def effective_options(ctx: typer.Context) -> dict[str, Any]:
     return recorded_options(ctx.params, leave_out=("as_json", "overwrite", *TRACKER_SETTINGS))
 
 
+def report_skipped(out: Path, *, as_json: bool, holds: str = "already holds a checkpoint", redo: str = "replaces it",
+                   done: str = "already complete") -> None:
+    """The result of a stage whose output was already complete: a log line saying what ``out``
+    ``holds`` and what ``--overwrite`` would do, then ``{"out", "skipped": true}`` (or ``OUT: done (skipped)``)."""
+    log(f"{out} {holds}; nothing to do (--overwrite {redo})")
+    print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: {done} (skipped)")
+
+
 def report_update(summary: dict[str, Any] | None, *, as_json: bool, human: Any) -> None:
     """A training stage's result: nothing on a rank other than 0 (``summary`` None), the skip when the
     version existed, else ``human(summary)`` (or the JSON)."""

@@ -15,11 +15,10 @@ from typing import Any, Optional
 import typer
 
 from glmpost.checkpoints import CheckpointRoot
-from glmpost.commands.common import config_option, effective_options, print_summary, staged_output_dir
+from glmpost.commands.common import config_option, effective_options, print_summary, report_skipped, staged_output_dir
 from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.config import ConfigError
 from glmpost.model_import import STAGE, ImportModelConfig, import_model_run
-from glmpost.stage import log
 
 
 @with_config(ImportModelConfig)
@@ -38,8 +37,8 @@ def import_model(
                           "import into another directory" % (out, trained[0], trained[-1]))
     with staged_output_dir(out, overwrite=ctx.params["overwrite"], complete_marker="LATEST", stage=STAGE, options=options) as staging:
         if staging is None:
-            log(f"{out} already holds the import of {source}; nothing to do (--overwrite imports it again)")
-            print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: already imported (skipped)")
+            report_skipped(out, as_json=as_json, holds=f"already holds the import of {source}", redo="imports it again",
+                           done="already imported")
             return
         summary = import_model_run(source, staging, config_from(ctx, ImportModelConfig), options)
     placed = ", ".join(f"{count} {how}" for how, count in sorted(summary["placed"].items()))

@@ -15,11 +15,11 @@ from glmpost.commands.common import (
     config_option,
     effective_options,
     print_summary,
+    report_skipped,
     staged_output_dir,
 )
 from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.models.tiny import STAGE, InitModelConfig, init_model_run
-from glmpost.stage import log
 
 
 @with_config(InitModelConfig)
@@ -37,8 +37,7 @@ def init_model(
     with staged_output_dir(out, overwrite=overwrite, complete_marker="glmpost.json", stage=STAGE,
                            options=options) as staging:
         if staging is None:
-            log(f"{out} already holds a checkpoint; nothing to do (--overwrite replaces it)")
-            print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: already complete (skipped)")
+            report_skipped(out, as_json=as_json)
             return
         summary, human = init_model_run(init, settings, staging, options)
     print_summary(summary, as_json=as_json, human=human)

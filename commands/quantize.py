@@ -25,10 +25,9 @@ from typing import Any
 import typer
 
 from glmpost.checkpoints import MANIFEST
-from glmpost.commands.common import config_option, effective_options, print_summary, staged_output_dir
+from glmpost.commands.common import config_option, effective_options, print_summary, report_skipped, staged_output_dir
 from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.quant.offline import STAGE, OfflineQuantization, QuantizeConfig, layer_table
-from glmpost.stage import log
 
 
 @with_config(QuantizeConfig)
@@ -51,8 +50,7 @@ def quantize(
     options = effective_options(ctx)
     with staged_output_dir(out, overwrite=overwrite, complete_marker=MANIFEST, stage=STAGE, options=options) as staging:
         if staging is None:
-            log(f"{out} already holds a checkpoint; nothing to do (--overwrite replaces it)")
-            print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: already complete (skipped)")
+            report_skipped(out, as_json=as_json)
             return
         result = run.write(staging, options)
     if report:  # the table is a result (stdout), unless stdout carries --json

@@ -25,11 +25,11 @@ from glmpost.commands.common import (
     config_option,
     effective_options,
     print_summary,
+    report_skipped,
     staged_output_dir,
 )
 from glmpost.commands.options import config_from, json_option, with_config
 from glmpost.rollout.jsonl_import import STAGE, ImportConfig, JsonlImport, import_summary
-from glmpost.stage import log
 
 
 @with_config(ImportConfig)
@@ -49,8 +49,7 @@ def shards_import(
     with staged_output_dir(out, overwrite=overwrite, complete_marker="stage.json", stage=STAGE,
                            options=options) as staging:
         if staging is None:
-            log(f"{out} is already complete; nothing to do (--overwrite replaces it)")
-            print_summary({"out": str(out), "skipped": True}, as_json=as_json, human=f"{out}: already complete (skipped)")
+            report_skipped(out, as_json=as_json, holds="is already complete")
             return
         counts = run.write(staging, options)
     summary, human = import_summary(out, counts)

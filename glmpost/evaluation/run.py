@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
-from glmpost.config import ConfigError, setting
+from glmpost.config import ConfigError, section, setting
 from glmpost.drivers import run_shards
 from glmpost.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k
 from glmpost.formats import ShardReader, resolve_shard_paths
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.locks import output_lock
-from glmpost.rewards.judging import JudgeConfig, JudgeStage, parse_domains
-from glmpost.rewards.math_answers import check_math_checker, math_checker_setting, normalize_math_answer
+from glmpost.rewards.judging import JudgeConfig, JudgeStage, VerifierRouting
+from glmpost.rewards.math_answers import check_math_checker, normalize_math_answer
 from glmpost.rollout.runner import RolloutRunner
 from glmpost.rollout.settings import RolloutConfig
 from glmpost.stage import MetricsWriter, check_same_options, write_json_atomic, write_stage_json
@@ -61,14 +61,10 @@ class EvalConfig:
     threshold: float = setting(
         1.0, "A sample is correct when its verifier score is at least this (math scores 0 or 1; count the fraction "
         "of matching tokens); a failed judgement is incorrect.", above=0.0, max=1.0)
-    domains: dict[str, str] | None = setting(
-        None, 'Domain-to-verifier table, as the recipe\'s [eval.domains] (e.g. \'{gsm8k = "math"}\'). '
-        "Domains named like a built-in verifier (math, count, env) need no entry.",
-        cli={"annotation": Optional[str], "metavar": "TABLE", "parser": parse_domains})
-    default_verifier: str | None = setting(
-        None, "Verifier for prompts whose domain has none (or no domain); without it such a prompt is an error.",
-        cli={"metavar": "VERIFIER"})
-    math_checker: str = math_checker_setting()
+    routing: VerifierRouting = section(VerifierRouting, help={
+        "domains": 'Domain-to-verifier table, as the recipe\'s [eval.domains] (e.g. \'{gsm8k = "math"}\'). '
+                   "Domains named like a built-in verifier (math, count, env) need no entry.",
+        "default_verifier": "Verifier for prompts whose domain has none (or no domain); without it such a prompt is an error."})
 
     def ks(self) -> list[int]:
         """The k of pass@k, sorted, each checked against n (default: 1 and n)."""
@@ -84,7 +80,7 @@ def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, 
     """Roll out, judge, report (module doc); returns the summary (``report`` is report.json). The
     metrics line goes to ``metrics`` when given (``eval --follow``: one file for every version)."""
     ks = config.ks()
-    check_math_checker(config.math_checker)  # before the rollout: judging it would refuse the checker
+    check_math_checker(config.routing.math_checker)  # before the rollout: judging it would refuse the checker
     out = Path(config.out)
     rollout = dataclasses.replace(sampling, inputs=list(config.inputs), checkpoint=config.checkpoint,
                                   out=out / "rollout", group_size=config.n, shard_index=0, num_shards=1)
@@ -92,11 +88,9 @@ def run_eval(config: EvalConfig, sampling: RolloutConfig, *, options: dict[str, 
         check_same_options(out, STAGE, options, ignore=PER_RUN_OPTIONS, overwrite=sampling.overwrite)
         rolled = RolloutRunner(rollout).run()
         judge = JudgeStage(JudgeConfig(inputs=[str(rollout.out)], out=out / "judged", checkpoint=config.checkpoint,
-                                       domains=config.domains, default_verifier=config.default_verifier,
-                                       math_checker=config.math_checker, device=sampling.device,
+                                       routing=config.routing, device=sampling.device,
                                        zstd_level=sampling.zstd_level,
-                                       options={"domains": config.domains, "default_verifier": config.default_verifier,
-                                                "math_checker": config.math_checker}))
+                                       options=config.routing.as_options()))
         run_shards(judge, inputs=[str(rollout.out)], out=out / "judged", shard_index=0,
                    num_shards=1, overwrite=sampling.overwrite)
         tokenizer, _ = load_tokenizer(config.checkpoint)

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 
 from tqdm import tqdm
 
-from glmpost.config import ConfigError, setting, shared
+from glmpost.config import ConfigError, section, setting, shared
 from glmpost.formats import (
     ShardReader,
     ShardWriter,
@@ -59,6 +59,24 @@ def parse_domains(value: Any) -> dict[str, str]:
 
 
 @dataclass
+class VerifierRouting:
+    """Which verifier scores each domain: the routing ``judge`` and ``eval`` share (each words its
+    help for what it judges: records, or the prompts it samples)."""
+
+    domains: dict[str, str] | None = setting(
+        None, 'Domain-to-verifier table, as the recipe\'s [judge.domains] (e.g. \'{gsm8k = "math"}\'). '
+        "Domains named like a built-in verifier need no entry.",
+        cli={"annotation": Optional[str], "metavar": "TABLE", "parser": parse_domains})
+    default_verifier: str | None = setting(
+        None, "Verifier for records whose domain has none (or no domain); without it such a record is an error.",
+        cli={"metavar": "VERIFIER"})
+    math_checker: str = math_checker_setting()
+
+    def as_options(self) -> dict[str, Any]:
+        return {"domains": self.domains, "default_verifier": self.default_verifier, "math_checker": self.math_checker}
+
+
+@dataclass
 class JudgeConfig:
     """What one ``judge`` run does (the options of ``glmpost judge``, under the same names).
     ``options`` are the effective options written to ``stage.json`` and the shard headers (the run
@@ -70,14 +88,7 @@ class JudgeConfig:
     rewards: list[ComponentSpec] = field(default_factory=list)  # none: the domain verifier alone
     penalties: list[ComponentSpec] = field(default_factory=list)
     verifiers: list[tuple[str, str]] = field(default_factory=list)  # (domain, verifier); they win over domains
-    domains: dict[str, str] | None = setting(
-        None, 'Domain-to-verifier table, as the recipe\'s [judge.domains] (e.g. \'{gsm8k = "math"}\'). '
-        "Domains named like a built-in verifier need no entry.",
-        cli={"annotation": Optional[str], "metavar": "TABLE", "parser": parse_domains})
-    default_verifier: str | None = setting(
-        None, "Verifier for records whose domain has none (or no domain); without it such a record is an error.",
-        cli={"metavar": "VERIFIER"})
-    math_checker: str = math_checker_setting()
+    routing: VerifierRouting = section(VerifierRouting)
     device: str = shared("device")
     batch_size: int = setting(64, "Records handed to the reward mixture at a time (models batch within it).", min=1)
     shard_index: int = shared("shard_index")
@@ -106,8 +117,9 @@ class JudgeStage:
             "verifiers": [f"{d}={v}" for d, v in config.verifiers],
         }
         self.tokenizer, self.revision = load_tokenizer(config.checkpoint)
-        self.table = VerifierTable({**(config.domains or {}), **dict(config.verifiers)}, config.default_verifier,
-                                   options={"math_checker": config.math_checker})
+        routing = config.routing
+        self.table = VerifierTable({**(routing.domains or {}), **dict(config.verifiers)}, routing.default_verifier,
+                                   options={"math_checker": routing.math_checker})
         self.totals = RewardStats(self.specs)
         self.mixture: RewardMixture | None = None
 

@@ -31,7 +31,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve_checkpoint, version_dir_name
 from glmpost.fsutil import fsync_dir
@@ -128,6 +128,16 @@ def weight_version_name(policy_version: int) -> str:
     return str(policy_version)
 
 
+def retried(result: ServerResult, retries: int, backoff: float) -> Iterator[int]:
+    """A server sync's attempts, ``0 .. retries``: ``backoff * 2**k`` seconds of sleep before retry
+    ``k + 1``, each counted in ``result.attempts`` (the caller breaks out when one settles it)."""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        result.attempts = attempt + 1
+        yield attempt
+
+
 def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int = 3, backoff: float = 1.0,
                 timeout: float = 600.0, skip_if_current: bool = False, api_key: str | None = None,
                 admin_api_key: str | None = None, abort_in_flight: bool = True) -> ServerResult:
@@ -147,10 +157,7 @@ def sync_server(url: str, model_path: Path, weight_version: str, *, retries: int
     client = SGLangClient(url, timeout=timeout, retries=0, backoff=backoff, api_key=api_key, admin_api_key=admin_api_key)
     result = ServerResult(url=client.url, status="failed")
     started = time.perf_counter()
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
-        result.attempts = attempt + 1
+    for _ in retried(result, retries, backoff):
         try:
             if result.version_before is None:
                 result.version_before = client.get_weight_version()

@@ -35,7 +35,7 @@ from typing import Any, Optional
 from glmpost.kernel.fingerprint import Fingerprint, confirm_server
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.vllm_client import DevModeError, ReloadUncertain, VLLMClient
-from glmpost.weight_sync.sync import ServerResult, sync_servers
+from glmpost.weight_sync.sync import ServerResult, retried, sync_servers
 
 __all__ = ["sync_vllm_server", "sync_vllm_servers"]
 
@@ -59,10 +59,7 @@ def sync_vllm_server(url: str, model_path: Path, weight_version: str, *, expecte
     except ServerError:
         pass
     uncertain = False  # the last attempt's reload may have taken effect
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
-        result.attempts = attempt + 1
+    for attempt in retried(result, retries, backoff):
         try:
             if (skip_if_current and attempt == 0) or uncertain:
                 if _serves(client, weight_version, expected, tolerance=tolerance, previous=previous, label=not uncertain):
