@@ -1,9 +1,32 @@
 """Options defined once: a stage's command-line option is derived from the config field it sets.
 
-The field (``glmpost.config.setting``) holds the default and the help text; :func:`option` turns it
-into the typer option (``--field-name`` unless the field names its flag), :func:`config_from`
-builds the config from the parsed options, and :func:`flags_in_errors` rephrases a refused setting
-with the flag the user typed. Options every stage has (``--json``, ``--config``) live here too.
+A flag's whole path, in the order it runs (``rollout --top-k 20`` as the example):
+
+1. **Declared** once, as a field of the stage's config dataclass: ``top_k: int = setting(0, "Sample
+   among the k most likely tokens; 0 disables.", min=0)`` (``glmpost/rollout/settings.py:
+   RolloutConfig``; :func:`glmpost.config.setting` keeps the default, the help, the bounds and, in
+   ``cli=``, what the command line needs beyond the field's type; ``shared(name)`` for a setting
+   many stages have). A field inside a ``section(...)`` is a setting of the whole tree, flat by name.
+2. **Made an option** when the command is defined: ``@with_config(RolloutConfig)`` on the command
+   function (``commands/rollout.py``) calls :func:`option` for each setting (``--top-k``, unless
+   the field names its ``flag``) and adds it to the function's signature (:func:`with_options`);
+   typer then shows it in ``--help`` with that help and default.
+3. **Given a recipe value**: ``--config RECIPE`` is eager (``commands/common.py:
+   _load_recipe_section``): the recipe's ``[rollout]`` keys (``top-k = 20`` or ``top_k = 20``) are
+   checked like the flag and become click's default map, so a flag on the command line wins.
+4. **Parsed** by click into ``ctx.params["top_k"]`` (the function also receives it in ``**settings``,
+   which a command need not read).
+5. **Built into the config**: ``config_from(ctx, RolloutConfig)`` -> :func:`glmpost.config.from_values`,
+   which fills every field (and section) from ``ctx.params`` by name. The library sees only the config.
+6. **Recorded**: ``commands.common.effective_options(ctx)`` (``ctx.params`` without ``--json``,
+   ``--overwrite`` and the trackers; :func:`glmpost.stage.recorded_options`) is what ``stage.json``
+   and the shard headers hold; a rerun with other values is refused naming the option.
+7. **Refused** in the library as ``ConfigError("{top_k} ...")`` / ``SettingError("top_k", ...)``;
+   :func:`spelled_with_flags` (every stage is registered through it in ``commands/app.py``) says it
+   with the flag the user typed (:func:`flags_in_errors`).
+
+Options every stage has (``--json``, ``--config``) live here too. CONTRIBUTING.md "Add a setting to a
+stage" walks the same path for a new setting; ``tests/test_cli_options.py`` guards every option.
 """
 
 from __future__ import annotations
