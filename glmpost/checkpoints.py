@@ -58,9 +58,15 @@ class CheckpointManifest:
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     extra: dict[str, Any] = field(default_factory=dict)
     format: str = MANIFEST_FORMAT
+    # A LoRA version's base: {"path": its version directory, "hash": its weights' content hash}
+    # (glmpost.kernel.lora_versions); None, and absent from the JSON, for a full version.
+    lora_base: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        payload = dataclasses.asdict(self)
+        if payload["lora_base"] is None:
+            del payload["lora_base"]
+        return payload
 
     @classmethod
     def from_json(cls, payload: dict[str, Any], *, where: Path) -> CheckpointManifest:
@@ -122,6 +128,9 @@ def resolve_checkpoint(path: Path | str) -> Path:
         return path
     if (path / LATEST).is_file():
         return CheckpointRoot(path).latest_dir()
+    if (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"checkpoint {path}: a PEFT adapter without {MANIFEST}; a LoRA version names its base "
+                              "there (glmpost.kernel.lora_versions.write_lora_version)")
     raise CheckpointError(f"checkpoint {path}: neither a version directory (config.json, {MANIFEST}) nor a root ({LATEST})")
 
 

@@ -10,6 +10,8 @@ from typing import Any
 from glmpost.checkpoints import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint, tokenizer_revision
 from glmpost.config import ConfigError
 from glmpost.errors import first_line
+from glmpost.kernel.lora import apply_adapter
+from glmpost.kernel.lora_versions import is_lora_version, model_dir, read_lora_base
 from glmpost.kernel.partitioned_loading import load_partitioned
 from glmpost.kernel.routing import install_routing
 from glmpost.models.native_attention import ATTENTION_CHOICES, set_attention
@@ -31,6 +33,10 @@ def load_tokenizer(checkpoint: Path | str):
             raise CheckpointError(
                 f"{directory}: tokenizer files have revision {revision} but {MANIFEST} records {recorded}"
             )
+    if is_lora_version(directory):  # its copy of the base's tokenizer (glmpost.kernel.lora_versions)
+        base = read_lora_base(directory)
+        if (theirs := tokenizer_revision(base)) != revision:
+            raise CheckpointError(f"LoRA version {directory}: tokenizer revision {revision} differs from its base {base}'s {theirs}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as exc:
@@ -48,6 +54,12 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     engine computes with. A tensor the architecture needs but the checkpoint lacks is an error, never
     a random initialisation.
 
+    A LoRA version (:mod:`glmpost.kernel.lora_versions`) loads its base, checked to hold the weights
+    the adapter was trained on, and applies its adapter unmerged (:func:`glmpost.kernel.lora.apply_adapter`):
+    the adapted layers compute ``W x + scale · B (A x)`` as the trainer's PEFT model does, so the
+    engine samples with the trainer's own function (no merged ``W + scale · B A`` rounded to the
+    weights' dtype), and a new adapter replaces only the adapter's tensors.
+
     With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
     :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
     and the trainer attend to the same keys for the same tokens; MoE routers select experts by the same
@@ -55,12 +67,29 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     default) runs GLM-5 attention through :mod:`glmpost.models.native_attention`, ``reference``
     through transformers' modules (ConfigError naming ``attention`` for anything else).
     """
+    directory = resolve_checkpoint(checkpoint)
+    lora = is_lora_version(directory)
+    model = load_weights(read_lora_base(directory) if lora else directory, dtype)
+    if lora:
+        model = apply_adapter(model, directory)
+    check_finite(model, directory)
+    if deterministic_topk:
+        install_deterministic_topk(model)
+        install_routing(model)  # MoE routers: the same rule (ties to the lower expert id), recordable, replayable
+    apply_attention(model, attention)
+    if partitioned(model):  # ZeRO-3 created its parameters in place, partitioned over the ranks
+        return model.eval()
+    return model.to(device).eval()
+
+
+def load_weights(directory: Path, dtype: Any = None):
+    """The model of a full version directory (:func:`load_model` without the adapter, checks and
+    settings): float, quantized (dequantized) or ZeRO-3 partitioned; every tensor present."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    directory = resolve_checkpoint(checkpoint)
     try:
         config_json = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -86,14 +115,7 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{directory}: missing tensors {', '.join(missing[:3])}{more}")
-    check_finite(model, directory)
-    if deterministic_topk:
-        install_deterministic_topk(model)
-        install_routing(model)  # MoE routers: the same rule (ties to the lower expert id), recordable, replayable
-    apply_attention(model, attention)
-    if partitioned(model):  # ZeRO-3 created its parameters in place, partitioned over the ranks
-        return model.eval()
-    return model.to(device).eval()
+    return model
 
 
 def import_architecture(checkpoint: Path | str) -> None:
@@ -103,7 +125,7 @@ def import_architecture(checkpoint: Path | str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(resolve_checkpoint(checkpoint))))]
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(model_dir(resolve_checkpoint(checkpoint)))))]
     except (OSError, ValueError, KeyError, CheckpointError):
         return
 
@@ -171,7 +193,7 @@ def saved_dtype(checkpoint: Path | str) -> str:
     (``.bin`` weights) its ``config.json`` ``dtype`` / ``torch_dtype``; float32 when nothing says."""
     from safetensors import safe_open
 
-    directory = resolve_checkpoint(checkpoint)
+    directory = model_dir(resolve_checkpoint(checkpoint))  # a LoRA version: its base's
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
@@ -191,7 +213,7 @@ def attention_ran(checkpoint: Path | str, attention: str) -> str:
     records it: ``native`` or ``reference`` for a GLM-5 model, ``transformers`` (its own) for any
     other, whichever was asked. Read from ``config.json``, without loading the model."""
     try:
-        config_json = json.loads((resolve_checkpoint(checkpoint) / "config.json").read_text())
+        config_json = json.loads((model_dir(resolve_checkpoint(checkpoint)) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{checkpoint}/config.json: unreadable ({first_line(exc)})") from None
     return attention if config_json.get("model_type") == GLM5_MODEL_TYPE else "transformers"

@@ -195,11 +195,12 @@ def _query_chunk(indexer, batch: int, total: int, seq: int) -> int:
 
 
 def _absorbed_weights(attention) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W_uk`` ``[H, nope, c]`` and ``W_uv`` ``[H, v, c]`` of ``kv_b_proj``. A ZeRO-3 partitioned weight
-    is read through the module (its forward gathers it): ``kv_b_proj(I) = Wᵀ`` exactly."""
+    """``W_uk`` ``[H, nope, c]`` and ``W_uv`` ``[H, v, c]`` of ``kv_b_proj``, read through the module when
+    ZeRO-3 partitioned (its forward gathers it) or LoRA-adapted (PEFT's ``weight`` is the frozen part
+    alone): ``kv_b_proj(I) = Wᵀ`` exactly, or ``(W + scale · B A)ᵀ`` with the adapter's gradient."""
     proj = attention.kv_b_proj
     weight = proj.weight
-    if hasattr(weight, "ds_id"):
+    if hasattr(weight, "ds_id") or hasattr(proj, "base_layer"):
         eye = torch.eye(attention.kv_lora_rank, dtype=weight.dtype, device=weight.device)
         weight = proj(eye).transpose(0, 1)
     weight = weight.view(attention.num_heads, attention.qk_nope_head_dim + attention.v_head_dim, attention.kv_lora_rank)

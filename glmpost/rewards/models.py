@@ -25,6 +25,8 @@ from glmpost.errors import GlmpostError
 from glmpost.formats.prompts import encode_prompt
 from glmpost.kernel.engine import LocalEngine, SamplingParams
 from glmpost.kernel.loading import apply_attention, load_model, load_tokenizer
+from glmpost.kernel.lora import apply_adapter
+from glmpost.kernel.lora_versions import is_lora_version, read_lora_base
 
 ACTIVATIONS = ("sigmoid", "none")
 DEFAULT_SCORE_PATTERN = r"Score:\s*([0-9]+(?:\.[0-9]+)?)"
@@ -90,9 +92,11 @@ class OutcomeRewardModel:
                 f"ORM {directory}: tokenizer revision {revision} differs from the policy's {tokenizer_revision}; "
                 "an ORM scores the records' token ids, so it must share the policy tokenizer"
             )
+        lora = is_lora_version(directory)  # a LoRA version: its base classifier, then its adapter
+        weights = read_lora_base(directory) if lora else directory
         try:
             model, info = AutoModelForSequenceClassification.from_pretrained(
-                str(directory), dtype="auto", output_loading_info=True
+                str(weights), dtype="auto", output_loading_info=True
             )
         except Exception as exc:  # transformers raises many types for a bad checkpoint
             raise CheckpointError(f"ORM {directory}: does not load as a sequence classifier ({_first_line(exc)})") from None
@@ -101,6 +105,8 @@ class OutcomeRewardModel:
             raise CheckpointError(
                 f"ORM {directory}: weights missing ({', '.join(missing[:3])}); not a sequence-classification checkpoint"
             )
+        if lora:
+            model = apply_adapter(model, directory, where=f"ORM {directory}")
         if model.config.num_labels != 1:
             raise CheckpointError(f"ORM {directory}: num_labels is {model.config.num_labels}, expected 1 (a scalar score)")
         self.config = config

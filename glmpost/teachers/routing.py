@@ -14,6 +14,7 @@ from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.formats import ShardReader, require_fields
 from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.lora_versions import model_dir
 from glmpost.npu import resolve_device
 
 STAGE = "score-teacher"
@@ -77,7 +78,7 @@ def open_teacher(checkpoint: str) -> Teacher:
         _, revision = load_tokenizer(path)
         from transformers import AutoConfig
 
-        vocab = int(AutoConfig.from_pretrained(str(path)).vocab_size)
+        vocab = int(AutoConfig.from_pretrained(str(model_dir(path))).vocab_size)  # a LoRA teacher: its base's
     except (CheckpointError, OSError, ValueError) as exc:
         raise GlmpostError(f"teacher checkpoint {checkpoint} does not load: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     try:
@@ -145,7 +146,7 @@ def check_vocabularies(teachers: list[Teacher], student: Path | None, pending: l
         try:
             from transformers import AutoConfig
 
-            reference = int(AutoConfig.from_pretrained(str(resolve_checkpoint(student))).vocab_size)
+            reference = int(AutoConfig.from_pretrained(str(model_dir(resolve_checkpoint(student)))).vocab_size)
             name = f"student {student}"
         except (CheckpointError, OSError, ValueError) as exc:
             raise ConfigError("{student} {path}: cannot read its config ({reason})", path=student,

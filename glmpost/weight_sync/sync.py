@@ -35,6 +35,7 @@ from typing import Any, Iterator
 
 from glmpost.checkpoints import LATEST, CheckpointError, CheckpointRoot, resolve_checkpoint, version_dir_name
 from glmpost.fsutil import fsync_dir
+from glmpost.kernel.lora_versions import lora_bases
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.quant.formats import is_quantized_checkpoint, load_quantized_state, read_tensors
 from glmpost.stage import log
@@ -78,14 +79,16 @@ def publish(root: Path, staging: Path, version: int) -> Path:
 
 
 def prune(root: Path, keep: int, *, protect: set[int] = frozenset()) -> list[int]:
-    """Delete all but the newest ``keep`` versions; never ``LATEST`` nor a version in ``protect``
-    (e.g. one a server still reports). Returns the removed versions."""
+    """Delete all but the newest ``keep`` versions; never ``LATEST``, a version in ``protect`` (e.g.
+    one a server still reports), nor the base of a LoRA version kept. Returns the removed versions."""
     if keep <= 0:
         return []
     ckpt = CheckpointRoot(root)
     versions = ckpt.versions()
     latest = ckpt.latest()
     keep_set = set(versions[-keep:]) | set(protect) | ({latest} if latest is not None else set())
+    bases = lora_bases(ckpt.version_dir(v) for v in keep_set)  # an adapter is nothing without its base
+    keep_set |= {v for v in versions if ckpt.version_dir(v).resolve() in bases}
     removed = []
     for version in versions:
         if version in keep_set:
