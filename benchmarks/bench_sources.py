@@ -7,7 +7,7 @@ The file holds ``--rows`` prompts of ``--prompt-chars`` characters (a question, 
 in row groups of 10,000. Both sides visit every row as a dict of its columns with the question
 mapped to ``prompt`` and the answer into ``task``:
 
-- glmpost: :func:`glmpost.rollout.sources.source_rows` (``ParquetFile.iter_batches``, batches of
+- glmpost: :func:`glmpost.formats.sources.source_rows` (``ParquetFile.iter_batches``, batches of
   1,024 rows; the whole file is never in memory);
 - pandas: ``pandas.read_parquet`` then ``DataFrame.to_dict("records")`` (the usual one-liner).
 
@@ -31,7 +31,7 @@ from glmpost.memory.process import peak_rss_mib
 side, path = sys.argv[1], sys.argv[2]
 import pyarrow.parquet  # both sides read through pyarrow: its import is part of the baseline
 if side == "glmpost":
-    from glmpost.rollout.sources import ColumnsConfig, source_rows
+    from glmpost.formats.sources import ColumnsConfig, source_rows
     columns = ColumnsConfig(prompt_column="question", answer_column="answer")
     base = peak_rss_mib()
     start = time.perf_counter()

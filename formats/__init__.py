@@ -6,7 +6,8 @@ record's context windows (CompactionRL's rebuilt contexts, new in version 2) are
 checksummed footer, written by :mod:`glmpost.formats.shards` and read by
 :mod:`glmpost.formats.shard_reader` (writers write version 3, which adds ``routed_experts``; the reader also reads versions 1 and 2).
 Datasets of shards (files, directories, globs) are :mod:`glmpost.formats.datasets`; the JSON form
-of records is :mod:`glmpost.formats.json_form`.
+of records is :mod:`glmpost.formats.json_form`. Prompt sources (JSONL, parquet, CSV / JSON, ``datasets``
+directories) read row by row, their columns mapped, are :mod:`glmpost.formats.sources`.
 """
 
 from glmpost.formats.datasets import iter_records, resolve_shard_paths, select_shards

@@ -39,6 +39,8 @@ SEGMENT_KEYS = ("start", "end", "kind", "turn")
 ROLE_KEY = "role"
 # When ``reward`` is NaN (the judge failed), ``reward_info[REWARD_FAILURE_KEY]`` says why.
 REWARD_FAILURE_KEY = "failure"
+# policy_versions of an action token whose weights' version nobody confirmed (SPEC.md §5).
+UNKNOWN_VERSION = -1
 # Log-probs may exceed 0 by this much (float32 rounding of log-softmax near probability 1).
 LOG_PROB_TOLERANCE = 1e-4
 EXTRA = "extra"

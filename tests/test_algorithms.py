@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from glmpost.kernel.trust_masks import TRUST_MASKS, dis_mask, icepop_mask
 from glmpost.rl.advantages import group_advantages
-from glmpost.rl.losses import clipped_policy_loss, k3_kl, masked_sum_over
-from glmpost.rl.masks import TRUST_MASKS, dis_mask, icepop_mask
 from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.losses import clipped_policy_loss, k3_kl, masked_sum_over
 
 
 def test_group_advantages_hand_computed():

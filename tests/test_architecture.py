@@ -1,12 +1,32 @@
-"""The import graph and the size of the pieces (issue 29, CONTRIBUTING "Layers").
+"""The import graph and the size of the pieces (issue 29, issue 44; CONTRIBUTING "Layers").
 
 Read from the source with ``ast`` (nothing is imported): every ``import`` of a glmpost module,
-module-level or inside a function (``if TYPE_CHECKING:`` blocks aside), is an edge between the
-packages of the two modules. The rules:
+module-level or inside a function (``if TYPE_CHECKING:`` blocks aside: an annotation runs nothing),
+is an edge between the two modules and between their packages (a top-level module such as
+``glmpost.stage`` is a package of its own). The packages stand on floors (:data:`FLOORS`), each
+importing only its own floor and those below:
 
-- no cycle between packages;
-- the kernel (``glmpost/kernel``) imports no stage package;
-- no module imports another module's underscore-private name;
+0. foundation: errors, config, toml, fsutil, registry (names and ``package.module:function`` hooks),
+   trackers, stage, locks, checkpoints, formats (records, shards, prompt sources), npu, models,
+   quant; they build on one another without a cycle.
+1. kernel: what every stage computes with (loading, sampling, log-probs, trust masks, the engines'
+   HTTP clients).
+2. services a stage builds on and that are no stage themselves: spool (the queue between stages),
+   drivers (a shard stage run over inputs or between spools), envs (the environments a multi-turn
+   rollout steps), memory (a process's memory and the buffer sizes the trainer and ``glmpost plan``
+   share).
+3. stages: rollout, rewards (the judge), rl (the trainers), diff, teachers, server, weight_sync,
+   evaluation, report, model_import, pipeline. A stage imports no other stage except the
+   compositions declared in :data:`COMPOSITIONS`, each with its reason.
+4. commands: the command line, over every stage.
+
+The rules:
+
+- every package has a floor and imports nothing above it; no stage imports another stage except a
+  declared composition (and every declared one is used);
+- no cycle between packages, nor between the modules of one package;
+- no module imports another module's underscore-private name, nor reaches one through a name it
+  imported (``LocalEngine._sample`` from another module: give the owner a public function);
 - an import of a glmpost module inside a function says why on its line or the line above
   (the only reason left: keeping torch out of a light module's import);
 - modules of at most 400 lines and functions of at most 60, unless a function's docstring says
@@ -25,8 +45,22 @@ ROOT = Path(__file__).resolve().parents[1]
 # Where each importable package's files live (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"glmpost": ROOT / "glmpost", "glmpost.commands": ROOT / "commands",
                 "glmpost.formats": ROOT / "formats", "glmpost.npu": ROOT / "npu"}
-STAGE_PACKAGES = {"rollout", "rewards", "envs", "rl", "diff", "teachers", "server", "weight_sync", "memory", "evaluation", "report",
-                  "spool", "pipeline", "commands"}
+FOUNDATION, KERNEL, SERVICES, STAGES, COMMANDS = range(5)
+FLOORS = {
+    **dict.fromkeys(["glmpost", "errors", "config", "toml", "fsutil", "registry", "trackers", "stage", "locks", "checkpoints",
+                     "formats", "npu", "models", "quant"], FOUNDATION),
+    "kernel": KERNEL,
+    **dict.fromkeys(["spool", "drivers", "envs", "memory"], SERVICES),
+    **dict.fromkeys(["rollout", "rewards", "rl", "diff", "teachers", "server", "weight_sync", "evaluation", "report",
+                     "model_import", "pipeline"], STAGES),
+    "commands": COMMANDS,
+}
+STAGE_PACKAGES = {package for package, floor in FLOORS.items() if floor == STAGES}
+# A stage that runs another stage's work as part of its own: (importer, imported) -> why.
+COMPOSITIONS = {
+    ("evaluation", "rollout"): "eval samples a benchmark's answers with the rollout runner and its settings",
+    ("evaluation", "rewards"): "eval scores those answers with the judge stage and the math verifier's answers",
+}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 ONE_PIECE = "must be one piece"  # what a long function's docstring says, with the reason
@@ -65,6 +99,7 @@ class ModuleImports(ast.NodeVisitor):
         self.is_package = path.name == "__init__.py"
         self.function_depth = 0
         self.imports: list[tuple[str, list[str], bool, int]] = []  # (target module, names, in a function, line)
+        self.bound: dict[str, str] = {}  # a name this module binds by an import -> what it names (module.name)
 
     def visit_FunctionDef(self, node):
         self.function_depth += 1
@@ -84,6 +119,8 @@ class ModuleImports(ast.NodeVisitor):
         for alias in node.names:
             if alias.name.startswith("glmpost"):
                 self.imports.append((alias.name, [], self.function_depth > 0, node.lineno))
+                if alias.asname:
+                    self.bound[alias.asname] = alias.name
 
     def visit_ImportFrom(self, node):
         target = node.module or ""
@@ -92,6 +129,7 @@ class ModuleImports(ast.NodeVisitor):
             target = ".".join(base + ([node.module] if node.module else []))
         if target.startswith("glmpost"):
             self.imports.append((target, [a.name for a in node.names], self.function_depth > 0, node.lineno))
+            self.bound.update({a.asname or a.name: f"{target}.{a.name}" for a in node.names})
 
 
 def _imports() -> dict[str, ModuleImports]:
@@ -174,10 +212,26 @@ def test_no_cycle_between_packages():
     assert strongly_connected(package_graph()) == []
 
 
-def test_the_kernel_imports_no_stage_package():
+def test_every_package_stands_on_a_floor():
+    packages = set(package_graph()) | {package_of(module) for module in MODULES}
+    assert sorted(packages - set(FLOORS)) == [], "a new package: give it a floor in FLOORS (and the docstring)"
+    assert sorted(set(FLOORS) - packages) == [], "a package is gone: take it off FLOORS"
+
+
+def test_no_package_imports_one_above_its_floor():
     graph = package_graph()
     assert graph["kernel"], "the kernel imports nothing: the scan is broken"
-    assert sorted(graph["kernel"] & STAGE_PACKAGES) == []
+    upward = sorted(f"{package} (floor {FLOORS[package]}) imports {target} (floor {FLOORS[target]})"
+                    for package, targets in graph.items() for target in targets if FLOORS[target] > FLOORS[package])
+    assert upward == []
+
+
+def test_a_stage_imports_another_stage_only_as_a_declared_composition():
+    graph = package_graph()
+    between_stages = {(package, target) for package, targets in graph.items() for target in targets
+                      if package in STAGE_PACKAGES and target in STAGE_PACKAGES}
+    assert sorted(between_stages - set(COMPOSITIONS)) == [], "move the shared piece down a floor, or declare the composition"
+    assert sorted(set(COMPOSITIONS) - between_stages) == [], "no longer composed: take it off COMPOSITIONS"
 
 
 def test_no_module_imports_another_modules_private_name():
@@ -185,6 +239,51 @@ def test_no_module_imports_another_modules_private_name():
                for module, visitor in IMPORTS.items() for target, names, _, line in visitor.imports
                for name in names if name.startswith("_") and not name.startswith("__") and target != module]
     assert private == []
+
+
+def module_graph() -> dict[str, set[str]]:
+    """``module -> the modules of its own package it imports`` (a package's ``__init__`` is a module too)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, visitor in IMPORTS.items():
+        for target, names, _, _ in visitor.imports:
+            for imported in _imported_modules(target, names):
+                if imported in MODULES and imported != module and package_of(imported) == package_of(module):
+                    graph[module].add(imported)
+    return graph
+
+
+def test_no_cycle_between_the_modules_of_a_package():
+    graph = module_graph()
+    assert "glmpost.rollout.engines" in graph["glmpost.rollout.runner"], "the module scan is broken"
+    assert strongly_connected(graph) == []
+
+
+def _private_attributes(module: str) -> list[str]:
+    """``Name._private`` where ``Name`` is what this module imported from another module (a class, a
+    function or a module): another module's private part reached from here."""
+    bound = IMPORTS[module].bound
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{module}:{node.lineno} uses {node.value.id}.{node.attr} (from {bound[node.value.id]})")
+    return found
+
+
+def test_private_attributes_scan_finds_a_classes_private_method(tmp_path):
+    path = tmp_path / "user.py"
+    path.write_text("from glmpost.kernel.engine import LocalEngine\n\nLocalEngine._sample(1, 2, 3)\nLocalEngine.generate\n")
+    visitor = ModuleImports("glmpost.user", path)
+    visitor.visit(ast.parse(path.read_text()))
+    IMPORTS["glmpost.user"], MODULES["glmpost.user"] = visitor, path
+    try:
+        assert _private_attributes("glmpost.user") == ["glmpost.user:3 uses LocalEngine._sample (from glmpost.kernel.engine.LocalEngine)"]
+    finally:
+        del IMPORTS["glmpost.user"], MODULES["glmpost.user"]
+
+
+def test_no_module_uses_a_private_attribute_of_another_modules_name():
+    assert [line for module in MODULES for line in _private_attributes(module)] == []
 
 
 def test_imports_inside_functions_say_why():

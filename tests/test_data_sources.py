@@ -14,9 +14,9 @@ from test_rollout import _records, _same
 
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
+from glmpost.formats import sources
 from glmpost.formats.prompts import PromptDataError, read_prompts
-from glmpost.rollout import sources
-from glmpost.rollout.sources import ColumnsConfig, source_kind, source_rows
+from glmpost.formats.sources import ColumnsConfig, source_kind, source_rows
 
 ROWS = [{"id": f"q{d}", "prompt": f"count: {d}", "domain": "count", "task": {"digit": str(d)}} for d in range(5)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +230,19 @@ def test_the_plan_is_a_list_of_steps_each_reading_what_an_earlier_one_wrote(tmp_
 
 def test_every_pipeline_stage_has_a_step_function_in_stage_order():
     assert tuple(PIPELINE_STAGES) == STAGE_ORDER == ("init-model", "qat", "rl", "opd", "quantize", "diff-logprobs")
+
+
+def test_the_scripts_spell_no_stage_order():
+    # The order is PIPELINE_STAGES' alone (glmpost/pipeline/steps.py): the scripts run the steps the plan
+    # lists (python -m glmpost.pipeline RECIPE --shell), so no line of their code names two stages.
+    spelled = []
+    for script in [PIPELINE, *sorted((ROOT / "bin" / "slurm").iterdir())]:
+        for number, line in enumerate(script.read_text().splitlines(), 1):
+            code = "" if line.lstrip().startswith("#") else line
+            named = [s for s in STAGE_ORDER if re.search(rf"(?<![\w-]){re.escape(s)}(?![\w-])", code)]
+            if len(named) > 1:
+                spelled.append(f"{script.relative_to(ROOT)}:{number}: {', '.join(named)}")
+    assert spelled == []
 
 
 def test_steps_evaluate_in_bash_with_their_argv(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from glmpost.checkpoints import CheckpointError, tokenizer_revision
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.kernel.loading import load_tokenizer
+from glmpost.registry import load_hook
 from glmpost.rewards import (
     ComponentResult,
     ComponentSpec,
@@ -29,7 +30,6 @@ from glmpost.rewards import (
     format_score,
     last_boxed,
     length_penalty,
-    load_hook,
     math_answers_equal,
     math_verifier,
     normalize_math_answer,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.trust_masks import dis_mask
 from glmpost.rl.batches import drop_stale, failure_counts, prepare_batch, whole_groups
-from glmpost.rl.losses import dis_policy_loss
-from glmpost.rl.masks import dis_mask
 from glmpost.rl.configs import GRPOConfig
+from glmpost.rl.losses import dis_policy_loss
 from glmpost.rl.trainer import PolicyTrainer
 from glmpost.rollout.refill import refill_slots
 

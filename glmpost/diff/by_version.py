@@ -29,7 +29,7 @@ from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
 from glmpost.config import ConfigError
 from glmpost.diff.kv_cache import stale_cache_tokens
 from glmpost.diff.mismatch import PathScores, action_positions
-from glmpost.rollout.records import UNKNOWN_VERSION
+from glmpost.formats.schema import UNKNOWN_VERSION
 
 
 def version_directories(root: Path) -> dict[int, Path]:

@@ -39,11 +39,11 @@ import torch
 
 from glmpost.diff.indexer_probe import IndexerCapture, indexer_summary, pad_rows
 from glmpost.kernel.distribution import ScoredDistribution, distribution_log_softmax
-from glmpost.kernel.engine import LocalEngine, SamplingParams, sequence_seed, turn_key
+from glmpost.kernel.engine import SamplingParams, sample_tokens, sequence_seed, turn_key
 from glmpost.kernel.loading import load_model
 from glmpost.kernel.logprobs import sequence_log_probs
+from glmpost.kernel.trust_masks import dis_mask, icepop_mask
 from glmpost.npu.topk import set_indexer_topk
-from glmpost.rl.masks import dis_mask, icepop_mask
 
 POSITION_BUCKETS = (0, 64, 256, 1024, 4096)
 # Full next-token distributions are asked of a server only up to this vocabulary size.
@@ -157,11 +157,11 @@ def rollout_path(records: Sequence[dict[str, Any]], *, resample: bool) -> PathSc
 
 def inverse_cdf_samples(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams) -> np.ndarray:
     """int64 ``[N]``: for each row of ``logits [N, V]`` the token the engine samples with uniform
-    ``uniforms[n]`` (:meth:`glmpost.kernel.engine.LocalEngine._sample`, the same code: filter, then
+    ``uniforms[n]`` (:func:`glmpost.kernel.engine.sample_tokens`, the engine's own code: filter, then
     ``min{v : F(v) > u * F(V-1)}``; argmax at temperature 0)."""
     if logits.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    chosen = LocalEngine._sample(logits.float(), uniforms.to(logits.device), params)[0]
+    chosen = sample_tokens(logits.float(), uniforms.to(logits.device), params)[0]
     return chosen.cpu().numpy().astype(np.int64)
 
 

@@ -32,8 +32,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from glmpost.envs.glm_tool_calls import ToolCalls, tool_names
 from glmpost.errors import UsageError
-from glmpost.registry import Registry
-from glmpost.rewards.verifiers import load_hook
+from glmpost.registry import Registry, load_hook
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@
 - :mod:`~glmpost.kernel.distribution`: the distributions a log-prob can be of (log-prob kinds);
   :mod:`~glmpost.kernel.logprobs` and :mod:`~glmpost.kernel.heads`: the chunked log-prob head;
   :mod:`~glmpost.kernel.scoring`: teacher prefill and top-k scoring.
+- :mod:`~glmpost.kernel.trust_masks`: which action tokens an update may learn from (IcePop, DIS),
+  what the trainer applies and ``diff-logprobs`` measures.
 - :mod:`~glmpost.kernel.sglang_client` (one server), :mod:`~glmpost.kernel.sglang_pool` (several) and
   :mod:`~glmpost.kernel.server_settings`: the engines' HTTP
   client and the probes a client runs before sampling from a server.

@@ -310,7 +310,7 @@ class LocalEngine:
                 outputs = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                                      **self._logits_to_keep, **({self._cache_kwarg: cache} if cache is not None else {}))
             cache = getattr(outputs, self._cache_kwarg, None) or outputs.past_key_values
-            chosen, chosen_log_probs, top = self._sample(outputs.logits[:, -1, :].float(), uniforms[:, step], params, top_logprobs_num)
+            chosen, chosen_log_probs, top = sample_tokens(outputs.logits[:, -1, :].float(), uniforms[:, step], params, top_logprobs_num)
             top_steps.append(top)
             # Rows that already stopped keep decoding (a batch moves together) but record nothing.
             chosen_steps.append(torch.where(finished, -1, chosen))
@@ -340,27 +340,30 @@ class LocalEngine:
         ids = [list(prompt) + result.token_ids[: fed.shape[1]] for prompt, result in zip(prompts, results)]
         return results, (ids, cache, cache_attention)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, top_logprobs_num: int = 0):
-        """Inverse-CDF sampling of one token per row from the filtered distribution, and its log-prob.
 
-        The log-probs (and, with ``top_logprobs_num`` k > 0, the k largest of them and their ids; else
-        None) are of the recorded kind (``params.recorded_kind()``): by default the sampling
-        distribution, for greedy decoding the temperature-1 one.
-        """
-        if params.temperature == 0:
-            chosen = logits.argmax(dim=-1)
-            recorded = torch.log_softmax(logits, dim=-1)  # kind "raw"
-        else:
-            filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-            sampling_log_probs = torch.log_softmax(filtered, dim=-1)
-            cdf = torch.cumsum(sampling_log_probs.double().exp(), dim=-1)
-            # The first token whose cumulative probability exceeds u * total; zero-probability tokens
-            # have a flat CDF and are never chosen.
-            chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-            chosen = chosen.clamp(max=logits.shape[-1] - 1)
-            recorded = sampling_log_probs if params.log_prob_kind == "sampled" else distribution_log_softmax(logits, params.scored())
-        return chosen, recorded.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), _top(recorded, top_logprobs_num)
+def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, top_logprobs_num: int = 0):
+    """Inverse-CDF sampling of one token per row from the filtered distribution, and its log-prob:
+    ``(chosen [N], log_probs [N], top)`` for ``logits [N, V]`` and one uniform number per row
+    (:meth:`LocalEngine.generate` draws them from each sequence's generator; ``diff-logprobs`` resamples
+    with the same ones).
+
+    The log-probs (and, with ``top_logprobs_num`` k > 0, the k largest of them and their ids; else
+    None) are of the recorded kind (``params.recorded_kind()``): by default the sampling
+    distribution, for greedy decoding the temperature-1 one.
+    """
+    if params.temperature == 0:
+        chosen = logits.argmax(dim=-1)
+        recorded = torch.log_softmax(logits, dim=-1)  # kind "raw"
+    else:
+        filtered = filter_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        sampling_log_probs = torch.log_softmax(filtered, dim=-1)
+        cdf = torch.cumsum(sampling_log_probs.double().exp(), dim=-1)
+        # The first token whose cumulative probability exceeds u * total; zero-probability tokens
+        # have a flat CDF and are never chosen.
+        chosen = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        chosen = chosen.clamp(max=logits.shape[-1] - 1)
+        recorded = sampling_log_probs if params.log_prob_kind == "sampled" else distribution_log_softmax(logits, params.scored())
+    return chosen, recorded.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), _top(recorded, top_logprobs_num)
 
 
 def _top(log_probs: torch.Tensor, k: int):

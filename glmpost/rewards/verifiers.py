@@ -4,7 +4,7 @@ A *verifier* is a function ``fn(ctx: VerifyContext) -> float | Verdict`` returni
 ``[0, 1]``. It may raise: the judge records that as a failed component (``reward`` NaN, the reason in
 ``reward_info``), never as a silent 0. Verifiers are looked up by name in :data:`VERIFIERS`
 (built in: ``math``, ``count``, ``env``) or imported from a ``package.module:function`` spec
-(:func:`load_hook`); :class:`VerifierTable` routes each record's ``domain`` to one.
+(:func:`glmpost.registry.load_hook`); :class:`VerifierTable` routes each record's ``domain`` to one.
 
 Rules are small pure functions on what the record already says: :func:`format_score` (a regex the
 response text must match), :func:`length_penalty` (action tokens over a budget, scaled to [0, 1])
@@ -13,7 +13,6 @@ and :func:`truncated_penalty` (1 when the rollout hit its token limit).
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import numpy as np
 
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
+from glmpost.registry import load_hook
 from glmpost.rewards.math_answers import (  # noqa: F401 (the normaliser's names, re-exported from here)
     DEFAULT_MATH_CHECKER,
     UnreadableReference,
@@ -108,34 +108,6 @@ def run_verifier(fn: Verifier, ctx: VerifyContext) -> Verdict:
 # Hooks and routing
 
 
-def is_hook_spec(spec: str) -> bool:
-    """``package.module:function`` (a colon with a dotted module path before it)."""
-    module, sep, attr = spec.partition(":")
-    return bool(sep and module and attr) and all(part.isidentifier() for part in module.split(".") + attr.split("."))
-
-
-def load_hook(spec: str, *, where: str) -> Verifier:
-    """Import ``package.module:function``; ``where`` names the option or recipe key in errors.
-
-    Raises :class:`UsageError` (one line) when the module does not import, the attribute is missing
-    or is not callable.
-    """
-    if not is_hook_spec(spec):
-        raise UsageError(f"{where}: {spec!r} is not package.module:function")
-    module_name, _, attr_path = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is the user's to fix
-        raise UsageError(f"{where}: cannot import {module_name} for {spec} ({_one_line(exc)})") from None
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise UsageError(f"{where}: {module_name} has no attribute {attr_path!r} (from {spec})")
-        obj = getattr(obj, attr)
-    if not callable(obj):
-        raise UsageError(f"{where}: {spec} is a {type(obj).__name__}, not a function")
-    return obj
-
-
 def resolve_verifier(spec: str, *, where: str) -> Verifier:
     """A built-in verifier name (``math``, ``count``) or a ``package.module:function`` hook."""
     if spec in VERIFIERS:
@@ -181,11 +153,6 @@ class VerifierTable:
         raise ConfigError("domain {domain!r} has no verifier (known: {known}); map it with {verifiers} "
                           "DOMAIN=package.module:function, [judge.domains], or give {default_verifier}",
                           domain=domain, known=known)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # --------------------------------------------------------------------------------------------

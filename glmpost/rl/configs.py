@@ -9,9 +9,9 @@ from typing import Optional
 
 from glmpost.config import SettingError, setting
 from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE
+from glmpost.kernel.trust_masks import TRUST_MASKS
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
-from glmpost.rl.masks import TRUST_MASKS
 from glmpost.rl.micro_batches import micro_batch_tokens_setting, pack_sequences_setting
 from glmpost.rl.routing_replay import routing_replay_setting
 

@@ -248,7 +248,7 @@ def dis_policy_loss(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, ad
 
         r_t = exp(logp_theta - logp_rollout)      l_t = -r_t * A_t
 
-    on the tokens the DIS mask keeps (``1 - dis_low < r_t < 1 + dis_high``, :func:`glmpost.rl.masks.dis_mask`,
+    on the tokens the DIS mask keeps (``1 - dis_low < r_t < 1 + dis_high``, :func:`glmpost.kernel.trust_masks.dis_mask`,
     applied by the trainer as the final mask): the ratio is to the behaviour policy the rollout
     recorded, not to a rebuilt old policy, and it is masked, not clipped (its gradient is
     ``-r_t A_t grad log pi_theta``). ``rollout_log_probs`` may be NaN off the actions; those entries

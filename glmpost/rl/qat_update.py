@@ -14,6 +14,7 @@ from glmpost.errors import GlmpostError
 from glmpost.formats import normalize_record, read_checked_records
 from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import conversation_record, parse_prompt_line
+from glmpost.formats.sources import is_prompt_source, source_rows
 from glmpost.kernel.loading import load_tokenizer
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
@@ -21,13 +22,12 @@ from glmpost.quant.spec import make_spec
 from glmpost.rl.jobs import TrainingJob, Update
 from glmpost.rl.run import TrainingRun
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
-from glmpost.rollout.sources import is_prompt_source, source_rows
 
 
 def read_sft_records(inputs: Sequence[str], tokenizer, revision: str, *, stage: str = "qat",
                      template_kwargs: dict[str, Any] | None = None) -> list[dict]:
     """Records from conversations (JSONL, parquet, CSV or JSON files, datasets directories:
-    :func:`~glmpost.rollout.sources.source_rows`; tokenized with the checkpoint's chat template and its
+    :func:`~glmpost.formats.sources.source_rows`; tokenized with the checkpoint's chat template and its
     ``template_kwargs``) or shards."""
     records = []
     for item in inputs:

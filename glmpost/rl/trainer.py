@@ -5,7 +5,7 @@ token"; "OPD：把教师变成逐 token 优势"): recompute the old log-probs of
 the training engine on the same weights, AND the trust masks into the action mask, then run
 ``epochs`` passes of ``mini_batches`` optimizer steps over the batch. What it optimises comes from
 registries, chosen by the config: the advantage estimator (:mod:`glmpost.rl.advantages`), the trust
-masks (:mod:`glmpost.rl.masks`), the loss terms (:mod:`glmpost.rl.losses`) and the batch
+masks (:mod:`glmpost.kernel.trust_masks`), the loss terms (:mod:`glmpost.rl.losses`) and the batch
 diagnostics (:mod:`glmpost.rl.diagnostics`). GRPO (:class:`GRPOConfig`) is ``grpo`` + ``icepop`` +
 ``policy``; OPD / MOPD (:class:`OPDConfig`) is ``opd`` (or ``task`` with the ``topk_reverse_kl``
 term) + ``icepop`` + ``policy``.
@@ -34,13 +34,13 @@ import torch
 
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
+from glmpost.kernel.trust_masks import TRUST_MASKS
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
 from glmpost.rl.batches import TrainExample
 from glmpost.rl.configs import PER_STEP_MASKS, GRPOConfig
 from glmpost.rl.diagnostics import BATCH_DIAGNOSTICS
 from glmpost.rl.distributed import TorchBackend
 from glmpost.rl.losses import LOSS_NORMALIZATIONS, LOSS_TERMS, LossInputs, masked_sum_over, trusted_sum
-from glmpost.rl.masks import TRUST_MASKS
 from glmpost.rl.micro_batches import MicroBatch, collate, micro_batch_plan, pack
 from glmpost.rl.routing_replay import replay_context, replay_counts, replay_metrics
 

@@ -42,7 +42,9 @@ from glmpost.checkpoints import LATEST, CheckpointRoot
 from glmpost.config import ConfigError, setting
 from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
-from glmpost.rollout.engines import LocalBackend, PolicyCheckpoint, engine_version, open_backend
+from glmpost.rollout.engines import engine_version, open_backend
+from glmpost.rollout.local_backend import LocalBackend
+from glmpost.rollout.policy import PolicyCheckpoint
 from glmpost.rollout.refill import refill_metrics
 from glmpost.rollout.runner import STAGE, RolloutRunner, shard_metrics, task_parts
 from glmpost.rollout.settings import RolloutConfig

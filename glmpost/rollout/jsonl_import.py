@@ -1,7 +1,7 @@
 """One ``glmpost shards import`` run: a file of records or text conversations as trajectory shards.
 
 The file is JSONL, parquet, CSV or a JSON array, or a ``datasets`` directory (read row by row, its
-columns mapped: :mod:`glmpost.rollout.sources`). A line (row) is a record in the JSON form ``glmpost shards cat`` prints, or a text conversation (``prompt``
+columns mapped: :mod:`glmpost.formats.sources`). A line (row) is a record in the JSON form ``glmpost shards cat`` prints, or a text conversation (``prompt``
 or chat ``messages``, an optional reference ``response``) that the checkpoint's tokenizer and chat
 template encode (:func:`glmpost.formats.prompts.conversation_record`). Records go into shards of
 ``records_per_shard`` in the caller's staging directory, one ``metrics.jsonl`` line per shard and a
@@ -21,8 +21,8 @@ from glmpost.errors import GlmpostError
 from glmpost.formats import ShardWriter, record_from_json
 from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import conversation_record, parse_prompt_line
+from glmpost.formats.sources import ColumnsConfig, source_rows
 from glmpost.kernel.loading import load_tokenizer
-from glmpost.rollout.sources import ColumnsConfig, source_rows
 from glmpost.stage import MetricsWriter, write_stage_json
 
 STAGE = "shards.import"

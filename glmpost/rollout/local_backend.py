@@ -15,7 +15,7 @@ from glmpost.kernel.loading import load_model
 from glmpost.rollout.servers import Outcome
 
 if TYPE_CHECKING:
-    from glmpost.rollout.engines import PolicyCheckpoint
+    from glmpost.rollout.policy import PolicyCheckpoint
     from glmpost.rollout.settings import RolloutConfig
 
 __all__ = ["LocalBackend"]

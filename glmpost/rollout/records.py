@@ -18,9 +18,9 @@ from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.formats import iter_checked_records, resolve_shard_paths
 from glmpost.formats.prompts import encode_prompt, read_prompts
+from glmpost.formats.sources import ColumnsConfig, is_prompt_source, source_rows
 from glmpost.kernel.engine import Completion, SamplingParams
 from glmpost.kernel.sglang_sampling import explicit
-from glmpost.rollout.sources import ColumnsConfig, is_prompt_source, source_rows
 
 
 @dataclass
@@ -32,10 +32,6 @@ class RolloutPrompt:
     domain: str = ""
     task: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # file:line or shard:record, for error messages
-
-
-# policy_versions of an action token whose weights' version nobody confirmed (SPEC.md §5).
-UNKNOWN_VERSION = -1
 
 
 def as_version(value: Any) -> int | None:
@@ -52,7 +48,7 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
                          tools: list[dict[str, Any]] | None = None,
                          template_kwargs: dict[str, Any] | None = None) -> list[RolloutPrompt]:
     """Prompts from JSONL, parquet, CSV or JSON files or datasets directories (their ``columns``
-    mapped, :mod:`glmpost.rollout.sources`; rendered with the chat template, its ``template_kwargs``,
+    mapped, :mod:`glmpost.formats.sources`; rendered with the chat template, its ``template_kwargs``,
     and ``tools`` when given) or shards (their prompt ids, as recorded).
 
     Shards are accepted so a stage can resample the prompts of earlier trajectories; their records
@@ -118,7 +114,7 @@ def rollout_record(
     """The trajectory record of one single-turn completion: every response token is an action.
 
     ``token_policy_version`` (default ``policy_version``) stamps ``policy_versions``: the version a
-    server reported for the weights that produced the tokens (:data:`UNKNOWN_VERSION` when it
+    server reported for the weights that produced the tokens (:data:`~glmpost.formats.schema.UNKNOWN_VERSION` when it
     reported none), unless the completion carries one per token.
     """
     length = len(completion.token_ids)

@@ -47,16 +47,10 @@ from glmpost.rollout.agentic import (
     trajectory_metrics,
 )
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, check_rebuild_room
+from glmpost.rollout.engines import engine_version, eos_id_list, open_backend
+from glmpost.rollout.local_backend import LocalBackend
 from glmpost.rollout.observations import open_renderer, reasoning_counter
-from glmpost.rollout.engines import (
-    LocalBackend,
-    Outcome,
-    PolicyCheckpoint,
-    SGLangBackend,
-    engine_version,
-    eos_id_list,
-    open_backend,
-)
+from glmpost.rollout.policy import PolicyCheckpoint
 from glmpost.rollout.records import (
     RolloutPrompt,
     aborted_record,
@@ -67,7 +61,9 @@ from glmpost.rollout.records import (
     trajectory_record,
 )
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
+from glmpost.rollout.servers import Outcome
 from glmpost.rollout.settings import PER_TASK_OPTIONS, RolloutConfig, parse_stop_ids
+from glmpost.rollout.sglang_backend import SGLangBackend
 from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, write_stage_json
 
 STAGE = "rollout"

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from glmpost.config import ConfigError
+from glmpost.formats.schema import UNKNOWN_VERSION
 from glmpost.kernel.engine import Completion
 from glmpost.kernel.routing import routed_from_sglang
 from glmpost.kernel.server_settings import ServerSettings, unknown_field
@@ -32,13 +33,12 @@ from glmpost.kernel.sglang_client import ServerError, SGLangClient, fresh_rid
 from glmpost.kernel.sglang_pool import SGLangPool
 from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS, check_preferred, refused_fields, refused_message
 from glmpost.kernel.vllm_client import VLLMClient
-from glmpost.rollout.records import UNKNOWN_VERSION, as_version
+from glmpost.rollout.records import as_version
 from glmpost.stage import log
 
 if TYPE_CHECKING:
     from glmpost.rollout.settings import RolloutConfig
 
-UNVERSIONED = ("refuse", "unknown", "checkpoint")
 # What an engine returns per sequence: (completion | None, weight_version, abort_reason).
 Outcome = tuple[Optional[Completion], Any, Optional[str]]
 
@@ -95,7 +95,7 @@ def check_server(client: Any, config: RolloutConfig, *, revision: str, version_d
 def version_stamp(settings: ServerSettings, unversioned: str, checkpoint_version: int) -> Callable[[Any], int]:
     """What ``policy_versions`` record for a token a server answered with ``weight_version`` w: w when
     it is an integer; otherwise the ``unversioned`` rule: ``refuse`` (checked here, at connection),
-    ``unknown`` (:data:`~glmpost.rollout.records.UNKNOWN_VERSION`) or ``checkpoint`` (the checkpoint's
+    ``unknown`` (:data:`~glmpost.formats.schema.UNKNOWN_VERSION`) or ``checkpoint`` (the checkpoint's
     version, on the user's word). A server that answers a non-integer later is recorded unknown."""
     reported = settings.model.get("weight_version")
     if as_version(reported) is None and unversioned == "refuse":
@@ -220,5 +220,5 @@ def check_routing_returned(client: Any, probe: list[int], layout: Any) -> None:
                           "{reason}", url=client.url, reason=exc, exit_code=1) from None
 
 
-__all__ = ["UNVERSIONED", "Outcome", "api_key_error", "check_routing_returned", "check_server", "checked_sampling", "connect_servers", "continued", "one_by_one",
+__all__ = ["Outcome", "api_key_error", "check_routing_returned", "check_server", "checked_sampling", "connect_servers", "continued", "one_by_one",
            "version_stamp"]

@@ -13,16 +13,17 @@ from glmpost.config import ConfigError, flat_values, section, setting, shared
 from glmpost.envs import TOOL_CALL_PARSERS, resolve_environment
 from glmpost.envs.reasoning import REASONING_PARSERS
 from glmpost.errors import UsageError
+from glmpost.formats.sources import ColumnsConfig
 from glmpost.kernel.distribution import LOG_PROB_KINDS
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE
 from glmpost.kernel.sglang_client import check_api_key
 from glmpost.rollout.compaction import COMPACTION_MODES, CompactionSettings, resume_pieces
-from glmpost.rollout.servers import UNVERSIONED
-from glmpost.rollout.sources import ColumnsConfig
 from glmpost.stage import recorded_options
 
 ENGINES = ("local", "sglang", "vllm")
+# What a server that reports no integer weight version is stamped with (EngineConfig.unversioned_server).
+UNVERSIONED = ("refuse", "unknown", "checkpoint")
 # Options that may differ between the tasks or reruns writing one output directory.
 PER_TASK_OPTIONS = ("shard_index", "num_shards", "overwrite", "as_json", "batch_size", "env_workers", "device",
                     "config", "engine_name", "server", "concurrency", "timeout", "retries", "api_key", "admin_api_key",

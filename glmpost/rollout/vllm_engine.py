@@ -16,7 +16,7 @@ through :class:`~glmpost.kernel.vllm_client.VLLMClient`, with what vLLM does not
   when the server that answered it was confirmed before and after; a labelled server's sequence is
   stamped with the label (the version that sampled it, which ``sync-weights`` set) when the label held
   for the whole call or is the sequence's own; otherwise with
-  :data:`~glmpost.rollout.records.UNKNOWN_VERSION` (-1 in ``policy_versions``, formats/SPEC.md;
+  :data:`~glmpost.formats.schema.UNKNOWN_VERSION` (-1 in ``policy_versions``, formats/SPEC.md;
   training counts such records as of unknown lag and says so) rather than a version nobody confirmed.
 """
 
@@ -27,6 +27,7 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from glmpost.config import ConfigError
+from glmpost.formats.schema import UNKNOWN_VERSION
 from glmpost.kernel.fingerprint import (
     DEFAULT_TOLERANCE,
     Fingerprint,
@@ -36,8 +37,8 @@ from glmpost.kernel.fingerprint import (
 )
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.vllm_client import LOGITS_MODES
-from glmpost.rollout.engines import Outcome, SGLangBackend
-from glmpost.rollout.records import UNKNOWN_VERSION
+from glmpost.rollout.servers import Outcome
+from glmpost.rollout.sglang_backend import SGLangBackend
 from glmpost.stage import log
 
 __all__ = ["VLLMBackend"]

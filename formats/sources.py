@@ -19,8 +19,8 @@ from typing import Any, Iterator, Optional
 
 from glmpost.config import ConfigError, setting
 from glmpost.errors import UsageError, first_line
-from glmpost.formats import SHARD_SUFFIX
 from glmpost.formats.prompts import PromptDataError, jsonl_rows
+from glmpost.formats.shards import SHARD_SUFFIX
 
 # Rows per record batch read from a parquet file or a datasets directory.
 BATCH_ROWS = 1024
