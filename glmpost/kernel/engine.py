@@ -39,9 +39,11 @@ from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.routing import StepRouting, moe_shape
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to sample; stored verbatim in each record's ``sampling`` map."""
+    """How to sample; stored verbatim in each record's ``sampling`` map. Immutable once built: a
+    variant (a round's seed, the model's stop ids, the servers' log-prob kind) is a new one
+    (``dataclasses.replace``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -38,18 +38,17 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import LATEST, CheckpointRoot
+from glmpost.checkpoints import LATEST
 from glmpost.config import ConfigError, setting
 from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
-from glmpost.rollout.engines import engine_version, open_backend
-from glmpost.rollout.local_backend import LocalBackend
+from glmpost.rollout.parts import STAGE, shard_metrics, task_parts
 from glmpost.rollout.policy import PolicyCheckpoint
 from glmpost.rollout.refill import refill_metrics
-from glmpost.rollout.runner import STAGE, RolloutRunner, shard_metrics, task_parts
+from glmpost.rollout.runner import RolloutRunner
 from glmpost.rollout.settings import RolloutConfig
 from glmpost.spool.spool import Spool
-from glmpost.stage import MetricsWriter, log, stop_on_signals, write_stage_json
+from glmpost.stage import MetricsWriter, stop_on_signals, write_stage_json
 
 
 @dataclass
@@ -89,16 +88,6 @@ def default_producer(checkpoint: Path, shard_index: int) -> str:
     return f"rollout-{digest}-t{shard_index}"
 
 
-def _newest(root: Path | None, current: PolicyCheckpoint) -> PolicyCheckpoint | None:
-    """The root's LATEST version when it is not ``current``'s, else None."""
-    if root is None or not (root / LATEST).is_file():
-        return None
-    if CheckpointRoot(root).latest_dir() == current.version_dir:  # the cheap look, before every turn
-        return None
-    newest = PolicyCheckpoint.open(root)
-    return newest if newest.version_dir != current.version_dir else None
-
-
 def _queued(spools: list[Spool]) -> int:
     """Shards published and not yet consumed, over ``spools``."""
     total = 0
@@ -109,56 +98,32 @@ def _queued(spools: list[Spool]) -> int:
 
 
 class _Producer:
-    """One ``rollout --follow`` run: the runner, the engine on the newest version, the spool it
-    publishes into, and what it has done so far."""
+    """One ``rollout --follow`` run: the runner (its engine following the newest version), the spool
+    it publishes into, and what it has done so far."""
 
     def __init__(self, config: RolloutConfig, follow: RolloutFollowConfig, *, options: dict[str, Any]):
         follow.check()
         self.config, self.follow = config, follow
-        self.params = config.sampling_params()
-        self.device = resolve_device(config.device)
-        self.checkpoint = PolicyCheckpoint.open(config.checkpoint)
-        self.spool = Spool(follow.follow, tokenizer_revision=self.checkpoint.revision)
+        self.params = config.sampling_params()  # each round's: with its seed (prepared by the runner)
+        device = resolve_device(config.device)
+        checkpoint = PolicyCheckpoint.open(config.checkpoint)
+        self.spool = Spool(follow.follow, tokenizer_revision=checkpoint.revision)
         self.name = follow.producer or default_producer(config.checkpoint, config.shard_index)
-        self.reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
+        reload_root = follow.reload_root or (config.checkpoint if (Path(config.checkpoint) / LATEST).is_file() else None)
         self.runner = RolloutRunner(config, options=options)
-        prompts = self.runner.open(self.checkpoint)
+        prompts = self.runner.open(checkpoint)
         self.home = self.spool.open_producer(self.name)
         cut, mine = task_parts(prompts, config)
         self.parts = [(index, cut[index]) for index in mine]
         write_stage_json(self.home, STAGE, options, producer=self.name, spool=str(self.spool.path))
-        self.watched = [self.spool] + [Spool(path, tokenizer_revision=self.checkpoint.revision) for path in follow.queue]
-        self.backend = open_backend(self.checkpoint, config, self.device)
-        self.published, self.versions, self.rounds, self.switches = 0, set(), 0, 0
+        self.watched = [self.spool] + [Spool(path, tokenizer_revision=checkpoint.revision) for path in follow.queue]
+        self.runner.open_engine(checkpoint, device)
+        self.runner.follow_weights(reload_root, keep_cache=follow.kv_on_switch == "keep", label=self.name)
+        self.published, self.versions, self.rounds = 0, set(), 0
         self.waited, self.started = 0.0, time.monotonic()
-        # A server's weights are switched by sync-weights; each answer says which version sampled it.
-        local = self.reload_root is not None and isinstance(self.backend, LocalBackend)
-        self.runner.between_turns = self.switch_between_turns if local else None
-        self.engine_info = {"engine": self.backend.engine_name(), "engine_version": engine_version(),
-                            "group_size": config.group_size, "seed_reproducible": self.backend.seed_reproducible}
 
     def idle_fraction(self) -> float:
         return round(self.waited / max(time.monotonic() - self.started, 1e-9), 4)
-
-    def switch_between_turns(self) -> None:
-        """The local engine, between the turns of a multi-turn part: the newest version's weights."""
-        newer = _newest(self.reload_root, self.checkpoint)
-        if newer is not None:
-            log(f"{self.name}: switching from v{self.checkpoint.policy_version} to v{newer.policy_version} "
-                f"between turns ({self.follow.kv_on_switch} the KV caches)")
-            self.backend.switch(newer, self.config, self.device, keep_cache=self.follow.kv_on_switch == "keep")
-            self.checkpoint = newer
-            self.switches += 1
-
-    def switch_between_parts(self, round_params) -> None:
-        """Before a part: a new engine on the newest version when it moved."""
-        newer = _newest(self.reload_root, self.checkpoint)
-        if newer is not None:
-            log(f"{self.name}: switching from v{self.checkpoint.policy_version} to v{newer.policy_version}")
-            self.backend.close()
-            self.checkpoint = newer
-            self.backend = open_backend(newer, self.config, self.device)
-            self.runner.prepare(self.backend, round_params)
 
     def wait_for_room(self, stop: dict) -> None:
         """Backpressure: wait while ``--max-queued`` shards are published and not yet consumed."""
@@ -167,20 +132,20 @@ class _Producer:
             time.sleep(0.1)
             self.waited += 0.1
 
-    def publish_part(self, name: str, part: list, round_params, progress: tqdm) -> dict[str, Any]:
+    def publish_part(self, name: str, part: list, progress: tqdm) -> dict[str, Any]:
         """Sample ``part`` and publish it as the shard ``name``; returns its metrics line."""
-        checkpoint, started = self.checkpoint, time.perf_counter()
+        checkpoint, started = self.runner.checkpoint, time.perf_counter()
         progress.total = (progress.total or 0) + len(part) * self.config.group_size
-        samples = self.runner.generate(part, self.backend, progress)
-        self.runner.write_part(self.spool.publish_path(name), samples, round_params, checkpoint, self.engine_info)
+        samples = self.runner.generate(part, progress)
+        self.runner.write_part(self.spool.publish_path(name), samples, checkpoint)
         completions = [s.outcome[0] for s in samples if s.outcome[0] is not None]
         aborted = sum(s.status() == "aborted" for s in samples)
         self.published += 1
-        self.versions.update({checkpoint.policy_version, self.checkpoint.policy_version})
+        self.versions.update({checkpoint.policy_version, self.runner.checkpoint.policy_version})
         return {**shard_metrics(name, completions, aborted=aborted, seconds=time.perf_counter() - started,
                                 policy_version=checkpoint.policy_version),
                 **refill_metrics(samples), "rollout/queue_ready": self.spool.depth().ready,
-                "rollout/switches_between_turns": self.switches, "rollout/queued": _queued(self.watched),
+                "rollout/switches_between_turns": self.runner.turn_switches, "rollout/queued": _queued(self.watched),
                 "rollout/idle_fraction": self.idle_fraction()}
 
     def run(self, stop: dict) -> None:
@@ -191,8 +156,7 @@ class _Producer:
             for round_number in count():
                 if stop["signal"] is not None or (self.follow.max_rounds is not None and round_number >= self.follow.max_rounds):
                     break
-                round_params = replace(self.params, seed=self.config.seed + round_number)
-                self.runner.prepare(self.backend, round_params)
+                self.runner.prepare(replace(self.params, seed=self.config.seed + round_number))
                 for part_index, part in self.parts:
                     name = f"{self.name}-r{round_number:05d}-p{part_index:05d}.msgpack.zst"
                     if name in held:
@@ -200,15 +164,15 @@ class _Producer:
                     self.wait_for_room(stop)
                     if stop["signal"] is not None:
                         break
-                    self.switch_between_parts(round_params)
-                    metrics.write(**self.publish_part(name, part, round_params, progress))
+                    self.runner.switch_to_newest()
+                    metrics.write(**self.publish_part(name, part, progress))
                 else:
                     self.rounds += 1
 
     def summary(self, stopped_by: str | None) -> dict[str, Any]:
         return {"spool": str(self.spool.path), "producer": self.name, "shards_published": self.published,
                 "rounds": self.rounds, "policy_versions": sorted(self.versions),
-                "policy_version": self.checkpoint.policy_version, "switches_between_turns": self.switches,
+                "policy_version": self.runner.checkpoint.policy_version, "switches_between_turns": self.runner.turn_switches,
                 "idle_fraction": self.idle_fraction(), "stopped_by": stopped_by or "max_rounds"}
 
 
@@ -221,6 +185,6 @@ def follow_rollout(config: RolloutConfig, follow: RolloutFollowConfig, *, option
             try:
                 producer.run(stop)
             finally:
-                producer.backend.close()
+                producer.runner.backend.close()
         producer.spool.close_producer(producer.name, reason=stop["signal"] or "max_rounds")  # after its last shard
     return producer.summary(stop["signal"])

@@ -53,19 +53,23 @@ class LocalBackend:
         owner contract; brief: "多轮会话的 ... KV Cache owner 同步迁移或显式失效"): their caches are
         dropped, so the next turn prefills the whole history under the new weights, or with
         ``keep_cache`` kept: the next turns attend to keys and values the old weights computed, and
-        each such completion's ``cache_version`` names the version that built them."""
+        each such completion's ``cache_version`` names the version that built them. The model's config,
+        eos ids and pad id are the new checkpoint's too, as if the backend were opened on it."""
         self.model = load_model(checkpoint.version_dir, device=device, deterministic_topk=config.deterministic_topk,
                                 attention=config.attention)
+        self.model_config, self.default_stops = self.model.config, self.model.generation_config.eos_token_id
+        self.pad_token_id = checkpoint.tokenizer.pad_token_id
         if self.engine is not None:
             self.engine = self._engine()
         self.version = self.turn_caches.version = checkpoint.policy_version
         if not keep_cache:
             self.turn_caches.clear()
 
-    def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
-        """Sample with ``params`` from now on."""
+    def prepare(self, params: SamplingParams, eos_ids: list[int]) -> SamplingParams:
+        """Sample with ``params`` from now on; returns them unchanged (this engine computes the log-prob kind they name)."""
         self.engine = self._engine()
         self.params = params
+        return params
 
     def _engine(self) -> LocalEngine:
         return LocalEngine(self.model, batch_size=self.batch_size, pad_token_id=self.pad_token_id,

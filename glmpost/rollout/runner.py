@@ -15,25 +15,27 @@
   parts are split among ``num_shards`` tasks, and a task writes only its parts that are missing.
 * **metrics**: one ``metrics.jsonl`` line per written shard; :meth:`RolloutRunner.run` returns the
   run's summary.
+* **weights**: a run samples one checkpoint version; ``rollout --follow`` asks the runner to follow a
+  checkpoint root (:meth:`RolloutRunner.follow_weights`), and the runner then switches to its newest
+  version before each part and, with the local engine, between the turns of a multi-turn part
+  (:meth:`RolloutRunner.switch_to_newest`, the one way its weights change).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 from tqdm import tqdm
 
+from glmpost.checkpoints import LATEST, CheckpointRoot
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
-from glmpost.formats import SHARD_SUFFIX, ShardWriter, select_shards
+from glmpost.formats import ShardWriter
 from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import renders_tools
-from glmpost.formats.shards import remove_partial_shards
 from glmpost.kernel.engine import Completion, SamplingParams
 from glmpost.kernel.loading import attention_ran
 from glmpost.locks import output_lock
@@ -60,99 +62,40 @@ from glmpost.rollout.records import (
     rollout_record,
     trajectory_record,
 )
+from glmpost.rollout.parts import STAGE, RolloutTotals, ShardPlan, plan_shards, shard_metrics
 from glmpost.rollout.refill import Sample, next_round, refill_metrics
 from glmpost.rollout.servers import Outcome
 from glmpost.rollout.settings import PER_TASK_OPTIONS, RolloutConfig, parse_stop_ids
 from glmpost.rollout.sglang_backend import SGLangBackend
-from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, write_stage_json
-
-STAGE = "rollout"
-@dataclass
-class ShardPlan:
-    """The prompts cut into parts (one shard each) and this task's parts still to write."""
-
-    parts: list[list[RolloutPrompt]]
-    mine: int  # how many parts belong to this task
-    todo: list[tuple[int, Path]]  # (part index, shard path) of those to write
-
-    @property
-    def skipped(self) -> int:
-        return self.mine - len(self.todo)
+from glmpost.stage import MetricsWriter, check_same_options, log, write_stage_json
 
 
-def task_parts(prompts: list[RolloutPrompt], config: RolloutConfig) -> tuple[list[list[RolloutPrompt]], list[int]]:
-    """``prompts`` cut into parts of ``prompts_per_shard``, and the indices of this task's
-    (``shard_index`` of ``num_shards``, the shards' round robin)."""
-    size = config.prompts_per_shard
-    parts = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-    names = [f"rollout-{i:05d}{SHARD_SUFFIX}" for i in range(len(parts))]
-    mine = select_shards([Path(n) for n in names], config.shard_index, config.num_shards)
-    return parts, [names.index(str(p)) for p in mine]
+@dataclass(frozen=True)
+class FollowedWeights:
+    """Where a following rollout's weights come from (:meth:`RolloutRunner.follow_weights`)."""
+
+    root: Path  # the checkpoint root whose LATEST is sampled
+    keep_cache: bool  # at a switch between turns, trajectories in flight keep their KV caches (else recompute them)
+    label: str  # the rollout's name in the log
 
 
-def plan_shards(prompts: list[RolloutPrompt], config: RolloutConfig) -> ShardPlan:
-    """Parts of ``prompts_per_shard`` prompts; this task's (:func:`task_parts`) that ``out`` does not
-    hold complete (all of them with ``overwrite``): a part already there is read through (footer,
-    checksum, records) and redone when it is damaged; what a dead writer of this task's parts left
-    (``.NAME.tmp-PID``) is removed. Called with this task's lock held."""
-    parts, mine = task_parts(prompts, config)
-    paths = [config.out / f"rollout-{i:05d}{SHARD_SUFFIX}" for i in mine]
-    remove_partial_shards(paths)
-    todo = [(i, path) for i, path in zip(mine, paths)
-            if config.overwrite or not complete_shard(path, STAGE, redo="sampling this part again")]
-    if len(todo) < len(mine):
-        log(f"{len(mine) - len(todo)} of this task's {len(mine)} shard(s) already exist in {config.out}; writing the rest")
-    return ShardPlan(parts, len(mine), todo)
-
-
-@dataclass
-class RolloutTotals:
-    """What the shards written so far add up to: ``counts`` of shards, records, response_tokens,
-    truncated and aborted responses, and the seconds spent generating."""
-
-    counts: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-
-    def add(self, outcomes: int, completions: list[Completion], seconds: float, *, aborted: int) -> None:
-        """Count one written shard of ``outcomes`` records, ``completions`` of them delivered and
-        ``aborted`` of them aborted."""
-        self.counts.update(shards=1, records=outcomes, aborted=aborted,
-                           response_tokens=int(_lengths(completions).sum()), truncated=_truncated(completions))
-        self.seconds += seconds
-
-
-def _lengths(completions: list[Completion]) -> np.ndarray:
-    """The response lengths (``[0]`` when there is none)."""
-    return np.array([len(c.token_ids) for c in completions] or [0])
-
-
-def _truncated(completions: list[Completion]) -> int:
-    """How many responses ``max_new_tokens`` ended."""
-    return sum(c.finish_reason == "length" for c in completions)
-
-
-def shard_metrics(name: str, completions: list[Completion], *, aborted: int, seconds: float,
-                  policy_version: int) -> dict[str, Any]:
-    """The ``metrics.jsonl`` line of one written shard."""
-    lengths = _lengths(completions)
-    return {
-        "shard": name,
-        "rollout/records": len(completions),
-        "rollout/tokens_per_s": round(float(lengths.sum()) / max(seconds, 1e-9), 2),
-        "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/response_length_min": int(lengths.min()),
-        "rollout/response_length_max": int(lengths.max()),
-        "rollout/truncation_rate": _truncated(completions) / max(len(completions), 1),
-        "rollout/aborted": aborted,
-        "rollout/policy_version": policy_version,
-    }
+def newest_version(root: Path | None, current: PolicyCheckpoint) -> PolicyCheckpoint | None:
+    """The root's LATEST version when it is not ``current``'s, else None."""
+    if root is None or not (root / LATEST).is_file():
+        return None
+    if CheckpointRoot(root).latest_dir() == current.version_dir:  # the cheap look, before every turn
+        return None
+    newest = PolicyCheckpoint.open(root)
+    return newest if newest.version_dir != current.version_dir else None
 
 
 class RolloutRunner:
     """Runs one rollout: ``RolloutRunner(config, options=...).run()`` returns the summary.
 
     ``options`` are the options recorded in ``stage.json`` and the shard headers (by default
-    :meth:`RolloutConfig.as_options`).
+    :meth:`RolloutConfig.as_options`). The runner holds the engine it samples with (``backend``, on
+    ``checkpoint``), the sampling params prepared for it (``params``, see :meth:`prepare`) and the
+    engine map its records carry (``engine_info``, built once when the engine opens).
     """
 
     def __init__(self, config: RolloutConfig, *, options: dict[str, Any] | None = None):
@@ -161,8 +104,14 @@ class RolloutRunner:
         self.environment = None  # (name, factory) of a multi-turn run
         self.compaction = CompactionSettings()  # and its context budget and compaction (set by prepare)
         self.builder: ContextBuilder | None = None
-        self.between_turns = None  # () -> None before each turn after the first (rollout --follow's weight switch)
         self.prompts: list[RolloutPrompt] = []
+        self.backend: LocalBackend | SGLangBackend | None = None  # set by open_engine
+        self.checkpoint: PolicyCheckpoint | None = None  # the version sampling now
+        self.device: Any = None
+        self.params: SamplingParams | None = None  # as prepared for the engine (prepare)
+        self.engine_info: dict[str, Any] = {}
+        self.following: FollowedWeights | None = None  # rollout --follow's (follow_weights)
+        self.turn_switches = 0  # weight switches between the turns of multi-turn parts
 
     def open(self, checkpoint: PolicyCheckpoint) -> list[RolloutPrompt]:
         """Check the engine settings, resolve the environment of a multi-turn run, load the prompts
@@ -196,22 +145,32 @@ class RolloutRunner:
         checkpoint = PolicyCheckpoint.open(config.checkpoint)
         prompts = self.open(checkpoint)
         with output_lock(config.out, stage=STAGE, task=(config.shard_index, config.num_shards)):
-            backend = open_backend(checkpoint, config, device)
+            self.open_engine(checkpoint, device)
             try:
-                self.prepare(backend, params)
-                self._claim_output(checkpoint, servers=getattr(backend, "server_facts", list)())
+                self.prepare(params)
+                self._claim_output(checkpoint, servers=getattr(self.backend, "server_facts", list)())
                 plan = plan_shards(prompts, config)
-                totals = self._write_shards(plan, backend, params, checkpoint)
+                totals = self._write_shards(plan, checkpoint)
             finally:
-                backend.close()
+                self.backend.close()
         return self._summary(prompts, plan, totals, checkpoint)
 
-    def prepare(self, backend: LocalBackend | SGLangBackend, params: SamplingParams) -> None:
-        """Before sampling with ``backend`` (and again after a switch to another one): set the stop
-        ids, check the prompts against the model's context, hand the engine its params."""
-        prompts = self.prompts
+    def open_engine(self, checkpoint: PolicyCheckpoint, device: Any) -> None:
+        """Open the engine ``engine_name`` names on ``checkpoint`` (a local one on ``device``) and
+        build the engine map every record of this run carries."""
+        self.checkpoint, self.device = checkpoint, device
+        self.backend = open_backend(checkpoint, self.config, device)
+        self.engine_info = {"engine": self.backend.engine_name(), "engine_version": engine_version(),
+                            "group_size": self.config.group_size, "seed_reproducible": self.backend.seed_reproducible}
+
+    def prepare(self, params: SamplingParams) -> SamplingParams:
+        """Before sampling (a run, each round of ``rollout --follow``, a switch before a part): ``params``
+        with the model's stop ids, the prompts checked against its context, the engine handed them
+        (servers: with the kind their log-probs are of); what the engine took becomes :attr:`params`,
+        which the records carry. ``params`` itself is never changed (it is frozen)."""
+        prompts, backend = self.prompts, self.backend
         eos_ids = eos_id_list(backend.default_stops)
-        params.stop_token_ids = parse_stop_ids(self.config.stop_token_ids, eos_ids)
+        params = replace(params, stop_token_ids=parse_stop_ids(self.config.stop_token_ids, eos_ids))
         model_context = backend.model_config.max_position_embeddings
         self.compaction = self.config.compaction_settings(model_context)
         check_context(prompts, max_new_tokens=self.config.max_new_tokens, context=self.compaction.budget,
@@ -220,7 +179,47 @@ class RolloutRunner:
             self.builder = ContextBuilder(self.renderer.chat, self.compaction, params.stop_token_ids or eos_ids,
                                           reasoning_parser=self.renderer.reasoning_parser)
             check_rebuild_room(prompts, self.builder, self.config.max_new_tokens)
-        backend.prepare(params, eos_ids)
+        self.params = backend.prepare(params, eos_ids)
+        return self.params
+
+    def follow_weights(self, root: Path | None, *, keep_cache: bool, label: str) -> None:
+        """Sample ``root``'s newest version from now on (``rollout --follow``; None: this one only): the
+        caller switches before each part with :meth:`switch_to_newest`, the runner itself between the
+        turns of a multi-turn part when its engine is local (a server's weights are switched by
+        sync-weights, each answer saying which version sampled it); trajectories in flight at such a
+        switch keep their KV caches (``keep_cache``) or recompute them. ``label`` names it in the log."""
+        self.following = None if root is None else FollowedWeights(Path(root), keep_cache, label)
+
+    def switch_to_newest(self, *, between_turns: bool = False) -> bool:
+        """The one way this runner's weights change: to the followed root's LATEST when it is not the
+        version sampling now (True when it switched). The local engine loads the weights in place
+        (between turns the trajectories in flight keep their caches or not, see :meth:`follow_weights`;
+        before a part none is in flight), a server backend is opened anew on the version (which
+        confirms and stamps it); before a part the params are then prepared again."""
+        following = self.following
+        newer = newest_version(following.root if following else None, self.checkpoint)
+        if newer is None:
+            return False
+        how = f" between turns ({'keep' if following.keep_cache else 'recompute'} the KV caches)" if between_turns else ""
+        log(f"{following.label}: switching from v{self.checkpoint.policy_version} to v{newer.policy_version}{how}")
+        if isinstance(self.backend, LocalBackend):
+            self.backend.switch(newer, self.config, self.device, keep_cache=between_turns and following.keep_cache)
+        else:
+            self.backend.close()
+            self.backend = open_backend(newer, self.config, self.device)
+        self.checkpoint = newer
+        if between_turns:
+            self.turn_switches += 1
+        else:
+            self.prepare(self.params)
+        return True
+
+    def _turn_hook(self) -> Callable[[], None] | None:
+        """What runs between the turns of a multi-turn part: a switch to the newest weights, when
+        following a root with the local engine."""
+        if self.following is None or not isinstance(self.backend, LocalBackend):
+            return None
+        return lambda: self.switch_to_newest(between_turns=True)
 
     def _claim_output(self, checkpoint: PolicyCheckpoint, *, servers: list[dict]) -> None:
         """Create ``out``, refuse one written with other options, record this run's in stage.json
@@ -236,23 +235,19 @@ class RolloutRunner:
         write_stage_json(out, STAGE, self.options, checkpoint=str(checkpoint.version_dir),
                          policy_version=checkpoint.policy_version, **ran)
 
-    def _write_shards(self, plan: ShardPlan, backend: LocalBackend | SGLangBackend, params: SamplingParams,
-                      checkpoint: PolicyCheckpoint) -> RolloutTotals:
+    def _write_shards(self, plan: ShardPlan, checkpoint: PolicyCheckpoint) -> RolloutTotals:
         """Generate and write every shard of ``plan.todo``, one metrics line each."""
-        group_size = self.config.group_size
-        engine_info = {"engine": backend.engine_name(), "engine_version": engine_version(), "group_size": group_size,
-                       "seed_reproducible": backend.seed_reproducible}
         totals = RolloutTotals()
-        total = sum(len(plan.parts[i]) for i, _ in plan.todo) * group_size
+        total = sum(len(plan.parts[i]) for i, _ in plan.todo) * self.config.group_size
         progress = tqdm(total=total, desc="rollout", unit="seq", leave=False, disable=None)
         with MetricsWriter(self.config.out / "metrics.jsonl") as metrics, progress:
             for part_index, path in plan.todo:
                 part = plan.parts[part_index]
                 started = time.perf_counter()
-                samples = self.generate(part, backend, progress)
+                samples = self.generate(part, progress)
                 outcomes = [s.outcome for s in samples]
                 seconds = time.perf_counter() - started
-                self.write_part(path, samples, params, checkpoint, engine_info)
+                self.write_part(path, samples, checkpoint)
                 completions = [c for c, _, _ in outcomes if c is not None]
                 aborted = sum(s.status() == "aborted" for s in samples)  # by the engine, or a trajectory's server
                 if aborted:
@@ -265,36 +260,37 @@ class RolloutRunner:
                 totals.add(len(outcomes), completions, seconds, aborted=aborted)
         return totals
 
-    def generate(self, part: list[RolloutPrompt], backend: LocalBackend | SGLangBackend, progress: tqdm) -> list[Sample]:
+    def generate(self, part: list[RolloutPrompt], progress: tqdm) -> list[Sample]:
         """``group_size`` samples of every prompt of one part, keyed ``prompt_id/sample_index``
         (multi-turn: trajectories, see :mod:`glmpost.rollout.agentic`), then up to ``refill_rounds``
         rounds of refills (:mod:`glmpost.rollout.refill`)."""
         groups = [[Sample(p, i) for i in range(self.config.group_size)] for p in part]
-        self._sample([s for group in groups for s in group], backend, progress)
+        self._sample([s for group in groups for s in group], progress)
         occupants = [list(group) for group in groups]
         for round_number in range(1, self.config.refill_rounds + 1):
             refills = next_round(groups, occupants, round_number)
             if not refills:
                 break
             progress.total += len(refills)
-            self._sample(refills, backend, progress)
+            self._sample(refills, progress)
         return [s for group in groups for s in group]
 
-    def _sample(self, samples: list[Sample], backend: LocalBackend | SGLangBackend, progress: tqdm) -> None:
+    def _sample(self, samples: list[Sample], progress: tqdm) -> None:
         """Give every sample its outcome: one engine call (single-turn) or one set of trajectories."""
         keys = [s.key for s in samples]
         sequences = [s.prompt.token_ids for s in samples]
         if self.environment is None:
-            outcomes = backend.generate(sequences, keys, progress)
+            outcomes = self.backend.generate(sequences, keys, progress)
         else:
-            outcomes = self._trajectories(sequences, keys, [s.prompt.task for s in samples], backend)
+            outcomes = self._trajectories(sequences, keys, [s.prompt.task for s in samples])
             progress.update(len(samples))
         for sample, outcome in zip(samples, outcomes):
             sample.outcome = outcome
 
-    def _trajectories(self, sequences: list[list[int]], keys: list[str], tasks: list[dict],
-                      backend: LocalBackend | SGLangBackend) -> list[Outcome]:
-        turns = self.config.multi_turn
+    def _trajectories(self, sequences: list[list[int]], keys: list[str], tasks: list[dict]) -> list[Outcome]:
+        """One trajectory per sequence (:func:`~glmpost.rollout.agentic.run_trajectories`); between its
+        turns, a following runner's local engine may switch weights in place (:meth:`_turn_hook`)."""
+        turns, backend = self.config.multi_turn, self.backend
         settings = MultiTurnSettings(turns.max_turns, self.config.max_new_tokens, self.compaction.budget,
                                      turns.env_timeout, turns.env_workers, compaction=self.compaction,
                                      builder=self.builder, model_context=backend.model_config.max_position_embeddings)
@@ -307,19 +303,19 @@ class RolloutRunner:
             return backend.generate(seqs, turn_keys, quiet, homes=homes, sessions=sessions, max_new_tokens=max_new_tokens)
 
         trajectories = run_trajectories(generate, sequences, keys, tasks, self.environment[1], self.renderer, settings,
-                                        self.decode, served=backend.served, between_turns=self.between_turns)
+                                        self.decode, served=backend.served, between_turns=self._turn_hook())
         return [_as_outcome(t) for t in trajectories]
 
-    def write_part(self, path: Path, samples: Sequence[Sample], params: SamplingParams,
-                   checkpoint: PolicyCheckpoint, engine_info: dict[str, Any]) -> None:
+    def write_part(self, path: Path, samples: Sequence[Sample], checkpoint: PolicyCheckpoint) -> None:
         """One part's shard (written atomically): a rollout record per delivered sequence, an aborted
-        record per failed one."""
+        record per failed one, each with :attr:`params` and :attr:`engine_info`, stamped with
+        ``checkpoint`` (the version the part started with)."""
         with ShardWriter(path, stage=STAGE, options=self.options, tokenizer_revision=checkpoint.revision,
                          level=self.config.zstd_level) as writer:
             for sample in samples:
                 prompt, (completion, version, reason) = sample.prompt, sample.outcome
-                common = {"sample_index": sample.index, "params": params, "policy_version": checkpoint.policy_version,
-                          "tokenizer_revision": checkpoint.revision, "engine": engine_info}
+                common = {"sample_index": sample.index, "params": self.params, "policy_version": checkpoint.policy_version,
+                          "tokenizer_revision": checkpoint.revision, "engine": self.engine_info}
                 if isinstance(completion, _Trajectory):
                     trajectory = completion.trajectory
                     trajectory.drift = retokenize_drift(checkpoint.tokenizer, trajectory.response_ids(), trajectory.action_flags())

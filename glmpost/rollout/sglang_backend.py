@@ -10,6 +10,7 @@ fail alike (a refused key or field: one error). ``--engine vllm`` subclasses it
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from tqdm import tqdm
@@ -99,10 +100,10 @@ class SGLangBackend:
         """Each server's URL, engine and release, as stage.json records them."""
         return [s.facts() for s in self.settings]
 
-    def prepare(self, params: SamplingParams, eos_ids: list[int]) -> None:
+    def prepare(self, params: SamplingParams, eos_ids: list[int]) -> SamplingParams:
         """Translate ``params`` to SGLang's sampling params (refused when SGLang cannot express them),
-        check that every server takes them as they are (:func:`~glmpost.rollout.servers.checked_sampling`),
-        and set ``params.log_prob_kind`` to the kind the servers' log-probs are of, which records carry."""
+        check that every server takes them as they are (:func:`~glmpost.rollout.servers.checked_sampling`);
+        returns ``params`` with the kind the servers' log-probs are of (``log_prob_kind``), which records carry."""
         try:
             self.sglang_params = sglang_sampling_params(params, eos_ids)
         except ValueError as exc:
@@ -119,7 +120,8 @@ class SGLangBackend:
             raise ConfigError("{server}: the servers return different log-prob kinds ({shown}); serve them alike",
                               shown=shown, exit_code=1)
         if kinds:
-            params.log_prob_kind = next(iter(kinds.values()))
+            self.params = params = replace(params, log_prob_kind=next(iter(kinds.values())))
+        return params
 
     def _server_kind(self, client: Any, settings: Any) -> str:
         """The log-prob kind of one server: the setting (which must not contradict what the server

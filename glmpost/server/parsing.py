@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND
@@ -105,7 +105,7 @@ def parse_generate(body: Any, loaded: LoadedCheckpoint, *, log_prob_kind: str = 
                          flags["top_logprobs_num"][i], loaded) for i in range(len(prompts))]
     for item, rid in zip(items, rids):
         item.rid, item.return_text_in_logprobs, item.return_routed_experts = rid, with_text, routed
-        item.params.log_prob_kind = log_prob_kind
+        item.params = replace(item.params, log_prob_kind=log_prob_kind)
     return items, batch
 
 
@@ -172,7 +172,7 @@ def _parse_item(prompt: list[int], sp: Any, return_logprob: Any, start: Any, top
         raise RequestError(f"sampling_params: {exc}") from None
     if top_k < -1:
         raise RequestError(f"top_k must be -1 (off) or >= 1, got {top_k}")
-    params.max_new_tokens = max_new
+    params = replace(params, max_new_tokens=max_new)  # 0 (prefill only) once validated
     vocab = loaded.config.get("vocab_size")
     if vocab is not None and any(not 0 <= t < vocab for t in prompt):
         raise RequestError(f"input_ids: a token id is outside the vocabulary [0, {vocab})")
