@@ -88,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import PeakMemory, rss_bytes  # noqa: E402
 
 from glmpost.formats.prompts import encode_prompt  # noqa: E402
+from glmpost.kernel.distribution import ScoredDistribution  # noqa: E402
 from glmpost.kernel.engine import LocalEngine, SamplingParams  # noqa: E402
 from glmpost.models.tiny import build_model, tiny_glm5_config  # noqa: E402
 from glmpost.models.tokenizer import train_tokenizer  # noqa: E402
@@ -271,7 +272,7 @@ def parity_check(base, tokenizer, records, examples, inputs, *, pad_token_id, lr
     glm = GlmpostSide(copy.deepcopy(base), examples, pad_token_id=pad_token_id, lr=lr,
                       micro_batch_size=micro_batch_size, epochs=2)
     trl = TrlSide(copy.deepcopy(base), tokenizer, inputs, lr=lr, micro_batch_size=micro_batch_size, group=group)
-    glm_old = glm.trainer.old_policy(examples, list(range(len(examples)))).old_log_probs
+    glm_old = glm.trainer.old_policy(examples, list(range(len(examples))), ScoredDistribution()).old_log_probs
     trl_old = trl.old_log_probs()
     width = inputs["completion_ids"].shape[1]
     old_diff = 0.0

@@ -41,8 +41,10 @@ from glmpost.commands.options import (
 )
 from glmpost.errors import UsageError
 from glmpost.rl.configs import OPD_LOSSES, OPDConfig
-from glmpost.rl.follow import FollowConfig, follow_line, opd_follow
-from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.follow import FollowConfig, follow_line
+from glmpost.rl.follow_session import opd_follow
+from glmpost.rl.run import RunOptions
+from glmpost.rl.run_once import RunOnce
 from glmpost.rl.updates import opd_update
 
 STAGE = "opd-merge"
@@ -68,7 +70,7 @@ def opd_merge(
         summary = opd_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
                              config=config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
         return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
         summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
 
     def human(s: dict) -> str:

@@ -30,7 +30,8 @@ from glmpost.commands.common import config_option, effective_options, report_upd
 from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, json_option, with_config, with_options
 from glmpost.quant.qat import QATQuantization
 from glmpost.rl.qat_update import qat_update
-from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.run import RunOptions
+from glmpost.rl.run_once import RunOnce
 from glmpost.rl.sft import SFTConfig
 
 STAGE = "qat"
@@ -50,7 +51,7 @@ def qat(
     **shared: Any,
 ) -> None:
     scheme = ctx.params["scheme"]
-    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
         summary = qat_update(run, inputs, config_from(ctx, SFTConfig), quantization=config_from(ctx, QATQuantization),
                              eval_data=eval_data, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (

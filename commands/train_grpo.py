@@ -67,8 +67,10 @@ from glmpost.commands.options import (
     with_options,
 )
 from glmpost.rl.configs import GRPOConfig
-from glmpost.rl.follow import FollowConfig, follow_line, grpo_follow
-from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.follow import FollowConfig, follow_line
+from glmpost.rl.follow_session import grpo_follow
+from glmpost.rl.run import RunOptions
+from glmpost.rl.run_once import RunOnce
 from glmpost.rl.updates import grpo_update
 
 STAGE = "train-grpo"
@@ -94,7 +96,7 @@ def train_grpo(
                               config=config_from(ctx, GRPOConfig), temperature=temperature, ref_checkpoint=ref_checkpoint,
                               stage_options=effective_options(ctx))
         return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
         summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
                               ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (

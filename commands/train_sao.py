@@ -53,8 +53,10 @@ from glmpost.commands.options import (
     with_config,
     with_options,
 )
-from glmpost.rl.follow import FollowConfig, follow_line, sao_follow
-from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.follow import FollowConfig, follow_line
+from glmpost.rl.follow_session import sao_follow
+from glmpost.rl.run import RunOptions
+from glmpost.rl.run_once import RunOnce
 from glmpost.rl.sao import SAOConfig
 from glmpost.rl.updates import sao_update
 
@@ -81,7 +83,7 @@ def train_sao(
                              options=config_from(ctx, RunOptions), config=config_from(ctx, SAOConfig),
                              stage_options=effective_options(ctx))
         return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    with TrainingRun(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
+    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
         summary = sao_update(run, inputs, config_from(ctx, SAOConfig), critic_root=critic, init_critic=init_critic,
                              stage_options=effective_options(ctx))
     report_update(summary, as_json=as_json, human=lambda s: (

@@ -18,13 +18,13 @@ each shard of ``IN`` as it lands, published into ``OUT`` under the same name, th
 ``IN``. The output shard's name is the commit record: a restart that finds a claimed shard already
 in ``OUT`` commits it without processing it again. It stops when ``IN`` has ended (every producer
 closed its stream and nothing is left: it then closes its own stream in ``OUT``); SIGTERM / SIGINT
-stop it after the shard in progress; ``--idle-timeout`` after that long without one (a safety net).
-Metrics and stage.json go to ``OUT/producers/CONSUMER/``.
+stop it after the shard in progress; ``--idle-timeout`` after that long without one (a safety net):
+the claim loop every spool consumer shares, :class:`~glmpost.spool.claims.Claims`. Metrics and
+stage.json go to ``OUT/producers/CONSUMER/``.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,17 +33,10 @@ from tqdm import tqdm
 from glmpost.formats import ShardReader, resolve_shard_paths, select_shards
 from glmpost.formats.shards import remove_partial_shards
 from glmpost.locks import output_lock
+from glmpost.spool.claims import Claims, Stop
 from glmpost.spool.settings import FollowSettings, default_consumer
-from glmpost.spool.spool import Spool, lease_kept
-from glmpost.stage import (
-    MetricsWriter,
-    check_same_options,
-    complete_shard,
-    log,
-    shard_outputs,
-    stop_on_signals,
-    write_stage_json,
-)
+from glmpost.spool.spool import Spool
+from glmpost.stage import MetricsWriter, check_same_options, complete_shard, log, shard_outputs, write_stage_json
 
 
 class ShardStage(Protocol):
@@ -121,35 +114,25 @@ def follow_shards(stage: ShardStage, settings: FollowSettings, *, out: Path) -> 
     consumer = settings.consumer or default_consumer(stage.name, target.path)
     home = target.producer_home(consumer)
     # One process per consumer name: its output home, and its claims in the input spool.
-    with output_lock(home, stage=stage.name), output_lock(source.claimed_dir / consumer, stage=stage.name):
-        summary = _follow(stage, settings, source, target, consumer, target.open_producer(consumer), revision)
-        if summary["stopped_by"] == "end_of_stream":  # its input ended: so does its output
+    with output_lock(home, stage=stage.name), Claims(source, consumer, settings, stage=stage.name) as claims:
+        summary = _follow(stage, claims, target, target.open_producer(consumer), revision)
+        if summary["stopped_by"] == Stop.END_OF_STREAM.value:  # its input ended: so does its output
             target.close_producer(consumer, reason="end_of_stream")
         return summary
 
 
-def _follow(stage: ShardStage, settings: FollowSettings, source: Spool, target: Spool, consumer: str, home: Path,
-            revision: str) -> dict[str, Any]:
+def _follow(stage: ShardStage, claims: Claims, target: Spool, home: Path, revision: str) -> dict[str, Any]:
+    """Each shard ``claims`` hands out, published into ``target`` and committed, until it stops."""
+    source = claims.spool
     home.mkdir(parents=True, exist_ok=True)
     write_stage_json(home, stage.name, stage.options, tokenizer_revision=revision, spool=str(source.path))
-    done, opened, last_new = 0, False, time.monotonic()
+    done, opened = 0, False
     progress = tqdm(desc=f"{stage.name} --follow", unit="rec", leave=False, disable=None)
-    with stop_on_signals() as stop, lease_kept(source, consumer, settings.lease_s), \
-            MetricsWriter(home / "metrics.jsonl") as metrics, progress:
+    with MetricsWriter(home / "metrics.jsonl") as metrics, progress:
         try:
-            while stop["signal"] is None:
-                shards = source.claimed(consumer) or source.claim(consumer, limit=1, lease_s=settings.lease_s)
-                if not shards:
-                    if source.ended(consumer):
-                        stop["signal"] = "end_of_stream"
-                        break
-                    if settings.idle_timeout is not None and time.monotonic() - last_new > settings.idle_timeout:
-                        stop["signal"] = "idle"
-                        break
-                    time.sleep(settings.poll_s)
-                    continue
-                last_new = time.monotonic()
-                for shard in shards:
+            while True:
+                claimed = claims.claim()
+                for shard in claimed.shards:
                     if shard.name not in target.names():  # else made before a crash: only the commit is left
                         progress.total = (progress.total or 0) + stage.check(shard)
                         if not opened:
@@ -158,13 +141,13 @@ def _follow(stage: ShardStage, settings: FollowSettings, source: Spool, target: 
                         metrics.write(shard=shard.name, input=str(source.path),
                                       **stage.process(shard, target.publish_path(shard.name), progress))
                         done += 1
-                    source.commit(consumer, [shard], version=-1, ids={shard.name: [r["id"] for r in ShardReader(shard)]})
-                    if stop["signal"] is not None:
-                        break
+                    source.commit(claims.consumer, [shard], version=-1,
+                                  ids={shard.name: [r["id"] for r in ShardReader(shard)]})
+                if claimed.stop is not None:
+                    break
         finally:
-            source.release(consumer)
             if opened:
                 stage.close()
     log(f"{target.path}: {done} shard(s) from {source.path}")
-    return {"out": str(target.path), "spool": str(source.path), "consumer": consumer, "shards": done,
-            "stopped_by": stop["signal"], **stage.summary()}
+    return {"out": str(target.path), "spool": str(source.path), "consumer": claims.consumer, "shards": done,
+            "stopped_by": claimed.stop.value, **stage.summary()}

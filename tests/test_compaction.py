@@ -22,6 +22,7 @@ from test_formats import compacted_record
 
 from glmpost.formats import ShardReader, context_windows, resolve_shard_paths
 from glmpost.formats.chat_format import ChatFormat
+from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.rl.advantages import ADVANTAGE_SCALINGS, cross_segment_factor, later_trainable_tokens
 from glmpost.rl.batches import prepare_batch, segment_accounting, train_examples
@@ -288,9 +289,8 @@ def test_the_trainer_scores_every_action_and_summary_token_on_its_own_window_as_
         record["reward"] = float(index % 2)
     examples = prepare_batch(records).examples
     assert len(examples) > len(records)  # windows
-    trainer = PolicyTrainer(load_model(tiny_checkpoint), GRPOConfig(micro_batch_size=4, temperature=0.8),
-                            pad_token_id=tokenizer.pad_token_id)  # the rollout's distribution
-    old = trainer.old_policy(examples, list(range(len(examples))))
+    trainer = PolicyTrainer(load_model(tiny_checkpoint), GRPOConfig(micro_batch_size=4), pad_token_id=tokenizer.pad_token_id)
+    old = trainer.old_policy(examples, list(range(len(examples))), ScoredDistribution(temperature=0.8))  # the rollout's
     worst, tokens = 0.0, 0
     for index, example in enumerate(examples):
         p = example.prompt_length

@@ -3,6 +3,7 @@ id trained at most once (duplicates skipped, an interrupted commit finished, not
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -16,14 +17,16 @@ from glmpost.formats import ShardReader, ShardWriter, resolve_shard_paths
 from glmpost.spool.spool import Spool
 
 
-def _judged_batch(glmpost_cli, checkpoint, tmp_path, name: str) -> list[Path]:
-    """Two judged shards of 8 records (4 prompts x group 4, 2 prompts per shard) with ids unique to ``name``."""
+def _judged_batch(glmpost_cli, checkpoint, tmp_path, name: str, *rollout_args: str) -> list[Path]:
+    """Two judged shards of 8 records (4 prompts x group 4, 2 prompts per shard) with ids unique to
+    ``name`` (``rollout_args``: more rollout options)."""
     prompts = tmp_path / f"{name}.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"{name}-q{d}", "prompt": f"count: {d}", "domain": "count",
                                            "task": {"digit": str(d)}}) + "\n" for d in range(4)))
     rollout = tmp_path / f"{name}-rollout"
     result = glmpost_cli("rollout", prompts, "--checkpoint", checkpoint, "--out", rollout, "--group-size", "4",
-                         "--max-new-tokens", "6", "--stop-token-ids", "none", "--prompts-per-shard", "2", "--seed", "1")
+                         "--max-new-tokens", "6", "--stop-token-ids", "none", "--prompts-per-shard", "2", "--seed", "1",
+                         *rollout_args)
     assert result.exit_code == 0, result.stderr
     out = tmp_path / name
     out.mkdir()
@@ -89,6 +92,32 @@ def test_follow_trains_each_trajectory_once_and_skips_a_republished_one(glmpost_
 
     other = _follow(glmpost_cli, spool.path, tiny_checkpoint, tmp_path / "another-root", "--max-versions", "1")
     assert other.exit_code == 1 and "needs its own spool" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+
+
+def test_a_follow_run_leaves_the_config_it_was_given_unchanged(glmpost_cli, tiny_checkpoint, tmp_path, monkeypatch):
+    """The records' sampling distribution reaches the trainer with each update, never through the
+    stage's config: after a follow run of several batches the config equals a copy taken before."""
+    import glmpost.commands.train_grpo as command
+    from glmpost.rl.follow_session import grpo_follow
+
+    given = {}
+
+    def follow(follow_config, *, config, **kwargs):
+        given["config"], given["before"] = config, copy.deepcopy(config)
+        return grpo_follow(follow_config, config=config, **kwargs)
+
+    monkeypatch.setattr(command, "grpo_follow", follow)
+    spool = Spool(tmp_path / "spool", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    for shard in _judged_batch(glmpost_cli, tiny_checkpoint, tmp_path, "a", "--temperature", "0.8", "--top-k", "20"):
+        _publish(spool, shard)
+    root = tmp_path / "policy"
+    result = _follow(glmpost_cli, spool.path, tiny_checkpoint, root, "--follow-records", "8")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["versions"] == [1, 2]
+    assert vars(given["config"]) == vars(given["before"])  # no field changed, none added
+    for version in (1, 2):  # and the trainer took the records' distribution all the same
+        stage = json.loads((CheckpointRoot(root).version_dir(version) / "stage.json").read_text())
+        assert stage["batches"][0]["log_prob_distribution"] == {"temperature": 0.8, "top_k": 20, "top_p": 1.0}
 
 
 def test_a_commit_interrupted_after_publishing_is_finished_not_retrained(glmpost_cli, tiny_checkpoint, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.loading import load_model, load_tokenizer
 from glmpost.kernel.trust_masks import dis_mask
 from glmpost.rl.batches import drop_stale, failure_counts, prepare_batch, whole_groups
@@ -120,15 +121,15 @@ def test_dis_is_taken_again_on_the_weights_of_each_later_step(tiny_checkpoint):
     model = load_model(tiny_checkpoint)
     trainer = PolicyTrainer(model, GRPOConfig(trust_mask=["dis"], micro_batch_size=8), pad_token_id=tokenizer.pad_token_id)
     indices = list(range(len(examples)))
-    old = trainer.old_policy(examples, indices)
+    old = trainer.old_policy(examples, indices, ScoredDistribution())
     assert all(torch.equal(old.trust[i], old.base_trust[i] & old.trust[i]) for i in indices)
     with torch.no_grad():  # another policy: some ratios to the rollout leave the band
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
-    stepped = trainer.step_trust(examples, indices, old)
+    stepped = trainer.step_trust(examples, indices, old, ScoredDistribution())
     for chunk, batch in trainer._micro_batches(examples, indices):
         with torch.no_grad():
-            current = trainer._log_probs(model, batch).log_probs
+            current = trainer._log_probs(model, batch, ScoredDistribution()).log_probs
         expected = batch.action_mask & dis_mask(current, batch.rollout_log_probs, eps_low=0.2, eps_high=0.28)
         for row, index in enumerate(chunk):
             assert torch.equal(stepped[index][: expected.shape[1]], expected[row].cpu())

@@ -23,7 +23,9 @@ PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not on
 class PolicyGradientConfig(OptimizerConfig):
     """What every policy-gradient update shares (GRPO, OPD / MOPD, SAO): the optimiser, the batches,
     the PPO clip, the trust masks (IcePop, DIS) and the loss's normalisation. Defaults are GLM-5's
-    Reasoning RL values where the brief gives them."""
+    Reasoning RL values where the brief gives them. The distribution log-probs are taken under is
+    not a setting: it is the records' (:func:`~glmpost.rl.admission.admit`), handed to the trainer
+    with each update."""
 
     epochs: int = setting(1, "Passes over the batch (PPO epochs).", min=1)
     mini_batches: int = setting(1, "Optimizer steps per epoch (the batch is split into this many mini-batches).", min=1)
@@ -69,11 +71,6 @@ class PolicyGradientConfig(OptimizerConfig):
         "replaces).")
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
     routing_replay: bool = routing_replay_setting()  # issue 33: MoE routing is part of the executed policy (R3)
-    # The distribution of the records' rollout log-probs (glmpost.rl.updates.sampled_distribution);
-    # the trainer's log-probs are of it too.
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation (bounds [chunk, V] memory).", min=1)
     seed: int = setting(0, "Seed of the mini-batch shuffling.")
 
@@ -83,7 +80,6 @@ class PolicyGradientConfig(OptimizerConfig):
             "eps_low": 0 <= self.eps_low < 1,
             "dis_low": 0 <= self.dis_low < 1,
             "icepop_beta": self.icepop_beta >= 1,
-            "temperature": self.temperature > 0,
         })
         unknown = [n for n in self.trust_mask if n not in TRUST_MASKS]
         if unknown or not self.trust_mask:

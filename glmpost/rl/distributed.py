@@ -290,6 +290,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def uses_deepspeed(*, zero_stage: int | None, deepspeed_config: Path | None) -> bool:
+    """Whether a session trains with DeepSpeed: under a multi-process launcher, or when a ZeRO stage
+    or a DeepSpeed config is given."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or zero_stage is not None or deepspeed_config is not None
+
+
 @dataclass
 class TrainingSession:
     """This process's place in the job: rank, world size, device, and which backend trains."""
@@ -316,7 +322,7 @@ class TrainingSession:
             resolved = torch.device(resolved.type, local_rank)
         precision = resolve_precision(precision, resolved)
         settings = set_deterministic(True, resolved) if deterministic else {}
-        use_deepspeed = world > 1 or zero_stage is not None or deepspeed_config is not None
+        use_deepspeed = uses_deepspeed(zero_stage=zero_stage, deepspeed_config=deepspeed_config)
         if use_deepspeed:
             if resolved.type == "cpu":
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -3,11 +3,12 @@ them, publish a version every ``--publish-every`` updates, commit each batch exa
 the asynchronous loop: "允许系统异步前进，同时只让仍然可信的 token 产生梯度", "sync every K steps";
 formats/SPEC.md §12).
 
-The trainer stays in memory (a :class:`~glmpost.rl.run.TrainingRun` kept open), set up once from the
-output root's newest version (the initial ``--checkpoint`` before the first). Each round: finish
+The trainer stays in memory (a :class:`~glmpost.rl.follow_session.FollowSession`), set up once from
+the output root's newest version (the initial ``--checkpoint`` before the first). Each round: finish
 any commit a crash interrupted (:meth:`~glmpost.spool.spool.Spool.reconcile` from the published
 manifests, also for a shard claimed again after its lease was reaped), take this trainer's claims
-not yet trained and claim ready shards, oldest first, until they hold ``follow_records`` records;
+not yet trained and claim ready shards, oldest first, until they hold ``follow_records`` records
+(the claim loop every spool consumer shares, :class:`~glmpost.spool.claims.Claims`);
 train one update on them, leaving out every record the ledger says was trained. Every
 ``publish_every`` updates the weights become the next version, whose manifest lists the shards and
 ids of its updates (the commit record); then they are ledgered and moved to ``done/``. Staleness
@@ -27,26 +28,20 @@ updates since the last version (their claims return after the lease; a restart t
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
-from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest, resolve_checkpoint
-from glmpost.config import ConfigError, section, setting
+from glmpost.checkpoints import CheckpointError, CheckpointRoot, read_manifest
+from glmpost.config import section, setting
 from glmpost.formats import ShardReader
-from glmpost.kernel.loading import load_tokenizer
-from glmpost.locks import output_lock
-from glmpost.rl.batches import trained_records
-from glmpost.rl.critic import CriticVersions
-from glmpost.rl.jobs import TrainingJob, too_few_examples
-from glmpost.rl.run import RunOptions, TrainingRun
-from glmpost.rl.updates import NothingToTrain, grpo_batch, grpo_trainer, opd_batch, opd_trainer, sao_batch, sao_trainer
+from glmpost.rl.admission import NothingToTrain
+from glmpost.spool.claims import Claims, Stop
 from glmpost.spool.settings import FollowSettings, default_consumer
-from glmpost.spool.spool import Spool, lease_kept
-from glmpost.stage import MetricsWriter, log, stop_on_signals
+from glmpost.spool.spool import Spool
+from glmpost.stage import MetricsWriter, log
 
 
 @dataclass
@@ -86,34 +81,36 @@ def committed_shards(root: Path, spool: Spool, read: dict[int, dict] | None = No
     return found
 
 
-def _shard_ids(paths: list[Path]) -> dict[str, list[str]]:
-    return {path.name: [record["id"] for record in ShardReader(path)] for path in paths}
+def _shard_ids(path: Path) -> list[str]:
+    return [record["id"] for record in ShardReader(path)]
 
 
 class FollowTrainer(Protocol):
-    """What :func:`follow_spool` drives: updates in memory, versions on disk."""
+    """What :func:`follow_spool` drives: updates in memory, versions on disk
+    (:class:`~glmpost.rl.follow_session.FollowSession`)."""
 
     def train(self, shards: list[Path], skip_ids: frozenset) -> dict[str, Any]:
         """One update on ``shards`` without the records ``skip_ids`` names: its ``records``,
         ``trained_records``, ``version_lags`` and step ``metrics``; raises
-        :class:`~glmpost.rl.updates.NothingToTrain` when every record was excluded."""
+        :class:`~glmpost.rl.admission.NothingToTrain` when every record was excluded."""
 
     def publish(self, manifest_extra: dict[str, Any]) -> int:
         """Publish the updates since the last version as the next one; returns its number."""
 
 
-class _FollowLoop:
-    """The state of one :func:`follow_spool` run: the spool, this trainer's name in it, the updates
-    since the last version and the run's totals."""
+class FollowLoop:
+    """The state of one :func:`follow_spool` run: the spool and this trainer's claims in it, the
+    updates since the last version and the run's totals."""
 
     def __init__(self, config: FollowConfig, *, out: Path, tokenizer_revision: str, trainer: FollowTrainer):
         source = config.source
-        self.config, self.source, self.out, self.trainer = config, source, out, trainer
+        self.config, self.out, self.trainer = config, out, trainer
         self.spool = Spool(source.follow, tokenizer_revision=tokenizer_revision)
         self.spool.bind_consumer_root(out)
         self.consumer = source.consumer or default_consumer("trainer", out)
         out.mkdir(parents=True, exist_ok=True)
-        self.started, self.waited, self.last_new = time.monotonic(), 0.0, time.monotonic()
+        self.started = time.monotonic()
+        self.claims = Claims(self.spool, self.consumer, source, stage="trainer")
         self.versions: list[int] = []
         self.dropped = self.stale_dropped = self.steps = 0
         self.pending: dict[str, list[str]] = {}  # shard name -> ids, trained since the last version
@@ -123,12 +120,16 @@ class _FollowLoop:
         self.metrics: MetricsWriter | None = None
 
     def idle_fraction(self) -> float:
-        return round(self.waited / max(time.monotonic() - self.started, 1e-9), 4)
+        return round(self.claims.waited / max(time.monotonic() - self.started, 1e-9), 4)
 
-    def finished(self) -> bool:
+    def ran_out(self) -> Stop | None:
+        """``max_steps`` updates trained, or ``max_versions`` versions published."""
         config = self.config
-        return ((config.max_versions is not None and len(self.versions) >= config.max_versions)
-                or (config.max_steps is not None and self.steps >= config.max_steps))
+        if config.max_steps is not None and self.steps >= config.max_steps:
+            return Stop.MAX_STEPS
+        if config.max_versions is not None and len(self.versions) >= config.max_versions:
+            return Stop.MAX_VERSIONS
+        return None
 
     def committed(self) -> dict[str, tuple[int, list[str]]]:
         """The shards the published versions trained; a commit a crash interrupted (also of a shard
@@ -137,33 +138,39 @@ class _FollowLoop:
         self.spool.reconcile(self.consumer, committed)
         return committed
 
-    def claim_batch(self, committed: dict, stop: dict) -> tuple[list[Path], dict[str, list[str]]]:
-        """This trainer's claims not yet trained, then ready shards, oldest first, until they hold
-        ``follow_records`` records (fewer when stopped or idle: ``stop["signal"]`` says)."""
-        spool, want, lease_s = self.spool, self.config.follow_records, self.source.lease_s
-        claims, ids = [], {}
-        for shard in spool.claimed(self.consumer):  # held from before a restart, or pending
-            if shard.name not in self.pending and sum(map(len, ids.values())) < want:
-                claims.append(shard)
-                ids.update(_shard_ids([shard]))
-        while sum(map(len, ids.values())) < want and stop["signal"] is None:
-            new = spool.claim(self.consumer, limit=1, lease_s=lease_s)
-            if new and spool.reconcile(self.consumer, committed):
-                new = [shard for shard in new if shard.name not in committed]
-            if new:
-                self.last_new = time.monotonic()
-                ids.update(_shard_ids(new))
-                claims += new
-                continue
-            if spool.ended(self.consumer):
-                stop["signal"] = "end_of_stream"
+    def run(self) -> Stop:
+        """Train an update per batch of claimed shards until the claims stop short (a smaller last
+        batch at the end of the stream) or the run ran out; the updates since the last version are
+        then published, not lost. Returns why it stopped."""
+        done_before = self.spool.reconcile(self.consumer, committed_shards(self.out, self.spool, self.manifests))
+        if done_before:
+            log(f"{self.spool.path}: finished {done_before} commit(s) an interrupted run left")
+        while (stop := self.claims.signalled or self.ran_out()) is None:
+            committed, ids = self.committed(), {}
+
+            def records(shard: Path) -> int:  # a claim's size; its ids are the commit record
+                ids[shard.name] = _shard_ids(shard)
+                return len(ids[shard.name])
+
+            claimed = self.claims.claim(self.config.follow_records, size=records, skip=self.pending,
+                                        keep=self._uncommitted(committed))
+            if claimed.shards and claimed.stop in (None, Stop.END_OF_STREAM):  # the stream's last records: a smaller batch
+                self.train(claimed.shards, ids, committed)
+            if claimed.stop is not None:
+                stop = claimed.stop
                 break
-            if self.source.idle_timeout is not None and time.monotonic() - self.last_new > self.source.idle_timeout:
-                stop["signal"] = "idle"
-                break
-            time.sleep(self.source.poll_s)
-            self.waited += self.source.poll_s
-        return claims, ids
+        if self.pending:
+            self.publish()
+        return stop
+
+    def _uncommitted(self, committed: dict) -> Callable[[list[Path]], list[Path]]:
+        """``keep`` of a claim: new claims whose commit a crash interrupted are finished and left out."""
+        def keep(new: list[Path]) -> list[Path]:
+            if not self.spool.reconcile(self.consumer, committed):
+                return new
+            return [shard for shard in new if shard.name not in committed]
+
+        return keep
 
     def train(self, claims: list[Path], ids: dict[str, list[str]], committed: dict) -> None:
         """One update on ``claims`` without any record trained before; a batch with nothing left is
@@ -189,7 +196,7 @@ class _FollowLoop:
         self.stale_dropped += int(update["metrics"].get("train/stale_dropped", 0))
         log(f"{spool.path}: update {self.steps} on {len(claims)} shard(s), {update['trained_records']} records trained "
             f"({self.pending_counts['updates']} since the last version)")
-        if self.pending_counts["updates"] >= self.config.publish_every or self.finished():
+        if self.pending_counts["updates"] >= self.config.publish_every or self.ran_out() is not None:
             self.publish()
 
     def publish(self) -> None:
@@ -215,42 +222,19 @@ class _FollowLoop:
         lags.clear()
         counts.clear()
 
-    def run(self, stop: dict) -> None:
-        done_before = self.spool.reconcile(self.consumer, committed_shards(self.out, self.spool, self.manifests))
-        if done_before:
-            log(f"{self.spool.path}: finished {done_before} commit(s) an interrupted run left")
-        while stop["signal"] is None and not self.finished():
-            committed = self.committed()
-            claims, ids = self.claim_batch(committed, stop)
-            if stop["signal"] == "end_of_stream" and claims:  # the stream's last records: a smaller batch
-                self.train(claims, ids, committed)
-            if stop["signal"] is not None:
-                break
-            self.train(claims, ids, committed)
-        if self.pending:  # a clean stop: the updates since the last version are published, not lost
-            self.publish()
-
-    def summary(self, stopped_by: str | None) -> dict[str, Any]:
-        config = self.config
-        ran_out = "max_steps" if config.max_steps is not None and self.steps >= config.max_steps else "max_versions"
+    def summary(self, stopped: Stop) -> dict[str, Any]:
         return {"out": str(self.out), "spool": str(self.spool.path), "consumer": self.consumer, "versions": self.versions,
                 "policy_version": self.versions[-1] if self.versions else None, "updates": self.steps,
-                "dropped_records": self.dropped, "stale_dropped": self.stale_dropped, "stopped_by": stopped_by or ran_out,
+                "dropped_records": self.dropped, "stale_dropped": self.stale_dropped, "stopped_by": stopped.value,
                 "idle_fraction": self.idle_fraction()}
 
 
 def follow_spool(config: FollowConfig, *, out: Path, tokenizer_revision: str, trainer: FollowTrainer) -> dict[str, Any]:
-    """Run the follow loop (module doc); returns the run's summary."""
-    loop = _FollowLoop(config, out=out, tokenizer_revision=tokenizer_revision, trainer=trainer)
-    with output_lock(loop.spool.claimed_dir / loop.consumer, stage="trainer"), stop_on_signals() as stop, \
-            lease_kept(loop.spool, loop.consumer, config.source.lease_s), MetricsWriter(out / "metrics.jsonl") as loop.metrics:
-        try:
-            loop.run(stop)
-        finally:
-            released = loop.spool.release(loop.consumer)  # claims not published: back to ready/ for anyone
-            if released:
-                log(f"{loop.spool.path}: returned {released} unpublished claim(s) to ready/")
-    return loop.summary(stop["signal"])
+    """Run the follow loop (module doc) with ``trainer``; returns the run's summary."""
+    loop = FollowLoop(config, out=out, tokenizer_revision=tokenizer_revision, trainer=trainer)
+    with loop.claims, MetricsWriter(out / "metrics.jsonl") as loop.metrics:
+        stopped = loop.run()
+    return loop.summary(stopped)
 
 
 def follow_line(summary: dict[str, Any]) -> str:
@@ -258,93 +242,3 @@ def follow_line(summary: dict[str, Any]) -> str:
     return (f"{summary['out']}: {len(summary['versions'])} version(s) from {summary['updates']} update(s) on {summary['spool']} "
             f"(now v{summary['policy_version']}), {summary['dropped_records']} records dropped "
             f"({summary['stale_dropped']} stale), stopped by {summary['stopped_by']}")
-
-
-class _RunFollower:
-    """A :class:`FollowTrainer` over a :class:`~glmpost.rl.run.TrainingRun` kept open:
-    ``make_batch(inputs, parent_version, skip_ids)`` makes an update's :class:`~glmpost.rl.updates.UpdateBatch`."""
-
-    def __init__(self, run: TrainingRun, make_batch, *, revision: str, stage_options: dict[str, Any]):
-        self.run, self.make_batch, self.revision, self.stage_options = run, make_batch, revision, stage_options
-        self.batches: list[dict] = []  # the stage.json facts of each update since the last version
-
-    def train(self, shards: list[Path], skip_ids: frozenset) -> dict[str, Any]:
-        batch = self.make_batch([str(s) for s in shards], self.run.parent_version, skip_ids)
-        mini = too_few_examples(self.run.job, batch.examples)
-        if mini is not None:  # the stream's last few records: too few for the optimizer steps
-            raise NothingToTrain(f"{len(batch.examples)} example(s), fewer than mini_batches {mini}")
-        steps = self.run.update(batch.update())
-        self.batches.append(batch.stage_extra)
-        return {"records": batch.records, "trained_records": trained_records(batch.examples), "version_lags": batch.summary["version_lags"],
-                "metrics": {**batch.step_metrics, **(steps[-1] if steps else {})}}
-
-    def publish(self, manifest_extra: dict[str, Any]) -> int:
-        result = self.run.publish(tokenizer_revision=self.revision, stage_options=self.stage_options,
-                                  manifest_extra=manifest_extra,
-                                  stage_extra={"version_lags": manifest_extra.get("version_lags", {}), "batches": self.batches})
-        self.batches = []
-        return result.version
-
-
-def _follow_run(checkpoint: Path, out: Path, options: RunOptions, *, stage: str) -> TrainingRun:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("{follow} trains in one process for now: every rank would claim its own shards; "
-                          "run it without torchrun / deepspeed")
-    return TrainingRun(checkpoint, out, options, stage=stage, follow=True)
-
-
-def _training_follow(follow: FollowConfig, run: TrainingRun, job: TrainingJob, *, make_batch, revision: str,
-                     stage_options: dict[str, Any]) -> dict[str, Any]:
-    """:func:`follow_spool` with ``run`` kept open (``job`` its trainer, ``make_batch`` each update's
-    examples); closes it."""
-    with run:
-        run.open(job)
-        return follow_spool(follow, out=run.out, tokenizer_revision=revision,
-                            trainer=_RunFollower(run, make_batch, revision=revision, stage_options=stage_options))
-
-
-def grpo_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options: RunOptions, config, temperature: float | None,
-                ref_checkpoint: Path | None, stage_options: dict[str, Any]) -> dict[str, Any]:
-    """``train-grpo --follow``: a :func:`~glmpost.rl.updates.grpo_batch` update per batch; the KL
-    reference (``kl_coef`` > 0) is ``ref_checkpoint``, else the version the run started from."""
-
-    run = _follow_run(checkpoint, out, options, stage="train-grpo")
-    tokenizer, revision = load_tokenizer(checkpoint)
-    reference_dir = resolve_checkpoint(ref_checkpoint or checkpoint)
-    build = grpo_trainer(config, pad_token_id=tokenizer.pad_token_id,
-                         reference=lambda session: run.load(reference_dir, session, trained=False))
-    return _training_follow(follow, run, TrainingJob("train-grpo", config, build), revision=revision,
-                            stage_options=stage_options,
-                            make_batch=lambda inputs, parent_version, skip: grpo_batch(
-                                inputs, config, parent_version=parent_version, revision=revision, temperature=temperature,
-                                skip_ids=skip))
-
-
-def opd_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, options: RunOptions, config,
-               stage_options: dict[str, Any]) -> dict[str, Any]:
-    """``opd-merge --follow``: a :func:`~glmpost.rl.updates.opd_batch` update per batch (group size
-    1: an update per ``follow_records`` scored trajectories)."""
-
-    run = _follow_run(checkpoint, out, options, stage="opd-merge")
-    tokenizer, revision = load_tokenizer(checkpoint)
-    job = TrainingJob("opd-merge", config, opd_trainer(config, pad_token_id=tokenizer.pad_token_id))
-    return _training_follow(follow, run, job, revision=revision, stage_options=stage_options,
-                            make_batch=lambda inputs, parent_version, skip: opd_batch(
-                                inputs, config, parent_version=parent_version, revision=revision, skip_ids=skip))
-
-
-def sao_follow(follow: FollowConfig, *, checkpoint: Path, out: Path, critic_root: Path, init_critic: bool,
-               options: RunOptions, config, stage_options: dict[str, Any]) -> dict[str, Any]:
-    """``train-sao --follow``: a :func:`~glmpost.rl.updates.sao_batch` update per batch (group size 1),
-    the critic kept in memory beside the policy and published with each version under ``critic_root``."""
-
-    CriticVersions.finish_interrupted(critic_root, out)
-    run = _follow_run(checkpoint, out, options, stage="train-sao")
-    tokenizer, revision = load_tokenizer(run.parent)
-    critic = CriticVersions(critic_root, policy=run.parent, version=run.plan.version, groups=config.critic_groups(),
-                            optimizer=config.critic_optimizer(), init=init_critic, seed=config.seed)
-    job = TrainingJob("train-sao", config, sao_trainer(config, critic, pad_token_id=tokenizer.pad_token_id, options=options),
-                      companion=critic)
-    return _training_follow(follow, run, job, revision=revision, stage_options=stage_options,
-                            make_batch=lambda inputs, parent_version, skip: sao_batch(
-                                inputs, config, parent_version=parent_version, revision=revision, skip_ids=skip))

@@ -1,4 +1,4 @@
-"""What a training stage brings to a :class:`~glmpost.rl.run.TrainingRun`: its trainer
+"""What a training stage brings to a run (:class:`~glmpost.rl.run.TrainingCore`): its trainer
 (:class:`TrainingJob`: how it is built, the optimizer state its versions carry, a companion model)
 and each update (:class:`Update`: the examples, their step metrics, what the version records), and
 what a published version reports (:class:`RunResult`)."""
@@ -9,15 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.rl.distributed import OptimizerConfig, TrainingSession
 
 
 class Trainer(Protocol):
-    """What the run drives: ``prepare`` on the parent's weights, then resumable optimizer steps."""
+    """What the run drives: ``prepare`` on the parent's weights (its log-probs under ``distribution``,
+    the update's records'), then resumable optimizer steps."""
 
     backend: Any
 
-    def prepare(self, examples: list) -> Any: ...
+    def prepare(self, examples: list, distribution: ScoredDistribution) -> Any: ...
 
     def steps(self, prepared: Any) -> int: ...
 
@@ -77,6 +79,9 @@ class Update:
     finish: Callable[[Any], list[dict]] | None = None
     manifest_extra: dict[str, Any] = field(default_factory=dict)
     stage_extra: dict[str, Any] = field(default_factory=dict)  # stage.json fields
+    # What the records' rollout log-probs are of (:class:`~glmpost.rl.admission.Admission`): the
+    # trainer's log-probs are taken under it. SFT's examples have none: the model's own.
+    distribution: ScoredDistribution = ScoredDistribution()
 
 
 @dataclass

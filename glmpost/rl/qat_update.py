@@ -1,5 +1,5 @@
 """``glmpost qat``'s run: SFT with every targeted weight fake-quantized by the deployed quantizer,
-one :class:`~glmpost.rl.run.TrainingRun` from a parent checkpoint to its next version; the
+one :class:`~glmpost.rl.run_once.RunOnce` from a parent checkpoint to its next version; the
 checkpoint keeps the float master weights."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
 from glmpost.rl.jobs import TrainingJob, Update
-from glmpost.rl.run import TrainingRun
+from glmpost.rl.run_once import RunOnce
 from glmpost.rl.sft import SFTConfig, SFTTrainer, sft_examples
 
 
@@ -60,7 +60,7 @@ def quantization_error(model: torch.nn.Module, spec) -> list[dict]:
     return rows
 
 
-def qat_update(run: TrainingRun, inputs: Sequence[str], config: SFTConfig, *, quantization: QATQuantization,
+def qat_update(run: RunOnce, inputs: Sequence[str], config: SFTConfig, *, quantization: QATQuantization,
                eval_data: Sequence[str], stage_options: dict[str, Any]) -> dict[str, Any] | None:
     """SFT with every targeted weight fake-quantized by ``quantization.scheme`` (``none``: plain SFT)."""
     stage, scheme, q = "qat", quantization.scheme, quantization

@@ -1,26 +1,28 @@
-"""The training run every training stage goes through (train-grpo, opd-merge, train-sao, qat), run
-once on a batch of inputs or kept open by a follow trainer (``--follow``)::
+"""The core of every training run (train-grpo, opd-merge, train-sao, qat): from a parent version,
+train updates and publish them as the next version::
 
-    open -> update (one or more) -> publish the next version -> (update ... publish ...) -> close
+    open -> update (one or more) -> publish the next version
 
-* **plan**: the parent's policy version ``N`` and the target ``root/v(N+1)``
-  (:class:`~glmpost.checkpoints.NextVersion`). Once: the parent is ``--checkpoint``; a target that
-  exists was trained and the run is skipped; staging left by an interrupted run needs ``resume``
-  (continue it) or ``overwrite`` (start over). Following: the parent is the output root's newest
-  version, and staging a crash left is discarded (its updates are trained again from their
-  returned claims). Either way the root's lock is held from the plan on, and a ``LATEST`` a crash
-  left behind is moved to the newest version first.
+Two runs stand on it: :class:`~glmpost.rl.run_once.RunOnce` (one update from ``--checkpoint``,
+resumable, skipped when its version exists) and :class:`~glmpost.rl.follow_session.FollowSession`
+(kept open by a follow trainer across updates and versions). Each plans the version
+(:class:`~glmpost.checkpoints.NextVersion`: the parent's policy version ``N``, the target
+``root/v(N+1)``) and holds the output root while it runs (:func:`hold_root`: the root's lock, and a
+``LATEST`` a crash left behind moved to the newest version).
+
 * **open**: the training session (device, DeepSpeed ZeRO under a launcher), the parent's weights on
   this rank's device, the parent's optimizer state when the stage carries it from version to version.
 * **update**: on the first, the stage's trainer (:attr:`TrainingJob.build`, and the companion's
-  optimizer state: SAO's critic); the trainer's preparation on the weights as they are (old log-probs belong to the
-  policy that sampled: once, before any resumed weights are loaded; following, the proximal policy),
-  then the optimizer steps; every step's metrics go to ``staging/metrics.jsonl`` and, once, every
-  ``save_every`` steps the resumable state to ``staging/trainer_state/resume.pt``.
-* **publish** (rank 0): weights (and optimizer state) into staging, the update's closing metric
-  lines, ``stage.json``, the manifest, the atomic move into place and ``LATEST``; the steps' metrics
-  are appended to the root's ``metrics.jsonl`` (the history across versions). A follow trainer then
-  plans the version after it; the updates since the last publish exist only in memory (a crash
+  optimizer state: SAO's critic); the trainer's preparation on the weights as they are (old log-probs
+  belong to the policy that sampled: before any resumed weights are loaded; following, the proximal
+  policy), every log-prob under the update's distribution (its records'), then the optimizer steps;
+  every step's metrics go to ``staging/metrics.jsonl`` and, when asked, every ``save_every`` steps
+  the resumable state to ``staging/trainer_state/resume.pt``.
+* **publish** (rank 0 writes): the weights (and optimizer state) into staging, the companion's
+  version, the resume state dropped, the update's closing metric lines, then ``stage.json``, the
+  manifest, the atomic move into place and ``LATEST``; the steps' metrics are appended to the root's
+  ``metrics.jsonl`` (the history across versions). A follow session then continues from it
+  (:meth:`TrainingCore.advance`); the updates since the last publish exist only in memory (a crash
   loses them, never a published version).
 """
 
@@ -32,7 +34,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -52,10 +54,10 @@ from glmpost.kernel.loading import attention_ran, import_architecture, load_mode
 from glmpost.locks import output_lock
 from glmpost.memory.process import peak_rss_mib, resident_mib, trim_heap
 from glmpost.rl.distributed import TrainingSession
-from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
+from glmpost.rl.jobs import RunResult, TrainingJob, Update
 from glmpost.rl.precision import MASTERS, checkpoint_layers, load_masters
 from glmpost.rl.sharded_save import master_files, source_shard_bytes
-from glmpost.stage import check_same_options, log, write_stage_json
+from glmpost.stage import log, write_stage_json
 from glmpost.trackers import track
 
 
@@ -83,38 +85,38 @@ class RunOptions:
                              "CPU. Versions are published in the parent checkpoint's dtype either way.")
 
 
-# Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
-# says what to do when train-sao's critic root is empty).
-RERUN_IGNORED = ("config", "resume", "save_every", "init_critic", "activation_checkpointing")
+def check_run_options(out: Path, options: RunOptions) -> None:
+    """What a run refuses before it touches ``out``: both ``resume`` and ``overwrite``, and an output
+    that cannot be a checkpoint root."""
+    if options.resume and options.overwrite:
+        raise ConfigError("{resume} continues an interrupted run and {overwrite} starts it over: give one of them")
+    problem = model_folder_problem(out)
+    if problem:
+        raise ConfigError("{out} {path} {problem}", path=out, problem=problem)
 
 
-class TrainingRun:
-    """A training session from a parent version to the versions after it (see the module doc):
-    ``follow`` keeps it open across updates and versions, continuing ``out``'s newest version."""
+@contextlib.contextmanager
+def hold_root(out: Path, stage: str) -> Iterator[None]:
+    """The output root held for a run: rank 0 holds its lock for all ranks (one writer per root) and
+    first moves a ``LATEST`` a crash left behind to the newest published version."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    with output_lock(out, stage=stage):
+        repaired = CheckpointRoot(out).repair_latest()
+        if repaired is not None:
+            log(f"{out}: {LATEST} named {repaired[0] or 'nothing'}, but {version_dir_name(repaired[1])} was published; moved it")
+        yield
 
-    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, stage: str, follow: bool = False):
-        self.out, self.options, self.follow, self.stage = Path(out), options, follow, stage
-        if options.resume and options.overwrite:
-            raise ConfigError("{resume} continues an interrupted run and {overwrite} starts it over: give one of them")
-        problem = model_folder_problem(self.out)
-        if problem:
-            raise ConfigError("{out} {path} {problem}", path=self.out, problem=problem)
-        self._held = contextlib.ExitStack()
-        writer = int(os.environ.get("RANK", "0")) == 0  # one writer per root: the run's rank 0 holds it for all
-        if writer:
-            self._held.enter_context(output_lock(self.out, stage=stage))
-        try:
-            repaired = CheckpointRoot(self.out).repair_latest() if writer else None
-            if repaired is not None:
-                log(f"{self.out}: {LATEST} named {repaired[0] or 'nothing'}, but {version_dir_name(repaired[1])} was "
-                    "published; moved it")
-            self.plan = NextVersion.plan(self.out if follow and CheckpointRoot(self.out).versions() else checkpoint, out)
-        except BaseException:
-            self._held.close()
-            raise
-        self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
-        self.resuming = not follow and options.resume and self.resume_state.exists()
-        self.steps_before = published_steps(self.out)  # the x-axis of train/global_step
+
+class TrainingCore:
+    """A training session from ``plan``'s parent to the versions after it (module doc): the model
+    and its trainer, the updates since the last version, and publishing them. ``resuming``: the
+    first update continues from the state a run once saved in staging."""
+
+    def __init__(self, plan: NextVersion, options: RunOptions, *, stage: str, resuming: bool = False):
+        self.plan, self.options, self.stage, self.resuming = plan, options, stage, resuming
+        self.steps_before = published_steps(plan.root.path)  # the x-axis of train/global_step
         self.job: TrainingJob | None = None
         self.session: TrainingSession | None = None
         self.model = self.backend = self.trainer = None
@@ -136,38 +138,17 @@ class TrainingRun:
         """The newest published version (the one this run started from, or published since)."""
         return self.plan.parent_version
 
-    def __enter__(self) -> "TrainingRun":
-        return self
+    @property
+    def resume_state(self) -> Path:
+        return self.plan.staging / "trainer_state" / "resume.pt"
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    @property
+    def _companion_state(self) -> Path:
+        return self.plan.staging / "trainer_state" / self.job.companion.name
 
-    def already_done(self, stage_options: dict[str, Any]) -> bool:
-        """Whether this update was trained and published with these options (a rerun then does
-        nothing). Another option, or other inputs, than the published version's: exit 2 naming it.
-        ``overwrite`` trains it again and replaces it, when no later version was trained from it."""
-        target = self.plan.target
-        if not target.exists():
-            return False
-        if self.options.overwrite:
-            later = [v for v in self.plan.root.versions() if v > self.plan.version]
-            if later:
-                raise ConfigError("{overwrite} would train {target} again, but {later} came after it; publish into another {out}",
-                                  target=target, later=", ".join(version_dir_name(v) for v in later))
-            log(f"{target}: training it again (--overwrite); the new version replaces it when it is published")
-            return False
-        check_same_options(target, self.stage, stage_options, ignore=RERUN_IGNORED, overwrite=False)
-        return True
-
-    def skipped(self) -> dict[str, Any]:
-        """The summary of an update whose version was already published."""
-        return {"out": str(self.plan.target), "skipped": True, "policy_version": self.plan.version}
-
-    def check_staging(self) -> None:
-        staging = self.plan.staging
-        if staging.exists() and not (self.options.resume or self.options.overwrite):
-            raise ConfigError("an interrupted run left {staging}; pass {resume} to continue it or {overwrite} to start over",
-                              staging=staging)
+    @property
+    def _carries_optimizer(self) -> bool:
+        return self.job.keep_optimizer_state and not self.options.reset_optimizer and not self.resuming
 
     def load(self, checkpoint: Path, session: TrainingSession, *, trained: bool = True):
         return load_for_training(checkpoint, session, self.options, trained=trained)
@@ -180,8 +161,6 @@ class TrainingRun:
         self.session = session = TrainingSession.start(device=o.device, deterministic=o.deterministic,
                                                        zero_stage=o.zero_stage, deepspeed_config=o.deepspeed_config,
                                                        precision=o.precision)
-        if self.follow and o.reset_optimizer and session.use_deepspeed:
-            raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         # QAT's fake quant (adapt_model) reads whole weights: its model is loaded whole, as before.
         import_architecture(self.parent)
         with session.partitioned_loading(job.config) if job.adapt_model is None else contextlib.nullcontext():
@@ -206,69 +185,34 @@ class TrainingRun:
         if self._carries_optimizer:
             self.backend.load_optimizer(self.parent / "trainer_state" / "optimizer.pt")
 
-    @property
-    def _carries_optimizer(self) -> bool:
-        return self.job.keep_optimizer_state and not self.options.reset_optimizer and not self.resuming
-
-    def _build_trainer(self) -> None:
-        """The stage's trainer, on the first update: its settings may come from the first batch's
-        records (the log-prob distribution they were sampled with). It sets the companion up."""
-        self.trainer = self.job.build(self.model, self.backend, self.session)
-        if self.job.companion is not None and self._carries_optimizer:
-            self.job.companion.load_optimizer()
-
     def close(self) -> None:
-        """End the session and let the root's lock go (callers close in a ``finally``, or use the
-        run as a context manager; closing twice is harmless)."""
+        """End the session (closing twice is harmless)."""
         if self.session is not None:
             self.session.close()
-        self._held.close()
 
-    @property
-    def _companion_state(self) -> Path:
-        return self.plan.staging / "trainer_state" / self.job.companion.name
+    # One update.
 
-    def update(self, update: Update) -> list[dict]:
-        """Train one update (module doc); returns its steps' metrics, kept until the next publish."""
-        o, session, staging, companion = self.options, self.session, self.plan.staging, self.job.companion
-        if self.updates == 0:  # the version's first update starts its staging
-            if session.is_main:
-                if staging.exists() and (o.overwrite or not self.resuming):
-                    shutil.rmtree(staging)  # --overwrite, an interruption before the first saved state, a lost follow update
-                staging.mkdir(parents=True, exist_ok=True)
-            session.barrier()
+    def update(self, update: Update, *, save_every: int = 0) -> list[dict]:
+        """Train one update (module doc); returns its steps' metrics, kept until the next publish.
+        ``save_every``: save the resumable state every that many optimizer steps (a run once)."""
+        if self.updates == 0:
+            self._start_staging()
         if self.trainer is None:
             self._build_trainer()
-        metrics_path = staging / "metrics.jsonl"
-        prepared = self.trainer.prepare(update.examples)  # the weights as they are now, before any resume
+        prepared = self.trainer.prepare(update.examples, update.distribution)  # the weights as they are now, before any resume
         total = self.trainer.steps(prepared)
-        start_step, steps = 0, []
-        if self.resuming:  # weights, optimizer state, step and metrics of the last save
-            start_step, steps = self.backend.load_resume_state(self.resume_state)
-            if companion is not None:
-                companion.load_resume_state(self._companion_state, start_step)
-            log(f"resuming at optimizer step {start_step} of {total}")
-            if session.is_main:  # drop lines of steps that ran after the last saved state
-                metrics_path.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in steps))
-            self.resuming = False
-        step_metrics = {**update.step_metrics, **({"train/update": self.updates} if self.follow else {})}
+        start_step, steps = self._resume(total) if self.resuming else (0, [])
         progress = tqdm(total=total, initial=start_step, desc=self.job.stage, unit="step", leave=False,
-                        disable=None if session.is_main else True)
-
+                        disable=None if self.session.is_main else True)
         first_step = self.steps_before + len(self.history)
 
         def on_step(step: int, metrics: dict) -> None:
-            metrics.update(step_metrics, **{"train/global_step": first_step + step})
+            metrics.update(update.step_metrics, **{"train/global_step": first_step + step})
             steps.append(metrics)
-            if session.is_main:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(metrics, sort_keys=True) + "\n")
-                track(metrics)
+            self._record_step(metrics)
             progress.update(1)
-            if not self.follow and o.save_every and (step + 1) % o.save_every == 0 and step + 1 < total:
-                if companion is not None:  # first: the policy's resume state names the step to resume at
-                    companion.save_resume_state(self._companion_state, step + 1)
-                self.backend.save_resume_state(self.resume_state, step + 1, self.history + steps)
+            if save_every and (step + 1) % save_every == 0 and step + 1 < total:
+                self._save_resume_state(step + 1, self.history + steps)
 
         with progress:
             self.trainer.train(prepared, start_step=start_step, on_step=on_step)
@@ -279,17 +223,78 @@ class TrainingRun:
         self.steps += total
         return steps
 
+    def _start_staging(self) -> None:
+        """A version's first update starts its staging afresh, unless it resumes the state saved there
+        (what is left is an interruption before the first saved state, ``overwrite``, a lost follow update)."""
+        staging = self.plan.staging
+        if self.session.is_main:
+            if staging.exists() and not self.resuming:
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True, exist_ok=True)
+        self.session.barrier()
+
+    def _build_trainer(self) -> None:
+        """The stage's trainer, on the first update; it sets the companion up."""
+        self.trainer = self.job.build(self.model, self.backend, self.session)
+        if self.job.companion is not None and self._carries_optimizer:
+            self.job.companion.load_optimizer()
+
+    def _resume(self, total: int) -> tuple[int, list[dict]]:
+        """Weights, optimizer state, step and metrics of the last save; the metric lines of steps that
+        ran after it are dropped."""
+        start_step, steps = self.backend.load_resume_state(self.resume_state)
+        if self.job.companion is not None:
+            self.job.companion.load_resume_state(self._companion_state, start_step)
+        log(f"resuming at optimizer step {start_step} of {total}")
+        if self.session.is_main:
+            (self.plan.staging / "metrics.jsonl").write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in steps))
+        self.resuming = False
+        return start_step, steps
+
+    def _record_step(self, metrics: dict) -> None:
+        if self.session.is_main:
+            with open(self.plan.staging / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics, sort_keys=True) + "\n")
+            track(metrics)
+
+    def _save_resume_state(self, step: int, history: list[dict]) -> None:
+        if self.job.companion is not None:  # first: the policy's resume state names the step to resume at
+            self.job.companion.save_resume_state(self._companion_state, step)
+        self.backend.save_resume_state(self.resume_state, step, history)
+
+    # Publishing the updates since the last version, in the order a crash leaves safe.
+
     def publish(self, *, tokenizer_revision: str, stage_options: dict[str, Any], manifest_extra: dict[str, Any],
-                stage_extra: dict[str, Any]) -> RunResult:
-        """Publish the updates since the last version as the next one (every rank: ZeRO-3 gathers
-        the weights); a follow run then plans the version after it."""
-        plan, session, job, companion = self.plan, self.session, self.job, self.job.companion
-        staging = plan.staging
-        rounded = self.dtype != "float32"
+                stage_extra: dict[str, Any], replace: bool = False) -> RunResult:
+        """Publish the updates since the last version as the next one (every rank: ZeRO-3 gathers the
+        weights; rank 0 writes); ``replace``: over a published version (``overwrite``)."""
+        self._save_weights()
+        if self.job.companion is not None:
+            self.job.companion.save(tokenizer_revision=tokenizer_revision, stage=self.job.stage, stage_options=stage_options,
+                                    world_size=self.session.world_size, history=self.history)
+        if self.session.is_main:
+            self._drop_resume_state()
+            self._write_closing_lines()
+            self._publish_version(tokenizer_revision=tokenizer_revision, stage_options=stage_options,
+                                  manifest_extra=manifest_extra, stage_extra=stage_extra, replace=replace)
+            if self.job.companion is not None:
+                self.job.companion.publish()
+        self.session.barrier()
+        plan = self.plan
+        return RunResult(plan.target, plan.version, plan.parent, self.history, self.session.world_size, self.steps)
+
+    @property
+    def _keeps_masters(self) -> bool:
+        """Whether the version keeps its float32 master weights beside the rounded ones."""
+        return self.dtype != "float32" and self.job.keep_optimizer_state
+
+    def _save_weights(self) -> None:
+        """The weights (in the version's dtype) and the optimizer state into staging."""
+        staging = self.plan.staging
         try:
             self.backend.save_model(staging, dtype=getattr(torch, self.dtype), shard_bytes=source_shard_bytes(self.parent),
-                                    masters=staging / "trainer_state" / MASTERS if rounded and job.keep_optimizer_state else None)
-            if job.keep_optimizer_state:
+                                    masters=staging / "trainer_state" / MASTERS if self._keeps_masters else None)
+            if self.job.keep_optimizer_state:
                 self.backend.save_optimizer(staging / "trainer_state" / "optimizer.pt")
         except Exception as exc:  # a full or read-only disk: the published versions are untouched
             problem = first_line(exc) if storage_error(exc) else file_system_problem(staging)
@@ -297,61 +302,47 @@ class TrainingRun:
                 raise
             raise GlmpostError(f"{staging}: cannot write the new version ({problem}); the published versions and "
                                "LATEST are as they were") from None
-        if companion is not None:
-            companion.save(tokenizer_revision=tokenizer_revision, stage=job.stage, stage_options=stage_options,
-                           world_size=session.world_size, history=self.history)
-        if session.is_main:
-            if companion is not None:
-                shutil.rmtree(self._companion_state, ignore_errors=True)
-            if job.keep_optimizer_state:
-                self.resume_state.unlink(missing_ok=True)
-            else:  # resume state is not part of the checkpoint
-                shutil.rmtree(staging / "trainer_state", ignore_errors=True)
-            if self.closing_lines:
-                with open(staging / "metrics.jsonl", "a") as f:
-                    f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in self.closing_lines)
-                for line in self.closing_lines:
-                    track(line)
-            if self.follow:
-                stage_extra = {**stage_extra, "updates": self.updates}
-            manifest_extra = {**manifest_extra, "dtype": self.dtype, "precision": session.precision,
-                              "masters": f"trainer_state/{MASTERS}" if rounded and job.keep_optimizer_state else None}
-            publish_staged(plan, stage=job.stage, stage_options=stage_options, world_size=session.world_size,
-                           stage_extra=stage_extra, manifest_extra=manifest_extra, steps=self.steps,
-                           tokenizer_revision=tokenizer_revision, history=self.history,
-                           replace=self.options.overwrite and not self.follow)
-            if companion is not None:
-                companion.publish()
-        session.barrier()
-        result = RunResult(plan.target, plan.version, plan.parent, self.history, session.world_size, self.steps)
-        if not self.follow:  # a run once keeps its plan: what it reports
-            return result
-        self.plan = NextVersion.plan(plan.target, self.out)
-        self.resume_state = self.plan.staging / "trainer_state" / "resume.pt"
+
+    def _drop_resume_state(self) -> None:
+        """The resume state is not part of the version (nor is ``trainer_state`` when it carries no optimizer state)."""
+        if self.job.companion is not None:
+            shutil.rmtree(self._companion_state, ignore_errors=True)
+        if self.job.keep_optimizer_state:
+            self.resume_state.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.plan.staging / "trainer_state", ignore_errors=True)
+
+    def _write_closing_lines(self) -> None:
+        """The updates' ``finish`` lines after their steps' in staging's ``metrics.jsonl``."""
+        if self.closing_lines:
+            with open(self.plan.staging / "metrics.jsonl", "a") as f:
+                f.writelines(json.dumps(line, sort_keys=True) + "\n" for line in self.closing_lines)
+            for line in self.closing_lines:
+                track(line)
+
+    def _publish_version(self, *, tokenizer_revision: str, stage_options: dict[str, Any], manifest_extra: dict[str, Any],
+                         stage_extra: dict[str, Any], replace: bool) -> None:
+        manifest_extra = {**manifest_extra, "dtype": self.dtype, "precision": self.session.precision,
+                          "masters": f"trainer_state/{MASTERS}" if self._keeps_masters else None}
+        publish_staged(self.plan, stage=self.job.stage, stage_options=stage_options, world_size=self.session.world_size,
+                       stage_extra=stage_extra, manifest_extra=manifest_extra, steps=self.steps,
+                       tokenizer_revision=tokenizer_revision, history=self.history, replace=replace)
+
+    # After a version: a follow session continues from it.
+
+    def advance(self) -> None:
+        """Continue from the version just published: plan the one after it, nothing trained since."""
+        self.plan = NextVersion.plan(self.plan.target, self.plan.root.path)
         self.steps_before += len(self.history)
         self._clear()
-        if companion is not None:
-            companion.version = self.plan.version
-        if self.follow and self.options.reset_optimizer:
-            self.backend.reset_optimizer()
-            if companion is not None:
-                companion.reset_optimizer()
-        return result
+        if self.job.companion is not None:
+            self.job.companion.version = self.plan.version
 
-    def run(self, job: TrainingJob, update: Update, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
-        """Open, train ``update``, publish it and close; the result on rank 0, None on the other ranks."""
-        short = too_few_examples(job, update.examples)  # before the model loads
-        if short is not None:
-            raise ConfigError("{mini_batches} {mini} is more than this update's {n} example(s): every optimizer step "
-                              "needs one", mini=short, n=len(update.examples))
-        try:
-            self.open(job)
-            self.update(update)
-            result = self.publish(tokenizer_revision=tokenizer_revision, stage_options=stage_options,
-                                  manifest_extra=update.manifest_extra, stage_extra=update.stage_extra)
-        finally:
-            self.close()
-        return result if self.session.is_main else None
+    def reset_optimizer(self) -> None:
+        """AdamW from zero (the policy's, and the companion's)."""
+        self.backend.reset_optimizer()
+        if self.job.companion is not None:
+            self.job.companion.reset_optimizer()
 
 
 def load_for_training(checkpoint: Path, session: TrainingSession, options: RunOptions, *, trained: bool = True):

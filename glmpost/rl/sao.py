@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from glmpost.config import SettingError, setting
+from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.rl.advantages import skip_observation_gae
 from glmpost.rl.batches import TrainExample
 from glmpost.rl.configs import PolicyGradientConfig
@@ -251,10 +252,11 @@ class SAOTrainer:
     def __init__(self, actor: PolicyTrainer, critic: CriticTrainer):
         self.actor, self.critic, self.backend = actor, critic, actor.backend
 
-    def prepare(self, examples: Sequence[TrainExample]) -> SAOPrepared:
+    def prepare(self, examples: Sequence[TrainExample],
+                distribution: ScoredDistribution = ScoredDistribution()) -> SAOPrepared:
         mine = list(range(self.backend.rank, len(examples), self.backend.world_size))
         targets = self.critic.prepare(examples, mine)  # first: the policy's estimator reads its advantages
-        update = self.actor.prepare(examples)
+        update = self.actor.prepare(examples, distribution)
         update.diagnostics.update(targets.metrics)
         return SAOPrepared(update, targets)
 

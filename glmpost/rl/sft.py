@@ -69,8 +69,9 @@ class SFTTrainer:
     def total_steps(self, count: int) -> int:
         return self.config.epochs * math.ceil(count / self.config.batch_size)
 
-    def prepare(self, examples: Sequence[TrainExample]) -> list[TrainExample]:
-        """SFT needs nothing from the weights before training (:class:`glmpost.rl.jobs.Trainer`)."""
+    def prepare(self, examples: Sequence[TrainExample], distribution: Any = None) -> list[TrainExample]:
+        """SFT needs nothing from the weights before training (:class:`glmpost.rl.jobs.Trainer`); its
+        loss is of the model's own distribution, whatever ``distribution`` the update names."""
         return list(examples)
 
     def steps(self, examples: Sequence[TrainExample]) -> int:

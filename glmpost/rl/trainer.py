@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
 from glmpost.kernel.trust_masks import TRUST_MASKS
@@ -56,12 +57,14 @@ class OldPolicyStats:
 
 @dataclass
 class PreparedUpdate:
-    """A batch with its old-policy log-probs, trust mask, reference log-probs and diagnostics."""
+    """A batch with its old-policy log-probs, trust mask, reference log-probs and diagnostics, and the
+    distribution every log-prob of the update is taken under (the records' rollout log-probs')."""
 
     examples: list[TrainExample]
     old: OldPolicyStats
     ref: dict[int, torch.Tensor] | None
     diagnostics: dict[str, float]
+    distribution: ScoredDistribution = ScoredDistribution()
 
 
 class PolicyTrainer:
@@ -103,39 +106,42 @@ class PolicyTrainer:
         self.metric_names = sorted({"train/loss", "train/entropy", *(t.logged_as for t in self.terms if t.logged_as),
                                     *(name for t in self.terms for name in t.metrics)})
 
-    def _log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool = False):
+    def _log_probs(self, model: torch.nn.Module, batch: MicroBatch, distribution: ScoredDistribution, *,
+                   entropy: bool = False):
         with self.backend.compute(), self._replay(batch, model) as session:
             self.routing_session = session
-            return self._sequence_log_probs(model, batch, entropy=entropy)
+            return self._sequence_log_probs(model, batch, distribution, entropy=entropy)
 
     def _replay(self, batch: MicroBatch, model: torch.nn.Module | None = None):
         """The policy's forward of ``batch`` with the records' experts replayed (``routing_replay``;
         :mod:`glmpost.rl.routing_replay`): the old log-probs, the masks and the loss all see it."""
         return replay_context(self.model, batch, self.config.routing_replay and model in (None, self.model))
 
-    def _sequence_log_probs(self, model: torch.nn.Module, batch: MicroBatch, *, entropy: bool):
+    def _sequence_log_probs(self, model: torch.nn.Module, batch: MicroBatch, distribution: ScoredDistribution, *,
+                            entropy: bool):
         return sequence_log_probs(
             model,
             batch.input_ids,
             batch.attention_mask,
             position_ids=batch.position_ids,
             score_mask=batch.action_mask,
-            temperature=self.config.temperature,
-            top_k=self.config.top_k,
-            top_p=self.config.top_p,
+            temperature=distribution.temperature,
+            top_k=distribution.top_k,
+            top_p=distribution.top_p,
             chunk_size=self.config.chunk_size,
             return_entropy=entropy,
         )
 
-    def _train_forward(self, batch: MicroBatch):
+    def _train_forward(self, batch: MicroBatch, distribution: ScoredDistribution):
         """The policy's forward with grad: per-token ``log_probs`` and ``entropy`` ``[B, L-1]``, and the
         log-probs of the ids a loss term gathers (``gathered`` ``[B, L-1, k]``)."""
         if self.gather is None:
-            return self._log_probs(self.model, batch, entropy=True)
+            return self._log_probs(self.model, batch, distribution, entropy=True)
         with self.backend.compute():
             return score_tokens(
                 self.model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids,
-                score_mask=batch.action_mask, temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
+                score_mask=batch.action_mask, temperature=distribution.temperature, top_k=distribution.top_k,
+                top_p=distribution.top_p,
                 chunk_size=self.config.chunk_size, return_entropy=True,
                 gather_ids=batch.token_fields[self.gather].long(),
             )
@@ -156,14 +162,15 @@ class PolicyTrainer:
             yield chunk, self.micro_batch([examples[i] for i in chunk])
 
     @torch.no_grad()
-    def old_policy(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> OldPolicyStats:
-        """Old log-probs of the rollout tokens with the training engine, and the trust mask (the
-        per-step masks on these weights: the first step's)."""
+    def old_policy(self, examples: Sequence[TrainExample], indices: Sequence[int],
+                   distribution: ScoredDistribution) -> OldPolicyStats:
+        """Old log-probs of the rollout tokens with the training engine (under ``distribution``), and
+        the trust mask (the per-step masks on these weights: the first step's)."""
         self.model.eval()
         old, trust, base = {}, {}, {}
         self.routing_totals = torch.zeros(5, dtype=torch.float64)
         for chunk, batch in self._micro_batches(examples, indices):
-            result = self._log_probs(self.model, batch)
+            result = self._log_probs(self.model, batch, distribution)
             self.routing_totals += replay_counts(self.routing_session, batch)
             mask = batch.action_mask.clone()
             for trust_mask in self.masks:
@@ -180,8 +187,8 @@ class PolicyTrainer:
         return mask
 
     @torch.no_grad()
-    def step_trust(self, examples: Sequence[TrainExample], indices: Sequence[int], old: OldPolicyStats, *,
-                   passes: int = 0, filler: int = 0) -> dict[int, torch.Tensor]:
+    def step_trust(self, examples: Sequence[TrainExample], indices: Sequence[int], old: OldPolicyStats,
+                   distribution: ScoredDistribution, *, passes: int = 0, filler: int = 0) -> dict[int, torch.Tensor]:
         """The final mask of an optimizer step after the first: the update-start masks AND the
         per-step masks (DIS) on the weights as they are now. Runs at least ``passes`` forwards (a
         rank whose share ran out scores ``examples[filler]`` and drops it), so ZeRO-3's gathers line
@@ -191,37 +198,42 @@ class PolicyTrainer:
         trust, done = {}, 0
         for chunk, batch in self._micro_batches(examples, indices):
             base = batch.lay([old.base_trust[i] for i in chunk], fill=False)
-            stepped = self._with_step_masks(base, self._log_probs(self.model, batch).log_probs, batch)
+            stepped = self._with_step_masks(base, self._log_probs(self.model, batch, distribution).log_probs, batch)
             trust.update({index: values.cpu() for index, values in zip(chunk, batch.per_example(stepped))})
             done += 1
         for _ in range(done, passes):
-            self._log_probs(self.model, collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device))
+            self._log_probs(self.model, collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device),
+                            distribution)
         self.model.train(was_training)
         return trust
 
     @torch.no_grad()
-    def reference_log_probs(self, examples: Sequence[TrainExample], indices: Sequence[int]) -> dict[int, torch.Tensor]:
+    def reference_log_probs(self, examples: Sequence[TrainExample], indices: Sequence[int],
+                            distribution: ScoredDistribution) -> dict[int, torch.Tensor]:
         out = {}
         for chunk, batch in self._micro_batches(examples, indices):
-            result = self._log_probs(self.reference, batch)
+            result = self._log_probs(self.reference, batch, distribution)
             out.update({index: values.cpu() for index, values in zip(chunk, batch.per_example(result.log_probs))})
         return out
 
-    def prepare(self, examples: Sequence[TrainExample]) -> PreparedUpdate:
-        """What the update needs from the old policy, computed on the weights as they are now.
+    def prepare(self, examples: Sequence[TrainExample],
+                distribution: ScoredDistribution = ScoredDistribution()) -> PreparedUpdate:
+        """What the update needs from the old policy, computed on the weights as they are now, every
+        log-prob under ``distribution``: the one the records' rollout log-probs are of
+        (:class:`~glmpost.rl.admission.Admission`; default: the model's own).
 
         Call before loading a resumed run's weights: the old log-probs (and the trust mask) belong
         to the policy that produced the rollouts, not to a half-trained one.
         """
         mine = list(range(self.backend.rank, len(examples), self.backend.world_size))
-        old = self.old_policy(examples, mine)
+        old = self.old_policy(examples, mine, distribution)
         diagnostics: dict[str, float] = {}
         for diagnostic in self.diagnostics:
             diagnostics.update(diagnostic(examples, old, self.backend.all_reduce_sum))
         if self.config.routing_replay:
             diagnostics.update(replay_metrics(self.backend.all_reduce_sum(self.routing_totals)))
-        ref = self.reference_log_probs(examples, mine) if any(t is LOSS_TERMS["kl"] for t in self.terms) else None
-        return PreparedUpdate(list(examples), old, ref, diagnostics)
+        ref = self.reference_log_probs(examples, mine, distribution) if any(t is LOSS_TERMS["kl"] for t in self.terms) else None
+        return PreparedUpdate(list(examples), old, ref, diagnostics, distribution)
 
     def train(
         self,
@@ -260,9 +272,8 @@ class PolicyTrainer:
                 micro_steps = max(1, *(len(self.plan(examples, s)) for s in shares))
                 before = {} if before_step is None else before_step(shares, int(part[0]))
                 trust = prepared.old.trust if step == 0 or not self.step_masks else self.step_trust(
-                    examples, shares[rank], prepared.old, passes=micro_steps, filler=int(part[0]))
-                metrics = before | self._optimizer_step(examples, shares[rank], micro_steps, int(part[0]), prepared.old,
-                                                        prepared.ref, trust)
+                    examples, shares[rank], prepared.old, prepared.distribution, passes=micro_steps, filler=int(part[0]))
+                metrics = before | self._optimizer_step(prepared, shares[rank], micro_steps, int(part[0]), trust)
                 metrics.update(prepared.diagnostics)
                 metrics["train/epoch"] = epoch
                 metrics["train/step"] = step
@@ -280,11 +291,12 @@ class PolicyTrainer:
         """Optimizer steps of the update (:class:`glmpost.rl.jobs.Trainer`)."""
         return self.total_steps()
 
-    def _micro_loss(self, batch: MicroBatch, old_lp: torch.Tensor, trust: torch.Tensor, ref_lp, denominator: float,
-                    sums: dict[str, torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
+    def _micro_loss(self, batch: MicroBatch, distribution: ScoredDistribution, old_lp: torch.Tensor, trust: torch.Tensor,
+                    ref_lp, denominator: float, sums: dict[str, torch.Tensor],
+                    weights: torch.Tensor | None = None) -> torch.Tensor:
         """The composed loss of one micro-batch; its named metric sums are added to ``sums``.
         ``weights`` ``[B, L-1]``: each example's weight under the loss normalisation over its entries (None: all 1)."""
-        forward = self._train_forward(batch)
+        forward = self._train_forward(batch, distribution)
         advantages, _ = self.estimator(batch, old_lp, self.config)
         for scaling in self.scalings:
             advantages = scaling(batch, advantages, self.config)
@@ -307,9 +319,9 @@ class PolicyTrainer:
         sums["train/entropy"] += trusted_sum(forward.entropy, trust).detach().double().cpu()
         return loss
 
-    def _optimizer_step(self, examples, indices, micro_steps: int, filler: int, old: OldPolicyStats, ref,
+    def _optimizer_step(self, prepared: PreparedUpdate, indices, micro_steps: int, filler: int,
                         trust_of: dict[int, torch.Tensor]) -> dict[str, float]:
-        config = self.config
+        config, examples, old, ref, distribution = self.config, prepared.examples, prepared.old, prepared.ref, prepared.distribution
         self.model.train()
         started = time.perf_counter()
         trusted = [int(trust_of[i].sum()) for i in indices]
@@ -331,7 +343,7 @@ class PolicyTrainer:
                 # parameters as the other ranks' passes, so the collective reductions line up.
                 batch = collate([examples[filler]], pad_token_id=self.pad_token_id, device=self.device)
                 with self._replay(batch):
-                    self.backend.backward(self._log_probs(self.model, batch).log_probs.sum() * 0.0)
+                    self.backend.backward(self._log_probs(self.model, batch, distribution).log_probs.sum() * 0.0)
                 continue
             batch = self.micro_batch([examples[i] for i in chunk_idx])
             old_lp = batch.lay([old.old_log_probs[i] for i in chunk_idx])
@@ -340,7 +352,7 @@ class PolicyTrainer:
             ref_lp = None if ref is None else batch.lay([ref[i] for i in chunk_idx])
             weights = None if weight_of is None else batch.spread([weight_of[i] for i in chunk_idx], dtype=torch.float64)
             with self._replay(batch):  # open over the backward too: a checkpointed layer recomputes under it
-                self.backend.backward(self._micro_loss(batch, old_lp, trust, ref_lp, denominator, sums, weights))
+                self.backend.backward(self._micro_loss(batch, distribution, old_lp, trust, ref_lp, denominator, sums, weights))
         if used != local_trusted:  # numerator and denominator must count the same final mask (ROLL#444, verl#4852)
             raise RuntimeError(f"the loss summed {used} trusted tokens but its denominator counted {local_trusted}")
         grad_norm = self.backend.step()

@@ -1,14 +1,16 @@
-"""The training stages' runs: GRPO (train-grpo), OPD / MOPD (opd-merge) and SAO (train-sao), each
-one :class:`~glmpost.rl.run.TrainingRun` from a parent checkpoint to its next version (QAT's is
-:mod:`glmpost.rl.qat_update`).
+"""The policy-gradient stages' updates: GRPO (train-grpo), OPD / MOPD (opd-merge) and SAO (train-sao).
 
-A function here reads and checks the stage's records, builds its examples and trainer, runs the
-update and returns the facts its command reports (a dict, the same keys as ``--json`` prints).
+Per stage: ``*_batch`` admits the records (:func:`~glmpost.rl.admission.admit`) and builds the
+examples, metrics and stage.json facts of one update (:class:`UpdateBatch`, with the distribution
+the records were sampled from); ``*_trainer`` builds the stage's trainer; ``*_update`` is the run
+once, a :class:`~glmpost.rl.run_once.RunOnce` from a parent checkpoint to its next version, which
+returns the facts its command reports (a dict, the same keys as ``--json`` prints). Following a
+spool, the same batches and trainers serve :mod:`glmpost.rl.follow_session`. QAT's run is
+:mod:`glmpost.rl.qat_update`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -17,13 +19,10 @@ import numpy as np
 
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
-from glmpost.formats import read_checked_records
-from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
-from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.loading import load_tokenizer
+from glmpost.rl.admission import NothingToTrain, admit
 from glmpost.rl.batches import (
-    check_version_lags,
-    drop_stale,
     failure_counts,
     prepare_batch,
     prepare_opd_batch,
@@ -37,19 +36,11 @@ from glmpost.rl.critic import CriticVersions
 from glmpost.rl.jobs import RunResult, TrainingJob, Update
 from glmpost.rl.precision import checkpoint_layers
 from glmpost.rl.routing_replay import prepare_replay
-from glmpost.rl.run import RunOptions, TrainingRun
+from glmpost.rl.run import RunOptions
+from glmpost.rl.run_once import RunOnce
 from glmpost.rl.sao import CriticTrainer, SAOConfig, SAOTrainer
 from glmpost.rl.trainer import PolicyTrainer
 from glmpost.stage import log
-
-
-class NothingToTrain(GlmpostError):
-    """An update whose records were all excluded (stale, already trained, failed): nothing to publish.
-    ``metrics``: what the exclusion measured (the stale-dropped records' lengths and rewards)."""
-
-    def __init__(self, message: str, metrics: dict[str, float] | None = None):
-        super().__init__(message)
-        self.metrics = dict(metrics or {})
 
 
 @dataclass
@@ -63,6 +54,7 @@ class UpdateBatch:
     step_metrics: dict[str, Any]
     stage_extra: dict[str, Any]
     summary: dict[str, Any]
+    distribution: ScoredDistribution  # what the records' rollout log-probs are of: the trainer's log-probs' too
     lines: list[dict[str, Any]] = field(default_factory=list)  # metric lines after the steps' (each compacted segment)
 
     def update(self, *, manifest_extra: dict[str, Any] | None = None, stage_extra: dict[str, Any] | None = None) -> Update:
@@ -70,45 +62,7 @@ class UpdateBatch:
         ``stage_extra`` (default :attr:`stage_extra`) in stage.json."""
         finish = (lambda trainer: list(self.lines)) if self.lines else None
         return Update(self.examples, self.step_metrics, finish=finish, manifest_extra=dict(manifest_extra or {}),
-                      stage_extra=self.stage_extra if stage_extra is None else stage_extra)
-
-
-def _validated(config) -> None:
-    """A refused setting is the caller's mistake: a :class:`~glmpost.config.SettingError` naming the
-    field (a command turns it into its flag)."""
-    config.validate()
-
-
-def sampled_distribution(records: Sequence[dict], stage: str, *, temperature: float | None = None) -> ScoredDistribution:
-    """The one distribution the records' ``rollout_log_probs`` are of (their ``sampling``:
-    ``log_prob_kind`` at their temperature, top-k and top-p; formats/SPEC.md), which the trainer's
-    old and new log-probs then are of too, so IcePop's ratio compares like with like (brief, "IcePop
-    为什么有两层 ratio"; TRL#6789). ``temperature`` overrides the records' (train-grpo --temperature).
-
-    Greedy records (temperature 0) are refused: the policy they were decoded with is a point mass,
-    so there is no probability ratio to optimise (their ``raw`` log-probs remain comparable with
-    ``diff-logprobs``). So are records that differ in these settings, or name an unknown kind."""
-    settings: dict[tuple, str] = {}
-    for record in records:
-        try:
-            params = SamplingParams.from_record(record["sampling"])
-        except ValueError as exc:
-            raise GlmpostError(f"{stage}: record {record['id']!r}: {exc}") from None
-        if params.temperature == 0:
-            raise GlmpostError(f"{stage}: record {record['id']!r} was decoded greedily (sampling.temperature 0): a point "
-                               "mass has no probability ratio to optimise; roll out with --temperature > 0")
-        settings.setdefault((params.log_prob_kind, params.temperature, params.top_k, params.top_p), record["id"])
-    if len(settings) > 1:
-        raise GlmpostError(f"{stage}: records differ in sampling (log_prob_kind, temperature, top_k, top_p): "
-                           f"{sorted(settings, key=str)}; train them separately")
-    kind, sampled_at, top_k, top_p = next(iter(settings))
-    return scored_distribution(kind, temperature=sampled_at if temperature is None else temperature, top_k=top_k, top_p=top_p)
-
-
-def _use_distribution(config, distribution: ScoredDistribution) -> dict[str, Any]:
-    """Set the trainer's log-prob distribution; returns it as stage.json records it."""
-    config.temperature, config.top_k, config.top_p = distribution.temperature, distribution.top_k, distribution.top_p
-    return {"temperature": distribution.temperature, "top_k": distribution.top_k, "top_p": distribution.top_p}
+                      stage_extra=self.stage_extra if stage_extra is None else stage_extra, distribution=self.distribution)
 
 
 def _published(result: RunResult, records: int, trained: int, excluded: dict) -> dict[str, Any]:
@@ -118,30 +72,6 @@ def _published(result: RunResult, records: int, trained: int, excluded: dict) ->
         "trained_records": trained, "excluded": excluded, "steps": result.steps, "world_size": result.world_size,
         "loss": last.get("train/loss"), "trusted_fraction": last.get("train/trusted_fraction"),
     }
-
-
-def _lag_metrics(lags: dict[str, int]) -> dict[str, int]:
-    """Records per policy-version lag (``train/version_lag/0``, ..., ``/unknown``)."""
-    return {f"train/version_lag/{lag}": n for lag, n in sorted(lags.items())}
-
-
-def _unseen(records: list[dict], skip_ids: frozenset[str], stage: str) -> tuple[list[dict], int]:
-    """The records whose id is not in ``skip_ids`` (trained before, by a spool's ledger) and how
-    many were; none left is :class:`NothingToTrain`."""
-    kept = [r for r in records if r["id"] not in skip_ids]
-    if records and not kept:
-        raise NothingToTrain(f"{stage}: no usable records: every record was trained before ({len(records)})")
-    return kept, len(records) - len(kept)
-
-
-def _fresh(records: list[dict], parent_version: int, config, stage: str) -> tuple[list[dict], dict[str, float]]:
-    """The records ``max_staleness`` keeps (:func:`~glmpost.rl.batches.drop_stale`) and its metrics;
-    none left is :class:`NothingToTrain` (carrying the metrics)."""
-    kept, metrics = drop_stale(records, parent_version, config.max_staleness)
-    if records and not kept:
-        raise NothingToTrain(f"{stage}: no usable records: all {len(records)} were sampled more than --max-staleness "
-                             f"{config.max_staleness} policy versions before --checkpoint's {parent_version}", metrics)
-    return kept, metrics
 
 
 def _group_metrics(batch) -> dict[str, int]:
@@ -155,18 +85,11 @@ def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int
                skip_ids: frozenset[str] = frozenset()) -> UpdateBatch:
     """The examples of one GRPO + IcePop update on judged shards, from a parent at ``parent_version``
     (``temperature`` None: the records' own; ``skip_ids``: records trained before, left out and
-    counted). Sets ``config``'s log-prob distribution to the records'."""
+    counted)."""
     stage = "train-grpo"
-    records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
-    records, already = _unseen(records, skip_ids, stage)
-    records, stale = _fresh(records, parent_version, config, stage)
-    lags = check_version_lags(records, parent_version, max_lag=config.accepted_lag(), stage=stage)
-    recorded = sampled_distribution(records, stage)
-    scored = _use_distribution(config, recorded if temperature is None else sampled_distribution(records, stage, temperature=temperature))
-    _validated(config)
-    if temperature is not None and not math.isclose(temperature, recorded.temperature):
-        log(f"warning: --temperature {temperature} differs from the sampling temperature {recorded.temperature}; "
-            "IcePop will compare different distributions")
+    admitted = admit(inputs, config, stage=stage, parent_version=parent_version, revision=revision,
+                     require=["rollout_log_probs", "sampling", "reward"], skip_ids=skip_ids, temperature=temperature)
+    records, lags, stale = admitted.records, admitted.lags, admitted.stale
     batch = prepare_batch(records, advantage_eps=config.advantage_eps)
     if not batch.examples:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
@@ -178,18 +101,15 @@ def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int
             "train/reward_mean": float(batch.rewards.mean()), "train/reward_std": float(batch.rewards.std()),
             "train/zero_advantage_groups": batch.zero_advantage_groups, "train/groups": batch.groups,
             "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/excluded_status": batch.excluded["status"],
-            "train/policy_version": parent_version + 1, "train/already_trained": already, **_lag_metrics(lags), **stale,
-            **_group_metrics(batch), **segments,
+            "train/policy_version": parent_version + 1, **admitted.metrics, **_group_metrics(batch), **segments,
         },
         stage_extra={"excluded": batch.excluded, "zero_advantage_groups": batch.zero_advantage_groups, "version_lags": lags,
-                     "log_prob_distribution": scored, "stale_dropped": int(stale.get("train/stale_dropped", 0)),
+                     "log_prob_distribution": admitted.scored, "stale_dropped": admitted.stale_dropped,
                      "group_sizes": {str(k): v for k, v in batch.group_sizes.items()}, "failed": batch.failed},
         summary={"zero_advantage_groups": batch.zero_advantage_groups, "reward_mean": float(batch.rewards.mean()),
                  "version_lags": lags, "compactions": segments.get("compaction/compactions", 0)},
-        lines=segment_lines,
+        distribution=admitted.distribution, lines=segment_lines,
     )
-
-
 def grpo_trainer(config: GRPOConfig, *, pad_token_id: int, reference: Callable[[Any], Any] | None):
     """``build(model, backend, session)`` of the GRPO trainer; ``reference(session)`` loads the KL
     reference model (called when ``kl_coef`` > 0)."""
@@ -200,7 +120,7 @@ def grpo_trainer(config: GRPOConfig, *, pad_token_id: int, reference: Callable[[
     return build
 
 
-def grpo_update(run: TrainingRun, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
+def grpo_update(run: RunOnce, inputs: Sequence[str], config: GRPOConfig, *, temperature: float | None,
                 ref_checkpoint: Path | None, stage_options: dict[str, Any], skip_ids: frozenset[str] = frozenset(),
                 manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One GRPO + IcePop update on judged shards (:func:`grpo_batch`), published as the next version;
@@ -233,21 +153,17 @@ def opd_batch(inputs: Sequence[str], config: OPDConfig, *, parent_version: int, 
                                "run `glmpost score-teacher --payload topk` for --loss topk")
 
     need = ["rollout_log_probs", "sampling", "teacher_log_probs", "teacher"] + (["reward"] if config.task_advantage_weight > 0 else [])
-    records = read_checked_records(inputs, revision=revision, stage=stage, require=need, check=has_topk)
-    records, already = _unseen(records, skip_ids, stage)
-    records, stale = _fresh(records, parent_version, config, stage)
-    lags = check_version_lags(records, parent_version, max_lag=config.accepted_lag(), stage=stage)
-    student = sampled_distribution(records, stage)
-    scored = _use_distribution(config, student)
+    admitted = admit(inputs, config, stage=stage, parent_version=parent_version, revision=revision, require=need,
+                     check=has_topk, skip_ids=skip_ids)
+    records, lags, student = admitted.records, admitted.lags, admitted.distribution
     if student != ScoredDistribution():
         log(f"warning: the rollouts' log-probs are of the student's distribution at temperature {student.temperature}, "
             f"top-k {student.top_k or 'off'}, top-p {student.top_p}; the teacher scored its own at 1, so the OPD advantage "
             "compares the teacher's distribution with that one")
-    _validated(config)
     batch = prepare_opd_batch(records, loss=config.loss, task_advantage_weight=config.task_advantage_weight,
                               advantage_eps=config.advantage_eps)
     if not batch.examples:
-        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", admitted.stale)
     prepare_replay(config, records, batch.examples, stage)
     if config.task_advantage_weight > 0 and batch.zero_advantage_groups == batch.groups:
         log("warning: every group has one member or equal rewards, so the task advantage is 0; sample groups of G > 1 for it")
@@ -258,23 +174,20 @@ def opd_batch(inputs: Sequence[str], config: OPDConfig, *, parent_version: int, 
     step_metrics = {
         "train/records": trained_records(batch.examples), "train/excluded_status": batch.excluded["status"],
         "train/excluded_nan_reward": batch.excluded["nan_reward"], "train/policy_version": parent_version + 1,
-        "train/already_trained": already,
-        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **_lag_metrics(lags), **stale,
+        **{f"train/records/{d}": sum(c.values()) for d, c in domains.items()}, **admitted.metrics,
     }
     if batch.rewards.size:
         step_metrics["train/reward_mean"] = float(batch.rewards.mean())
     return UpdateBatch(len(records), batch.examples, batch.excluded, step_metrics=step_metrics,
                        stage_extra={"excluded": batch.excluded, "teachers": domains, "version_lags": lags,
-                                    "log_prob_distribution": scored},
-                       summary={"loss_kind": config.loss, "teachers": domains, "version_lags": lags})
-
-
+                                    "log_prob_distribution": admitted.scored},
+                       summary={"loss_kind": config.loss, "teachers": domains, "version_lags": lags}, distribution=student)
 def opd_trainer(config: OPDConfig, *, pad_token_id: int):
     """``build(model, backend, session)`` of the OPD trainer."""
     return lambda model, backend, session: PolicyTrainer(model, config, pad_token_id=pad_token_id, backend=backend)
 
 
-def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, stage_options: dict[str, Any],
+def opd_update(run: RunOnce, inputs: Sequence[str], config: OPDConfig, *, stage_options: dict[str, Any],
                skip_ids: frozenset[str] = frozenset(), manifest_extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One OPD / MOPD update on teacher-scored shards (:func:`opd_batch`), published as the next version."""
     if run.already_done(stage_options):
@@ -296,19 +209,14 @@ def opd_update(run: TrainingRun, inputs: Sequence[str], config: OPDConfig, *, st
 def sao_batch(inputs: Sequence[str], config: SAOConfig, *, parent_version: int, revision: str,
               skip_ids: frozenset[str] = frozenset()) -> UpdateBatch:
     """The examples of one SAO update on judged shards (group size 1: each trajectory as it is, its
-    reward for the critic's GAE); ``skip_ids`` as :func:`grpo_batch`'s. Sets ``config``'s log-prob
-    distribution to the records'."""
+    reward for the critic's GAE); ``skip_ids`` as :func:`grpo_batch`'s."""
     stage = "train-sao"
-    records = read_checked_records(inputs, revision=revision, stage=stage, require=["rollout_log_probs", "sampling", "reward"])
-    records, already = _unseen(records, skip_ids, stage)
-    records, stale = _fresh(records, parent_version, config, stage)
-    lags = check_version_lags(records, parent_version, max_lag=config.accepted_lag(), stage=stage,
-                              dis="dis" in config.trust_masks())
-    scored = _use_distribution(config, sampled_distribution(records, stage))
-    _validated(config)
+    admitted = admit(inputs, config, stage=stage, parent_version=parent_version, revision=revision,
+                     require=["rollout_log_probs", "sampling", "reward"], skip_ids=skip_ids, dis="dis" in config.trust_masks())
+    records, lags = admitted.records, admitted.lags
     usable, excluded = usable_records(records, need_reward=True)
     if not usable:
-        raise NothingToTrain(f"{stage}: no usable records (excluded: {excluded})", stale)
+        raise NothingToTrain(f"{stage}: no usable records (excluded: {excluded})", admitted.stale)
     examples = [e for r in usable for e in train_examples(r, 0.0, reward=float(r["reward"]), domain=r.get("domain", ""))]
     prepare_replay(config, usable, examples, stage)
     rewards = np.array([float(r["reward"]) for r in usable])
@@ -319,16 +227,13 @@ def sao_batch(inputs: Sequence[str], config: SAOConfig, *, parent_version: int, 
         step_metrics={"train/reward_mean": float(rewards.mean()), "train/reward_std": float(rewards.std()),
                       "train/records": len(usable), "train/excluded_nan_reward": excluded["nan_reward"],
                       "train/excluded_status": excluded["status"], "train/policy_version": parent_version + 1,
-                      "train/already_trained": already, **_lag_metrics(lags), **stale,
-                      **{f"train/failed/{reason}": count for reason, count in failed.items()}, **segments},
-        stage_extra={"excluded": excluded, "version_lags": lags, "log_prob_distribution": scored, "failed": failed,
-                     "stale_dropped": int(stale.get("train/stale_dropped", 0))},
+                      **admitted.metrics, **{f"train/failed/{reason}": count for reason, count in failed.items()}, **segments},
+        stage_extra={"excluded": excluded, "version_lags": lags, "log_prob_distribution": admitted.scored, "failed": failed,
+                     "stale_dropped": admitted.stale_dropped},
         summary={"reward_mean": float(rewards.mean()), "version_lags": lags,
                  "compactions": segments.get("compaction/compactions", 0)},
-        lines=segment_lines,
+        distribution=admitted.distribution, lines=segment_lines,
     )
-
-
 def sao_trainer(config: SAOConfig, critic: CriticVersions, *, pad_token_id: int, options: RunOptions):
     """``build(model, backend, session)`` of the SAO trainer: the policy's, and the critic set up
     from ``critic``'s parent on the same session."""
@@ -343,7 +248,7 @@ def sao_trainer(config: SAOConfig, critic: CriticVersions, *, pad_token_id: int,
     return build
 
 
-def sao_update(run: TrainingRun, inputs: Sequence[str], config: SAOConfig, *, critic_root: Path, init_critic: bool,
+def sao_update(run: RunOnce, inputs: Sequence[str], config: SAOConfig, *, critic_root: Path, init_critic: bool,
                stage_options: dict[str, Any]) -> dict[str, Any] | None:
     """One SAO update on judged shards (:func:`sao_batch`): the policy's next version under the run's
     root and the critic's under ``critic_root`` (:class:`~glmpost.rl.critic.CriticVersions`)."""

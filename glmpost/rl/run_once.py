@@ -1,0 +1,110 @@
+"""A training run once: one update from ``--checkpoint`` to its next version under ``--out``
+(train-grpo, opd-merge, train-sao and qat without ``--follow``), on the shared
+:class:`~glmpost.rl.run.TrainingCore`.
+
+``with RunOnce(checkpoint, out, options, stage=...) as run`` holds the output root
+(:func:`~glmpost.rl.run.hold_root`) and plans the version ``root/v(N+1)`` for a parent at policy
+version ``N``. A target that exists was trained: the rerun does nothing (:meth:`RunOnce.already_done`;
+other options than the published version's are refused, ``overwrite`` trains it again). Staging that
+an interrupted run left needs ``resume`` (continue from the state saved every ``save_every`` steps,
+repeating no step) or ``overwrite`` (start over). :meth:`RunOnce.run` then opens the core, trains the
+update and publishes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from glmpost.checkpoints import NextVersion, version_dir_name
+from glmpost.config import ConfigError
+from glmpost.rl.distributed import TrainingSession
+from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
+from glmpost.rl.run import RunOptions, TrainingCore, check_run_options, hold_root
+from glmpost.stage import check_same_options, log
+
+# Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
+# says what to do when train-sao's critic root is empty).
+RERUN_IGNORED = ("config", "resume", "save_every", "init_critic", "activation_checkpointing")
+
+
+class RunOnce:
+    """One update from ``checkpoint`` to its next version under ``out`` (module doc)."""
+
+    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, stage: str):
+        self.checkpoint, self.out, self.options, self.stage = checkpoint, Path(out), options, stage
+        check_run_options(self.out, options)
+        self.core: TrainingCore | None = None
+        self._held = contextlib.ExitStack()
+
+    def __enter__(self) -> "RunOnce":
+        with contextlib.ExitStack() as held:
+            held.enter_context(hold_root(self.out, self.stage))
+            plan = NextVersion.plan(self.checkpoint, self.out)
+            resuming = self.options.resume and (plan.staging / "trainer_state" / "resume.pt").exists()
+            self.core = TrainingCore(plan, self.options, stage=self.stage, resuming=resuming)
+            self._held = held.pop_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.core is not None:
+                self.core.close()
+        finally:
+            self._held.close()
+
+    @property
+    def plan(self) -> NextVersion:
+        return self.core.plan
+
+    @property
+    def parent(self) -> Path:
+        return self.core.parent
+
+    def load(self, checkpoint: Path, session: TrainingSession, *, trained: bool = True):
+        return self.core.load(checkpoint, session, trained=trained)
+
+    def already_done(self, stage_options: dict[str, Any]) -> bool:
+        """Whether this update was trained and published with these options (a rerun then does
+        nothing). Another option, or other inputs, than the published version's: exit 2 naming it.
+        ``overwrite`` trains it again and replaces it, when no later version was trained from it."""
+        target = self.plan.target
+        if not target.exists():
+            return False
+        if self.options.overwrite:
+            later = [v for v in self.plan.root.versions() if v > self.plan.version]
+            if later:
+                raise ConfigError("{overwrite} would train {target} again, but {later} came after it; publish into another {out}",
+                                  target=target, later=", ".join(version_dir_name(v) for v in later))
+            log(f"{target}: training it again (--overwrite); the new version replaces it when it is published")
+            return False
+        check_same_options(target, self.stage, stage_options, ignore=RERUN_IGNORED, overwrite=False)
+        return True
+
+    def skipped(self) -> dict[str, Any]:
+        """The summary of an update whose version was already published."""
+        return {"out": str(self.plan.target), "skipped": True, "policy_version": self.plan.version}
+
+    def check_staging(self) -> None:
+        staging = self.plan.staging
+        if staging.exists() and not (self.options.resume or self.options.overwrite):
+            raise ConfigError("an interrupted run left {staging}; pass {resume} to continue it or {overwrite} to start over",
+                              staging=staging)
+
+    def run(self, job: TrainingJob, update: Update, *, tokenizer_revision: str, stage_options: dict[str, Any]) -> RunResult | None:
+        """Open, train ``update``, publish it and end the session; the result on rank 0, None on the other ranks."""
+        short = too_few_examples(job, update.examples)  # before the model loads
+        if short is not None:
+            raise ConfigError("{mini_batches} {mini} is more than this update's {n} example(s): every optimizer step "
+                              "needs one", mini=short, n=len(update.examples))
+        core = self.core
+        try:
+            core.open(job)
+            core.update(update, save_every=self.options.save_every)
+            result = core.publish(tokenizer_revision=tokenizer_revision, stage_options=stage_options,
+                                  manifest_extra=update.manifest_extra, stage_extra=update.stage_extra,
+                                  replace=self.options.overwrite)
+        finally:
+            core.close()
+        return result if core.session.is_main else None
