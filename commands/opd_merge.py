@@ -25,33 +25,27 @@ and formats/SPEC.md §12).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
-from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import (
-    TRAINING_RUN_OPTIONS,
-    config_from,
-    follow_from,
-    json_option,
-    with_config,
-    with_options,
-)
+from glmpost.commands.common import config_option
+from glmpost.commands.options import config_from, json_option, with_config, with_options
+from glmpost.commands.training import RL_RUN_OPTIONS, run_training_stage
 from glmpost.errors import UsageError
 from glmpost.rl.configs import OPD_LOSSES, OPDConfig
-from glmpost.rl.follow import FollowConfig, follow_line
+from glmpost.rl.follow import FollowConfig
 from glmpost.rl.follow_session import opd_follow
 from glmpost.rl.run import RunOptions
-from glmpost.rl.run_once import RunOnce
 from glmpost.rl.updates import opd_update
 
 STAGE = "opd-merge"
 
 
 @with_config(FollowConfig)
-@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_options(RunOptions, RL_RUN_OPTIONS)
 @with_config(OPDConfig, exclude=('loss_normalization',))
 def opd_merge(
     ctx: typer.Context,
@@ -65,16 +59,10 @@ def opd_merge(
     loss = ctx.params["loss"]
     if loss not in OPD_LOSSES:
         raise UsageError(f"--loss {loss!r}: expected one of {', '.join(OPD_LOSSES)}")
-    follow = follow_from(ctx, FollowConfig, inputs, name="INPUTS", what="teacher-scored shards to train on")
-    if follow is not None:
-        summary = opd_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
-                             config=config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
-        return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
-        summary = opd_update(run, inputs, config_from(ctx, OPDConfig), stage_options=effective_options(ctx))
+    opd_config = config_from(ctx, OPDConfig)
 
-    def human(s: dict) -> str:
-        text = (f"{s['out']}: student v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} "
+    def human(s: dict[str, Any], parent: str) -> str:
+        text = (f"{s['out']}: student v{s['policy_version']} from {parent}, {s['trained_records']} of {s['records']} "
                 f"trajectories, {s['steps']} step(s) on {s['world_size']} rank(s), {loss} loss {s['loss']:.5f}, "
                 f"trusted {s['trusted_fraction']:.1%}")
         for domain, value in sorted(s["teacher_kl"].items()):
@@ -82,4 +70,6 @@ def opd_merge(
                      f"sampled reverse KL before the update {value:.4f}")
         return text
 
-    report_update(summary, as_json=as_json, human=human)
+    run_training_stage(ctx, STAGE, inputs, checkpoint=checkpoint, out=out, what="teacher-scored shards to train on",
+                       follow=partial(opd_follow, config=opd_config), update=partial(opd_update, config=opd_config), human=human,
+                       as_json=as_json)

@@ -51,33 +51,26 @@ batch its records' lengths and rewards.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
-from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import (
-    TRAINING_RUN_OPTIONS,
-    bounded,
-    config_from,
-    follow_from,
-    json_option,
-    with_config,
-    with_options,
-)
+from glmpost.commands.common import config_option
+from glmpost.commands.options import bounded, config_from, json_option, with_config, with_options
+from glmpost.commands.training import RL_RUN_OPTIONS, run_training_stage
 from glmpost.rl.configs import GRPOConfig
-from glmpost.rl.follow import FollowConfig, follow_line
+from glmpost.rl.follow import FollowConfig
 from glmpost.rl.follow_session import grpo_follow
 from glmpost.rl.run import RunOptions
-from glmpost.rl.run_once import RunOnce
 from glmpost.rl.updates import grpo_update
 
 STAGE = "train-grpo"
 
 
 @with_config(FollowConfig)
-@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_options(RunOptions, RL_RUN_OPTIONS)
 @with_config(GRPOConfig)
 def train_grpo(
     ctx: typer.Context,
@@ -90,17 +83,13 @@ def train_grpo(
     config: Optional[Path] = config_option(),
     **shared: Any,
 ) -> None:
-    follow = follow_from(ctx, FollowConfig, inputs, name="INPUTS", what="judged shards to train on")
-    if follow is not None:
-        summary = grpo_follow(follow, checkpoint=checkpoint, out=out, options=config_from(ctx, RunOptions),
-                              config=config_from(ctx, GRPOConfig), temperature=temperature, ref_checkpoint=ref_checkpoint,
-                              stage_options=effective_options(ctx))
-        return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
-        summary = grpo_update(run, inputs, config_from(ctx, GRPOConfig), temperature=temperature,
-                              ref_checkpoint=ref_checkpoint, stage_options=effective_options(ctx))
-    report_update(summary, as_json=as_json, human=lambda s: (
-        f"{s['out']}: policy v{s['policy_version']} from {run.parent.name}, {s['trained_records']} of {s['records']} trajectories, "
-        f"reward mean {s['reward_mean']:.4f}, {s['steps']} step(s) on {s['world_size']} rank(s), "
-        f"loss {s['loss']:.5f}, trusted {s['trusted_fraction']:.1%}"
-    ))
+    grpo_config = config_from(ctx, GRPOConfig)
+    run_training_stage(
+        ctx, STAGE, inputs, checkpoint=checkpoint, out=out, what="judged shards to train on", as_json=as_json,
+        follow=partial(grpo_follow, config=grpo_config, temperature=temperature, ref_checkpoint=ref_checkpoint),
+        update=partial(grpo_update, config=grpo_config, temperature=temperature, ref_checkpoint=ref_checkpoint),
+        human=lambda s, parent: (
+            f"{s['out']}: policy v{s['policy_version']} from {parent}, {s['trained_records']} of {s['records']} trajectories, "
+            f"reward mean {s['reward_mean']:.4f}, {s['steps']} step(s) on {s['world_size']} rank(s), "
+            f"loss {s['loss']:.5f}, trusted {s['trusted_fraction']:.1%}"
+        ))

@@ -39,24 +39,18 @@ loss, reward mean, version-lag histogram and stale-dropped counts.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
-from glmpost.commands.common import config_option, effective_options, print_summary, report_update
-from glmpost.commands.options import (
-    TRAINING_RUN_OPTIONS,
-    config_from,
-    follow_from,
-    json_option,
-    with_config,
-    with_options,
-)
-from glmpost.rl.follow import FollowConfig, follow_line
+from glmpost.commands.common import config_option
+from glmpost.commands.options import config_from, json_option, with_config, with_options
+from glmpost.commands.training import RL_RUN_OPTIONS, run_training_stage
+from glmpost.rl.follow import FollowConfig
 from glmpost.rl.follow_session import sao_follow
 from glmpost.rl.run import RunOptions
-from glmpost.rl.run_once import RunOnce
 from glmpost.rl.sao import SAOConfig
 from glmpost.rl.updates import sao_update
 
@@ -64,7 +58,7 @@ STAGE = "train-sao"
 
 
 @with_config(FollowConfig)
-@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_options(RunOptions, RL_RUN_OPTIONS)
 @with_config(SAOConfig, exclude=('icepop', 'advantage_eps'))
 def train_sao(
     ctx: typer.Context,
@@ -77,18 +71,14 @@ def train_sao(
     config: Optional[Path] = config_option(),
     **shared: Any,
 ) -> None:
-    follow = follow_from(ctx, FollowConfig, inputs, name="INPUTS", what="judged shards to train on")
-    if follow is not None:
-        summary = sao_follow(follow, checkpoint=checkpoint, out=out, critic_root=critic, init_critic=init_critic,
-                             options=config_from(ctx, RunOptions), config=config_from(ctx, SAOConfig),
-                             stage_options=effective_options(ctx))
-        return print_summary(summary, as_json=as_json, human=follow_line(summary))
-    with RunOnce(checkpoint, out, config_from(ctx, RunOptions), stage=STAGE) as run:
-        summary = sao_update(run, inputs, config_from(ctx, SAOConfig), critic_root=critic, init_critic=init_critic,
-                             stage_options=effective_options(ctx))
-    report_update(summary, as_json=as_json, human=lambda s: (
-        f"{s['out']}: policy v{s['policy_version']} from {run.parent.name} and critic {s['critic']}, {s['trained_records']} "
-        f"of {s['records']} trajectories, reward mean {s['reward_mean']:.4f}, {s['steps']} policy step(s) after "
-        f"{s['critic_steps']} critic step(s) each on {s['world_size']} rank(s), loss {s['loss']:.5f}, value loss {s['value_loss']:.5f}, "
-        f"DIS kept {s['trusted_fraction']:.1%}"
-    ))
+    sao_config = config_from(ctx, SAOConfig)
+    run_training_stage(
+        ctx, STAGE, inputs, checkpoint=checkpoint, out=out, what="judged shards to train on", as_json=as_json,
+        follow=partial(sao_follow, config=sao_config, critic_root=critic, init_critic=init_critic),
+        update=partial(sao_update, config=sao_config, critic_root=critic, init_critic=init_critic),
+        human=lambda s, parent: (
+            f"{s['out']}: policy v{s['policy_version']} from {parent} and critic {s['critic']}, {s['trained_records']} "
+            f"of {s['records']} trajectories, reward mean {s['reward_mean']:.4f}, {s['steps']} policy step(s) after "
+            f"{s['critic_steps']} critic step(s) each on {s['world_size']} rank(s), loss {s['loss']:.5f}, value loss {s['value_loss']:.5f}, "
+            f"DIS kept {s['trusted_fraction']:.1%}"
+        ))

@@ -233,7 +233,7 @@ def test_every_pipeline_stage_has_a_step_function_in_stage_order():
 
 
 def test_the_scripts_spell_no_stage_order():
-    # The order is PIPELINE_STAGES' alone (glmpost/pipeline/steps.py): the scripts run the steps the plan
+    # The order is STAGE_ORDER's alone (glmpost/pipeline/recipe.py): the scripts run the steps the plan
     # lists (python -m glmpost.pipeline RECIPE --shell), so no line of their code names two stages.
     spelled = []
     for script in [PIPELINE, *sorted((ROOT / "bin" / "slurm").iterdir())]:

@@ -27,7 +27,7 @@ are fixed when the pipeline is planned (the base checkpoint's policy version + 1
 rerun names the same version directories and every stage skips the work it already published.
 
 The pipeline is a list of steps (:mod:`glmpost.pipeline.steps`: each one glmpost command with its
-argv, inputs, outputs and ranks; one entry per stage in ``PIPELINE_STAGES``); the scripts run that
+argv, inputs, outputs and ranks; one entry per stage of ``STAGE_ORDER`` in ``PIPELINE_STAGES``); the scripts run that
 list and know no stage. ``python -m glmpost.pipeline RECIPE --shell`` prints the plan and its
 steps as shell assignments for ``eval`` (the scripts use it); ``--json`` prints them as JSON.
 Errors are one line (exit 2).

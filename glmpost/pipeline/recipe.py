@@ -12,9 +12,10 @@ from typing import Any
 from glmpost.checkpoints import CheckpointError, read_manifest, resolve_checkpoint
 from glmpost.config import setting
 from glmpost.errors import UsageError
-from glmpost.pipeline.steps import STAGE_ORDER
 from glmpost.toml import load_recipe
 
+# The stages a recipe may list, in the order they run (each has its steps in steps.PIPELINE_STAGES).
+STAGE_ORDER = ("init-model", "qat", "rl", "opd", "quantize", "diff-logprobs")
 LAUNCHERS = ("cpu", "cuda", "npu")
 TEACHER_REFS = ("base", "sft", "rl")  # checkpoints of earlier stages a cross-stage OPD teacher can be
 SLURM_KEYS = {

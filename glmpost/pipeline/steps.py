@@ -2,20 +2,20 @@
 argv, inputs, outputs and ranks (see :mod:`glmpost.pipeline`).
 
 ``bin/pipeline`` runs the list one step after the other; ``bin/slurm/submit-pipeline`` submits one
-job per step, each after the one before. Neither knows a stage: a pipeline stage is one entry of
-:data:`PIPELINE_STAGES` (its name, in the order stages may run, and the function that lists its
-steps from the plan), so adding one is its command module plus that entry.
+job per step, each after the one before. Neither knows a stage: a pipeline stage is its name in
+:data:`~glmpost.pipeline.recipe.STAGE_ORDER` (what a recipe may list, in the order stages run) and its
+entry in :data:`PIPELINE_STAGES` (the function that lists its steps from the plan), so adding one is
+its command module plus those two lines.
 """
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from glmpost.pipeline.plan import PipelinePlan
-    from glmpost.pipeline.recipe import PipelineConfig
+from glmpost.pipeline.plan import PipelinePlan
+from glmpost.pipeline.recipe import STAGE_ORDER, PipelineConfig
 
 
 @dataclass
@@ -142,7 +142,7 @@ def gate_steps(config: PipelineConfig, plan: PipelinePlan) -> list[Step]:
                  inputs=[plan.gate_rollout, plan.gate_checkpoint], outputs=[plan.gate_out])]
 
 
-PIPELINE_STAGES: dict[str, Callable[["PipelineConfig", "PipelinePlan"], list[Step]]] = {
+PIPELINE_STAGES: dict[str, Callable[[PipelineConfig, PipelinePlan], list[Step]]] = {
     "init-model": init_model_steps,
     "qat": qat_steps,
     "rl": rl_steps,
@@ -150,13 +150,12 @@ PIPELINE_STAGES: dict[str, Callable[["PipelineConfig", "PipelinePlan"], list[Ste
     "quantize": quantize_steps,
     "diff-logprobs": gate_steps,
 }
-"""The pipeline's stages, in the order they may run, each with the function listing its steps."""
-STAGE_ORDER = tuple(PIPELINE_STAGES)
+"""The function listing each stage's steps, in :data:`STAGE_ORDER`."""
 
 
 def pipeline_steps(config: PipelineConfig, plan: PipelinePlan) -> list[Step]:
     """Every step of the recipe's stages, in order."""
-    return [step for stage in PIPELINE_STAGES if config.runs(stage) for step in PIPELINE_STAGES[stage](config, plan)]
+    return [step for stage in STAGE_ORDER if config.runs(stage) for step in PIPELINE_STAGES[stage](config, plan)]
 
 
 def step_assignments(steps: list[Step]) -> str:

@@ -3,7 +3,7 @@
 (:func:`~glmpost.rl.follow.follow_spool`) drives, and each stage's follow run.
 
 ``with FollowSession(checkpoint, out, options, stage=..., stage_options=...) as session`` holds the
-output root (:func:`~glmpost.rl.run.hold_root`) and continues its newest version (``checkpoint``
+output root (:class:`~glmpost.rl.held_run.HeldRun`) and continues its newest version (``checkpoint``
 before the first). :meth:`FollowSession.open` loads it once; then each batch of claimed shards is
 one update (:meth:`FollowSession.train`, its records admitted by the stage's batch), and every
 publish makes the updates since the last version the next one and plans the version after it
@@ -13,7 +13,6 @@ never a published one: so ``save_every``, ``resume`` and ``overwrite`` do not ap
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -25,17 +24,18 @@ from glmpost.kernel.loading import load_tokenizer
 from glmpost.rl.admission import NothingToTrain
 from glmpost.rl.batches import trained_records
 from glmpost.rl.critic import CriticVersions
-from glmpost.rl.distributed import TrainingSession, uses_deepspeed
+from glmpost.rl.distributed import uses_deepspeed
 from glmpost.rl.follow import FollowConfig, follow_spool
 from glmpost.rl.jobs import TrainingJob, too_few_examples
-from glmpost.rl.run import RunOptions, TrainingCore, check_run_options, hold_root
+from glmpost.rl.held_run import HeldRun
+from glmpost.rl.run import RunOptions, TrainingCore
 from glmpost.rl.updates import UpdateBatch, grpo_batch, grpo_trainer, opd_batch, opd_trainer, sao_batch, sao_trainer
 
 # (input shards, the parent's policy version, ids trained before) -> the update's batch.
 MakeBatch = Callable[[list[str], int, frozenset], UpdateBatch]
 
 
-class FollowSession:
+class FollowSession(HeldRun):
     """A :class:`~glmpost.rl.run.TrainingCore` kept open across updates and versions (module doc):
     the :class:`~glmpost.rl.follow.FollowTrainer` a follow loop drives."""
 
@@ -44,42 +44,17 @@ class FollowSession:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("{follow} trains in one process for now: every rank would claim its own shards; "
                               "run it without torchrun / deepspeed")
-        self.checkpoint, self.out, self.options, self.stage = checkpoint, Path(out), options, stage
-        check_run_options(self.out, options)
+        super().__init__(checkpoint, out, options, stage=stage)
         if options.reset_optimizer and uses_deepspeed(zero_stage=options.zero_stage, deepspeed_config=options.deepspeed_config):
             raise ConfigError("{reset_optimizer} with {follow} resets torch AdamW between versions; not under DeepSpeed")
         self.stage_options = stage_options
-        self.core: TrainingCore | None = None
         self.make_batch: MakeBatch | None = None
         self.revision = ""
         self.batches: list[dict] = []  # the stage.json facts of each update since the last version
-        self._held = contextlib.ExitStack()
 
-    def __enter__(self) -> "FollowSession":
-        with contextlib.ExitStack() as held:
-            held.enter_context(hold_root(self.out, self.stage))
-            newest = self.out if CheckpointRoot(self.out).versions() else self.checkpoint
-            self.core = TrainingCore(NextVersion.plan(newest, self.out), self.options, stage=self.stage)
-            self._held = held.pop_all()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            if self.core is not None:
-                self.core.close()
-        finally:
-            self._held.close()
-
-    @property
-    def plan(self) -> NextVersion:
-        return self.core.plan
-
-    @property
-    def parent(self) -> Path:
-        return self.core.parent
-
-    def load(self, checkpoint: Path, session: TrainingSession, *, trained: bool = True):
-        return self.core.load(checkpoint, session, trained=trained)
+    def open_core(self) -> TrainingCore:
+        newest = self.out if CheckpointRoot(self.out).versions() else self.checkpoint
+        return TrainingCore(NextVersion.plan(newest, self.out), self.options, stage=self.stage)
 
     def open(self, job: TrainingJob, make_batch: MakeBatch, *, revision: str) -> None:
         """Load the newest version for ``job``; ``make_batch`` makes each update's batch, of records

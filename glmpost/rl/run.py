@@ -7,8 +7,8 @@ Two runs stand on it: :class:`~glmpost.rl.run_once.RunOnce` (one update from ``-
 resumable, skipped when its version exists) and :class:`~glmpost.rl.follow_session.FollowSession`
 (kept open by a follow trainer across updates and versions). Each plans the version
 (:class:`~glmpost.checkpoints.NextVersion`: the parent's policy version ``N``, the target
-``root/v(N+1)``) and holds the output root while it runs (:func:`hold_root`: the root's lock, and a
-``LATEST`` a crash left behind moved to the newest version).
+``root/v(N+1)``) and holds the output root while it runs (:class:`~glmpost.rl.held_run.HeldRun`: the
+root's lock, and a ``LATEST`` a crash left behind moved to the newest version).
 
 * **open**: the training session (device, DeepSpeed ZeRO under a launcher), the parent's weights on
   this rank's device, the parent's optimizer state when the stage carries it from version to version.
@@ -30,28 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from glmpost.checkpoints import (
-    LATEST,
-    CheckpointManifest,
-    CheckpointRoot,
-    NextVersion,
-    model_folder_problem,
-    version_dir_name,
-)
-from glmpost.config import ConfigError, setting, shared
+from glmpost.checkpoints import CheckpointManifest, NextVersion
+from glmpost.config import setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
 from glmpost.kernel.loading import attention_ran, import_architecture, load_model, partitioned, saved_dtype
-from glmpost.locks import output_lock
 from glmpost.memory.process import peak_rss_mib, resident_mib, trim_heap
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update
@@ -83,30 +74,6 @@ class RunOptions:
     precision: str = setting("auto", "Training arithmetic: bf16 (autocast over float32 master weights and AdamW states; the "
                              "LM head, log-probs and losses in float32), fp32, or auto: bf16 on an accelerator, fp32 on a "
                              "CPU. Versions are published in the parent checkpoint's dtype either way.")
-
-
-def check_run_options(out: Path, options: RunOptions) -> None:
-    """What a run refuses before it touches ``out``: both ``resume`` and ``overwrite``, and an output
-    that cannot be a checkpoint root."""
-    if options.resume and options.overwrite:
-        raise ConfigError("{resume} continues an interrupted run and {overwrite} starts it over: give one of them")
-    problem = model_folder_problem(out)
-    if problem:
-        raise ConfigError("{out} {path} {problem}", path=out, problem=problem)
-
-
-@contextlib.contextmanager
-def hold_root(out: Path, stage: str) -> Iterator[None]:
-    """The output root held for a run: rank 0 holds its lock for all ranks (one writer per root) and
-    first moves a ``LATEST`` a crash left behind to the newest published version."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        yield
-        return
-    with output_lock(out, stage=stage):
-        repaired = CheckpointRoot(out).repair_latest()
-        if repaired is not None:
-            log(f"{out}: {LATEST} named {repaired[0] or 'nothing'}, but {version_dir_name(repaired[1])} was published; moved it")
-        yield
 
 
 class TrainingCore:

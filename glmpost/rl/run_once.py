@@ -3,7 +3,7 @@
 :class:`~glmpost.rl.run.TrainingCore`.
 
 ``with RunOnce(checkpoint, out, options, stage=...) as run`` holds the output root
-(:func:`~glmpost.rl.run.hold_root`) and plans the version ``root/v(N+1)`` for a parent at policy
+(:class:`~glmpost.rl.held_run.HeldRun`) and plans the version ``root/v(N+1)`` for a parent at policy
 version ``N``. A target that exists was trained: the rerun does nothing (:meth:`RunOnce.already_done`;
 other options than the published version's are refused, ``overwrite`` trains it again). Staging that
 an interrupted run left needs ``resume`` (continue from the state saved every ``save_every`` steps,
@@ -13,15 +13,13 @@ update and publishes it.
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
 from typing import Any
 
 from glmpost.checkpoints import NextVersion, version_dir_name
 from glmpost.config import ConfigError
-from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
-from glmpost.rl.run import RunOptions, TrainingCore, check_run_options, hold_root
+from glmpost.rl.held_run import HeldRun
+from glmpost.rl.run import TrainingCore
 from glmpost.stage import check_same_options, log
 
 # Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
@@ -29,41 +27,13 @@ from glmpost.stage import check_same_options, log
 RERUN_IGNORED = ("config", "resume", "save_every", "init_critic", "activation_checkpointing")
 
 
-class RunOnce:
+class RunOnce(HeldRun):
     """One update from ``checkpoint`` to its next version under ``out`` (module doc)."""
 
-    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, stage: str):
-        self.checkpoint, self.out, self.options, self.stage = checkpoint, Path(out), options, stage
-        check_run_options(self.out, options)
-        self.core: TrainingCore | None = None
-        self._held = contextlib.ExitStack()
-
-    def __enter__(self) -> "RunOnce":
-        with contextlib.ExitStack() as held:
-            held.enter_context(hold_root(self.out, self.stage))
-            plan = NextVersion.plan(self.checkpoint, self.out)
-            resuming = self.options.resume and (plan.staging / "trainer_state" / "resume.pt").exists()
-            self.core = TrainingCore(plan, self.options, stage=self.stage, resuming=resuming)
-            self._held = held.pop_all()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            if self.core is not None:
-                self.core.close()
-        finally:
-            self._held.close()
-
-    @property
-    def plan(self) -> NextVersion:
-        return self.core.plan
-
-    @property
-    def parent(self) -> Path:
-        return self.core.parent
-
-    def load(self, checkpoint: Path, session: TrainingSession, *, trained: bool = True):
-        return self.core.load(checkpoint, session, trained=trained)
+    def open_core(self) -> TrainingCore:
+        plan = NextVersion.plan(self.checkpoint, self.out)
+        resuming = self.options.resume and (plan.staging / "trainer_state" / "resume.pt").exists()
+        return TrainingCore(plan, self.options, stage=self.stage, resuming=resuming)
 
     def already_done(self, stage_options: dict[str, Any]) -> bool:
         """Whether this update was trained and published with these options (a rerun then does

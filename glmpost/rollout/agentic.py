@@ -36,7 +36,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from glmpost.config import ConfigError
 from glmpost.envs import EnvironmentFailure, call_environment, checked_reset, checked_step
 from glmpost.kernel.engine import Completion, turn_key
 from glmpost.rollout.compaction import CompactionSettings, ContextBuilder, due, fit_pairs

@@ -5,7 +5,7 @@ process behind the interface of :mod:`glmpost.rollout.engines` (``prepare``, ``g
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from tqdm import tqdm
 
@@ -13,10 +13,8 @@ from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import Completion, LocalEngine, SamplingParams
 from glmpost.kernel.loading import load_model
 from glmpost.rollout.servers import Outcome
-
-if TYPE_CHECKING:
-    from glmpost.rollout.policy import PolicyCheckpoint
-    from glmpost.rollout.settings import RolloutConfig
+from glmpost.rollout.policy import PolicyCheckpoint
+from glmpost.rollout.settings import RolloutConfig
 
 __all__ = ["LocalBackend"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -34,10 +34,8 @@ from glmpost.kernel.sglang_pool import SGLangPool
 from glmpost.kernel.sglang_sampling import EXPLICIT_DEFAULTS, check_preferred, refused_fields, refused_message
 from glmpost.kernel.vllm_client import VLLMClient
 from glmpost.rollout.records import as_version
+from glmpost.rollout.settings import RolloutConfig
 from glmpost.stage import log
-
-if TYPE_CHECKING:
-    from glmpost.rollout.settings import RolloutConfig
 
 # What an engine returns per sequence: (completion | None, weight_version, abort_reason).
 Outcome = tuple[Optional[Completion], Any, Optional[str]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -21,6 +21,7 @@ from glmpost.kernel.routing import config_routing_layout, routed_from_sglang
 from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts, rejected_field
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.sglang_sampling import FIELD_SINCE, refused_message
+from glmpost.rollout.policy import PolicyCheckpoint
 from glmpost.rollout.records import as_version, completion_from_sglang, sglang_sampling_params
 from glmpost.rollout.servers import (
     Outcome,
@@ -32,11 +33,8 @@ from glmpost.rollout.servers import (
     one_by_one,
     version_stamp,
 )
+from glmpost.rollout.settings import RolloutConfig
 from glmpost.stage import log
-
-if TYPE_CHECKING:
-    from glmpost.rollout.policy import PolicyCheckpoint
-    from glmpost.rollout.settings import RolloutConfig
 
 __all__ = ["SGLangBackend"]
 

@@ -211,7 +211,6 @@ class VLLMApi:
                                             "max_model_len": self.max_model_len, "permission": [permission]}]}
 
     def server_info(self, config_format: str) -> dict:
-        config = self.engine.loaded.config
         vllm_config = {"model_config": {"model": self.model_name, "served_model_name": self.model_name,
                                         "logprobs_mode": self.logprobs_mode,
                                         "max_model_len": self.max_model_len, "dtype": "float32"}}
