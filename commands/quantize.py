@@ -13,7 +13,10 @@ unless --include names them (--exclude wins over --include); kv_b_proj because S
 loader (which serves GLM-5) reads kv_b_proj.weight after loading to split it into w_kc / w_vc, which
 a packed int4 layer lacks. For SGLang, --targets moe-only (int4 routed experts, the rest in float) is
 the safe recipe. Writes DIR/metrics.jsonl (per-layer SQNR and max abs error) and glmpost.json
-(policy version kept, stage quantize).
+(policy version kept, stage quantize). A LoRA version is quantized as the full checkpoint it stands for:
+merged into its base first (PEFT's merge in float32, stored in the base's dtype), so --scheme none
+writes the merged float checkpoint (the deployment merge, on demand; glmpost.json's extra.merged_from
+names the LoRA version and its base), and msModelSlim export and qat (on that output) work on merged weights.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import typer
 from glmpost.checkpoints import MANIFEST
 from glmpost.commands.common import config_option, effective_options, print_summary, report_skipped, staged_output_dir
 from glmpost.commands.options import config_from, json_option, with_config
+from glmpost.kernel.lora_merge import full_weights
 from glmpost.quant.offline import STAGE, OfflineQuantization, QuantizeConfig, layer_table
 
 
@@ -42,7 +46,17 @@ def quantize(
 ) -> None:
     overwrite = ctx.params["overwrite"]
     report = ctx.params["report"]
-    run = OfflineQuantization(config_from(ctx, QuantizeConfig))
+    # A LoRA version is quantized as the full checkpoint it stands for, merged in scratch; an output
+    # already complete needs no merge (the run only checks the options, on the base's layout).
+    complete = (out / MANIFEST).is_file() and not overwrite
+    OfflineQuantization.checked_scheme(config_from(ctx, QuantizeConfig))  # a bad option is refused before a merge
+    with full_weights(checkpoint, scratch_beside=out, layout_only=complete) as source:
+        _quantize(ctx, config_from(ctx, QuantizeConfig, checkpoint=source), out=out, overwrite=overwrite, report=report,
+                  as_json=as_json)
+
+
+def _quantize(ctx: typer.Context, settings: QuantizeConfig, *, out: Path, overwrite: bool, report: bool, as_json: bool) -> None:
+    run = OfflineQuantization(settings)
     if run.dequantizing:
         summary, human = run.dequantize()
         print_summary(summary, as_json=as_json, human=human)

@@ -52,10 +52,7 @@ class OfflineQuantization:
 
     def __init__(self, config: QuantizeConfig):
         self.config = c = config
-        self.spec = make_spec(c.scheme, group_size=c.group_size)
-        self.fmt = c.fmt or default_format(c.scheme)
-        if c.scheme != "none":
-            check_format(c.scheme, self.fmt)
+        self.spec, self.fmt = self.checked_scheme(c)
         self.src = resolve_checkpoint(c.checkpoint)
         if self.src.resolve() == c.out.resolve():
             raise ConfigError("{out} {out_dir} is the input checkpoint", out_dir=c.out)
@@ -69,6 +66,16 @@ class OfflineQuantization:
                               "or pass {scheme} none to dequantize it", src=self.src, method=self.method)
         self.files, self.plan = ([], None) if self.dequantizing else plan_checkpoint(
             self.src, self.spec, targets=c.targets, include=c.include, exclude=c.exclude)
+
+    @staticmethod
+    def checked_scheme(config: QuantizeConfig):
+        """The settings' ``(spec, format)``, or the refusal naming the option at fault (before any
+        checkpoint is read)."""
+        spec = make_spec(config.scheme, group_size=config.group_size)
+        fmt = config.fmt or default_format(config.scheme)
+        if config.scheme != "none":
+            check_format(config.scheme, fmt)
+        return spec, fmt
 
     @property
     def dequantizing(self) -> bool:

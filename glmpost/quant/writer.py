@@ -249,10 +249,11 @@ def quantize_checkpoint(src: Path, staging: Path, files: list[Path], plan: Layer
                  index=len(files) > 1 or (src / "model.safetensors.index.json").is_file())
     parent = read_manifest(src) if (src / MANIFEST).is_file() else None
     result.policy_version = parent.policy_version if parent else 0
+    merged_from = parent.extra.get("merged_from") if parent else None  # src: a LoRA version merged into scratch
     write_manifest(staging, CheckpointManifest(
         policy_version=result.policy_version, tokenizer_revision=tokenizer_revision(staging), stage="quantize",
-        step=parent.step if parent else 0, parent=str(src),
+        step=parent.step if parent else 0, parent=merged_from["lora_version"] if merged_from else str(src),
         extra={"scheme": spec.scheme, "format": fmt if spec.scheme != "none" else None, "spec": spec.to_json(),
-               "layers": len(plan.chosen)},
+               "layers": len(plan.chosen), **({"merged_from": merged_from} if merged_from else {})},
     ))
     return result

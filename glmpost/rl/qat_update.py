@@ -10,12 +10,14 @@ from typing import Any, Sequence
 
 import torch
 
+from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.formats import normalize_record, read_checked_records
 from glmpost.formats.chat_format import template_kwargs
 from glmpost.formats.prompts import conversation_record, parse_prompt_line
 from glmpost.formats.sources import is_prompt_source, source_rows
 from glmpost.kernel.loading import load_tokenizer
+from glmpost.kernel.lora_versions import is_lora_version
 from glmpost.quant.core import fake_quant
 from glmpost.quant.qat import QATQuantization, apply_fake_quant, remove_fake_quant
 from glmpost.quant.spec import make_spec
@@ -67,6 +69,9 @@ def qat_update(run: RunOnce, inputs: Sequence[str], config: SFTConfig, *, quanti
     spec = make_spec(scheme, group_size=q.group_size)
     if run.already_done(stage_options):
         return run.skipped()
+    if is_lora_version(run.parent):  # no QLoRA: QAT trains the full weights the deployed quantizer reads
+        raise ConfigError("{checkpoint} {parent} is a LoRA version; qat trains full weights (no QLoRA yet): merge it first "
+                          "with `glmpost quantize {parent} --scheme none --out DIR` and run qat on DIR", parent=run.parent)
     run.check_staging()
     config.validate()
     tokenizer, revision = load_tokenizer(run.parent)
