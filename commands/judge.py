@@ -44,7 +44,8 @@ from glmpost.spool.settings import FollowSettings
 
 SPEC_HELP = (
     "name=NAME,source=SOURCE,weight=W[,OPTION=VALUE...] or a TOML inline table; sources: verifier "
-    "[verifier=math|pkg.mod:fn], format pattern=REGEX, length max_tokens=N [ramp_tokens=N], truncated, "
+    "[verifier=math|pkg.mod:fn], format pattern=REGEX, length max_tokens=N [ramp_tokens=N], overlong cache_tokens=N [max_tokens=N] "
+    "(DAPO's soft overlong penalty; max_tokens default: the rollout's max_new_tokens), truncated, "
     "orm checkpoint=DIR [activation=sigmoid|none, batch_size=N, attention=native|reference], judge checkpoint=DIR "
     "[template=TEXT, max_new_tokens=N, score_pattern=REGEX, max_score=X, batch_size=N, attention=native|reference]. "
     "Repeatable; recipe: [[judge.{table}]]."
@@ -140,4 +141,8 @@ def _human(summary: dict[str, Any], specs: list[ComponentSpec]) -> str:
                 f"  {sign}{spec.weight:g} x {spec.name} ({spec.source}): mean {shown}, "
                 f"{summary[f'components/{spec.name}/failures']} failed"
             )
+    if "dynamic_sampling/groups_dropped" in summary:
+        lines.append(f"dynamic sampling: kept {summary['dynamic_sampling/groups_kept']} group(s), left out "
+                     f"{summary['dynamic_sampling/groups_dropped']} whose rewards are all equal "
+                     f"({summary['dynamic_sampling/records_dropped']} records)")
     return "\n".join(lines)

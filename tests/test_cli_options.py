@@ -88,7 +88,10 @@ HELP_ADDITIONS = {("diff-logprobs", "fail_above"): ("indexer_differing_sets)", "
                   ("shards cat", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
                   ("shards head", "fields"): ("teacher, extra.", "teacher, routed_experts, extra."),
                   # Issue 34: the built-in calculator speaking GLM's own tool-call format.
-                  ("rollout", "env"): ("calculator, kv-lookup", "calculator, calculator-glm, kv-lookup")}
+                  ("rollout", "env"): ("calculator, kv-lookup", "calculator, calculator-glm, kv-lookup"),
+                  # Issue 46: DAPO's soft overlong penalty as a reward source.
+                  ("judge", "rewards"): ("[ramp_tokens=N], truncated,", "[ramp_tokens=N], overlong cache_tokens=N [max_tokens=N] "
+                                         "(DAPO's soft overlong penalty; max_tokens default: the rollout's max_new_tokens), truncated,")}
 # Experiment trackers on every stage that writes metrics (issue 34).
 TRACKED = ("init-model", "import-model", "init-critic", "qat", "rollout", "judge", "eval", "train-grpo", "train-sao",
            "sync-weights", "serve", "score-teacher", "opd-merge", "quantize", "diff-logprobs", "shards import", "report")
@@ -101,6 +104,8 @@ ADDED_MATH = {("judge", "math_checker"): "math-verify"}
 ADDED_43 = {(command, "chat_template_kwargs"): "{}" for command in ("rollout", "eval", "qat", "shards import")}
 ADDED_43 |= {(command, name): default for command in ("rollout", "eval")
              for name, default in (("reasoning_parser", "auto"), ("tool_call_parser", "strict"))}
+# DAPO's dynamic sampling in the judge (issue 46): groups whose rewards are all equal left out.
+ADDED_46_JUDGE = {("judge", "dynamic_sampling"): False}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -138,7 +143,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
                     command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
-                    command, name) in ADDED_43:
+                    command, name) in ADDED_43 or (command, name) in ADDED_46_JUDGE:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -167,6 +172,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             continue
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and row["help"]
+    for (command, name), default in ADDED_46_JUDGE.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--dynamic-sampling"] and "DAPO" in row["help"]
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from glmpost.errors import GlmpostError
 from glmpost.formats import read_shard, write_shard
 from glmpost.formats.prompts import encode_prompt
 from glmpost.kernel.loading import load_tokenizer
@@ -433,3 +434,51 @@ def test_help_documents_every_option(glmpost_cli):
                    "--json", "--config"):
         assert option in result.stdout, option
     assert "R = sum_k w_k R_k - sum_j" in result.stdout
+
+
+def test_dynamic_sampling_leaves_out_groups_whose_rewards_are_all_equal(glmpost_cli, tiny_checkpoint, policy, tmp_path):
+    """DAPO eq. 11: a group is kept iff its rewards differ; counted per shard and in the summary."""
+    def member(group: str, index: int, answer: str, **kw):
+        r = record(policy, f"{group}/{index}", "2+2?", rf"\boxed{{{answer}}}", domain="math", task={"answer": 4}, **kw)
+        return {**r, "prompt_id": group, "group_id": group}
+
+    first = [member("mixed", 0, "4"), member("mixed", 1, "5"), member("right", 0, "4"), member("right", 1, "4")]
+    second = [member("wrong", 0, "5"), member("wrong", 1, "3"), member("wrong", 2, "7"),
+              member("lonely", 0, "4"), member("lonely", 1, "5") | {"task": {}},  # no answer: a NaN reward
+              member("three", 0, "4"), member("three", 1, "4"), member("three", 2, "1")]
+    write(tmp_path / "in", "a.msgpack.zst", first)
+    write(tmp_path / "in", "b.msgpack.zst", second)
+    out = tmp_path / "out"
+    result = glmpost_cli("judge", tmp_path / "in", "--out", out, "--checkpoint", tiny_checkpoint, "--dynamic-sampling", "--json")
+    assert result.exit_code == 0, result.stderr
+    got = judged(out)
+    assert sorted(got) == ["mixed/0", "mixed/1", "three/0", "three/1", "three/2"]
+    summary = json.loads(result.stdout)
+    assert (summary["records"], summary["dynamic_sampling/groups_kept"], summary["dynamic_sampling/groups_dropped"],
+            summary["dynamic_sampling/records_dropped"]) == (12, 2, 3, 7)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_shard = {line["shard"]: line for line in lines if "shard" in line}
+    assert per_shard["a.msgpack.zst"]["judge/dynamic_sampling/groups_dropped"] == 1
+    assert per_shard["b.msgpack.zst"]["judge/dynamic_sampling/groups_dropped"] == 2
+    assert json.loads((out / "stage.json").read_text())["options"]["dynamic_sampling"] is True
+    human = glmpost_cli("judge", tmp_path / "in", "--out", tmp_path / "out2", "--checkpoint", tiny_checkpoint,
+                        "--dynamic-sampling")
+    assert "dynamic sampling: kept 2 group(s), left out 3 whose rewards are all equal (7 records)" in human.stdout
+    # without the option every record is judged and written, as before
+    plain = glmpost_cli("judge", tmp_path / "in", "--out", tmp_path / "plain", "--checkpoint", tiny_checkpoint)
+    assert plain.exit_code == 0 and len(judged(tmp_path / "plain")) == 12
+
+
+def test_informative_groups_and_their_counts():
+    from glmpost.rewards.dynamic_sampling import GroupFilter, informative
+
+    assert informative([0.0, 1.0]) and informative([0.2, 0.2, 0.3]) and informative([1.0, float("nan"), 0.0])
+    assert not informative([1.0, 1.0, 1.0]) and not informative([0.0, float("nan")]) and not informative([0.7])
+    counts = GroupFilter()
+    records = [{"id": "a", "group_id": 1, "reward": 1.0}, {"id": "b", "group_id": 2, "reward": 0.0},
+               {"id": "c", "group_id": 1, "reward": 0.0}, {"id": "d", "group_id": 2, "reward": 0.0}]
+    assert [r["id"] for r in counts.keep_informative(records, where="s")] == ["a", "c"]
+    assert counts.metrics() == {"judge/dynamic_sampling/groups_kept": 1, "judge/dynamic_sampling/groups_dropped": 1,
+                                "judge/dynamic_sampling/records_dropped": 2}
+    with pytest.raises(GlmpostError, match="s: record 'x' has no group_id"):
+        GroupFilter().keep_informative([{"id": "x", "reward": 1.0}], where="s")

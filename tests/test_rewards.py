@@ -287,7 +287,7 @@ def test_parse_component_validates():
     assert parse_component({"source": "truncated"}, kind="penalty").name == "truncated"
     assert parse_component({"source": "judge", "checkpoint": "x", "max_score": 5}, kind="reward").options["max_score"] == 5.0
     bad = [
-        ({"source": "magic"}, r"unknown source 'magic' \(known: verifier, format, length, truncated, orm, judge\)"),
+        ({"source": "magic"}, r"unknown source 'magic' \(known: verifier, format, length, overlong, truncated, orm, judge\)"),
         ({"name": "x"}, "needs a source"),
         ({"source": "format", "pattern": "a", "colour": "red"}, "unknown key 'colour' for source 'format'"),
         ({"source": "format"}, "needs 'pattern'"),
@@ -482,6 +482,48 @@ def test_mixture_adds_rewards_to_new_records(tokenizer, tiny_checkpoint):
     for o in outs:
         assert math.isnan(o["reward"]) and o["rewards"]["correct"] == 1.0
         assert o["reward_info"]["failure"] == "truncated (truncated): truncated failed on a batch of 2: ZeroDivisionError: division by zero"
+
+
+def test_overlong_penalty_is_dapos_soft_overlong_punishment():
+    from glmpost.rewards.verifiers import overlong_penalty
+
+    # DAPO eq. 13 with L_max = 20, L_cache = 8: free up to 12 tokens, then -1/8 per token, -1 at the limit
+    assert [overlong_penalty(n, 20, 8) for n in (0, 12, 13, 16, 19, 20, 25)] == [0.0, 0.0, 0.125, 0.5, 0.875, 1.0, 1.0]
+    assert overlong_penalty(5, 5, 5) == 1.0 and overlong_penalty(0, 5, 5) == 0.0  # L_cache = L_max: from the first token
+    for bad in ((3, 4, 0), (3, 4, 5)):
+        with pytest.raises(ValueError, match="cache_tokens"):
+            overlong_penalty(*bad)
+
+
+def test_overlong_component_reads_the_rollouts_limit(tokenizer, tiny_checkpoint):
+    from glmpost.rewards import RewardMixture
+
+    revision = tokenizer_revision(tiny_checkpoint)
+
+    def rec(rid, n, **extra):
+        return {"id": rid, "domain": "math", "task": {"answer": "7"}, "status": "completed",
+                "prompt_token_ids": np.array([1, 2], dtype=np.int32), "response_token_ids": np.arange(3, 3 + n, dtype=np.int32),
+                "action_mask": np.ones(n, dtype=bool), **extra}
+
+    records = [rec("a", 10, sampling={"max_new_tokens": 16}), rec("b", 14, sampling={"max_new_tokens": 16}),
+               rec("c", 16, sampling={"max_new_tokens": 16}), rec("d", 14, sampling={}),
+               rec("e", 14, sampling={"max_new_tokens": 16}, extra={"env": {"name": "calculator"}})]
+    spec = parse_component("name=long,source=overlong,cache_tokens=4", kind="penalty")
+    mixture = RewardMixture([spec], tokenizer=tokenizer, tokenizer_revision=revision, verifiers=VerifierTable())
+    a, b, c, d, e = mixture.judge(records)
+    # L_max 16, L_cache 4: 10 tokens free, 14 -> (14 - 12) / 4 = 0.5, 16 (at the limit) -> 1; penalties subtract
+    assert (a["reward"], b["reward"], c["reward"]) == (0.0, -0.5, -1.0)
+    info = b["reward_info"]["components"]["long"]
+    assert (info["source"], info["kind"], info["action_tokens"], info["max_tokens"]) == ("overlong", "penalty", 14, 16)
+    assert math.isnan(d["reward"]) and "no max_new_tokens" in d["reward_info"]["failure"]
+    assert math.isnan(e["reward"]) and "per turn" in e["reward_info"]["failure"]
+    pinned = parse_component("name=long,source=overlong,cache_tokens=4,max_tokens=14", kind="penalty")
+    [d2, e2] = RewardMixture([pinned], tokenizer=tokenizer, tokenizer_revision=revision, verifiers=VerifierTable()).judge([records[3], records[4]])
+    assert d2["reward"] == e2["reward"] == -1.0  # 14 tokens at a 14-token limit
+    with pytest.raises(ValueError, match="cache_tokens"):
+        parse_component("name=x,source=overlong,cache_tokens=0", kind="penalty")
+    with pytest.raises(ValueError, match="max_tokens 3 must be >= cache_tokens 4"):
+        parse_component("name=x,source=overlong,cache_tokens=4,max_tokens=3", kind="penalty")
 
 
 def test_mixture_names_the_component_whose_checkpoint_fails(tokenizer, tiny_checkpoint, tmp_path):

@@ -20,6 +20,7 @@ SOURCES: dict[str, dict[str, tuple[type, bool]]] = {
     "verifier": {"verifier": (str, False)},
     "format": {"pattern": (str, True)},
     "length": {"max_tokens": (int, True), "ramp_tokens": (int, False)},
+    "overlong": {"cache_tokens": (int, True), "max_tokens": (int, False)},
     "truncated": {},
     "orm": {"checkpoint": (str, True), "activation": (str, False), "batch_size": (int, False), "attention": (str, False)},
     "judge": {
@@ -146,6 +147,11 @@ def _check_options(spec: ComponentSpec) -> None:
             raise ValueError(f"component {name!r}: max_tokens must be >= 0")
         if o.get("ramp_tokens", 1) < 1:
             raise ValueError(f"component {name!r}: ramp_tokens must be >= 1")
+    elif spec.source == "overlong":
+        if o["cache_tokens"] < 1:
+            raise ValueError(f"component {name!r}: cache_tokens must be >= 1")
+        if "max_tokens" in o and o["max_tokens"] < o["cache_tokens"]:
+            raise ValueError(f"component {name!r}: max_tokens {o['max_tokens']} must be >= cache_tokens {o['cache_tokens']}")
     elif spec.source in MODEL_SOURCES:
         if o.get("batch_size", 1) < 1:
             raise ValueError(f"component {name!r}: batch_size must be >= 1")

@@ -35,6 +35,7 @@ from glmpost.rewards.components import (
     parse_spec_string,
     uses_domain_routing,
 )
+from glmpost.rewards.dynamic_sampling import GroupFilter
 from glmpost.rewards.math_answers import math_checker_setting
 from glmpost.rewards.mixture import RewardMixture, RewardStats
 from glmpost.rewards.verifiers import VerifierTable
@@ -91,6 +92,11 @@ class JudgeConfig:
     routing: VerifierRouting = section(VerifierRouting)
     device: str = shared("device")
     batch_size: int = setting(64, "Records handed to the reward mixture at a time (models batch within it).", min=1)
+    dynamic_sampling: bool = setting(
+        False, "DAPO's dynamic sampling: leave out of the output every group (group_id, within a shard) whose rewards are "
+        "all equal (its GRPO advantages are all 0), counted in judge/dynamic_sampling/*. Following spools the trainer's "
+        "--follow-records then fills with informative groups only (the rollout over-samples); run once, the rollout's "
+        "prompts are the over-sampled batch.")
     shard_index: int = shared("shard_index")
     num_shards: int = shared("num_shards")
     zstd_level: int = shared("zstd_level")
@@ -121,6 +127,7 @@ class JudgeStage:
         self.table = VerifierTable({**(routing.domains or {}), **dict(config.verifiers)}, routing.default_verifier,
                                    options={"math_checker": routing.math_checker})
         self.totals = RewardStats(self.specs)
+        self.dropped = GroupFilter() if config.dynamic_sampling else None
         self.mixture: RewardMixture | None = None
 
     def spool_revision(self, spool: Path) -> str:
@@ -139,21 +146,33 @@ class JudgeStage:
         """Judge one input shard into ``target`` (written atomically: a crash leaves no partial shard)."""
         stats = RewardStats(self.mixture.specs)
         shard_options = {**self.options, "input_shard": str(shard)}
+        judged: list[dict[str, Any]] = []  # with --dynamic-sampling, the shard's records until its groups are known
         with ShardWriter(target, stage=STAGE, options=shard_options, tokenizer_revision=self.revision,
                          level=self.config.zstd_level) as writer:
             for batch in batches(iter(ShardReader(shard)), self.config.batch_size):
                 for record in self.mixture.judge(batch):
-                    writer.write(record)
                     stats.add(record)
+                    if self.dropped is None:
+                        writer.write(record)
+                    else:
+                        judged.append(record)
                 progress.update(len(batch))
+            if self.dropped is None:
+                self.totals.merge(stats)
+                return stats.metrics()
+            dropped = GroupFilter()
+            for record in dropped.keep_informative(judged, where=str(shard)):
+                writer.write(record)
         self.totals.merge(stats)
-        return stats.metrics()
+        self.dropped.merge(dropped)
+        return {**stats.metrics(), **dropped.metrics()}
 
     def close(self) -> None:
         self.mixture = None
 
     def summary(self) -> dict[str, Any]:
-        return {key.removeprefix("judge/"): value for key, value in self.totals.metrics().items()}
+        totals = {**self.totals.metrics(), **(self.dropped.metrics() if self.dropped is not None else {})}
+        return {key.removeprefix("judge/"): value for key, value in totals.items()}
 
 
 def check_input(path: Path, revision: str, table: VerifierTable | None) -> int:

@@ -13,6 +13,10 @@ Sources (and their options):
 - ``format`` — 1 when ``pattern`` (a regex, ``re.search``) is found in the response text, else 0.
 - ``length`` — ``clip((A - max_tokens) / ramp_tokens, 0, 1)`` over the A action tokens
   (``ramp_tokens`` defaults to ``max_tokens``).
+- ``overlong`` — DAPO's soft overlong punishment as a penalty (:func:`~glmpost.rewards.verifiers.overlong_penalty`):
+  ``clip((A - (L_max - cache_tokens)) / cache_tokens, 0, 1)`` over the A action tokens, ``L_max`` =
+  ``max_tokens``, default the record's ``sampling.max_new_tokens`` (the rollout's limit; a multi-turn
+  record needs ``max_tokens``: its limit is per turn).
 - ``truncated`` — 1 when the rollout's ``status`` is ``truncated``.
 - ``orm`` — an Outcome Reward Model (``checkpoint``, ``activation``, ``batch_size``, ``attention``).
 - ``judge`` — a generative judge (``checkpoint``, ``template``, ``max_new_tokens``,
@@ -40,6 +44,7 @@ from glmpost.rewards.verifiers import (
     VerifyContext,
     format_score,
     length_penalty,
+    overlong_penalty,
     resolve_verifier,
     run_verifier,
     truncated_penalty,
@@ -221,6 +226,8 @@ class RewardMixture:
                 return ComponentResult(length_penalty(n, max_tokens, ramp), details={"action_tokens": n})
 
             return _per_record(length)
+        if spec.source == "overlong":
+            return _per_record(lambda v: self._overlong(v, o))
         if spec.source == "truncated":
             return _per_record(lambda v: ComponentResult(truncated_penalty(v.record.get("status", ""))))
         if spec.source == "orm":
@@ -247,6 +254,19 @@ class RewardMixture:
 
             return score_judge
         raise ValueError(f"unknown source {spec.source!r}")  # parse_component prevents this
+
+    @staticmethod
+    def _overlong(view: RecordView, options: Mapping[str, Any]) -> ComponentResult:
+        n = int(np.count_nonzero(view.record["action_mask"]))
+        limit = options.get("max_tokens")
+        if limit is None:
+            if (view.record.get("extra") or {}).get("env"):
+                return ComponentResult(math.nan, "overlong: a multi-turn record's max_new_tokens is per turn; give max_tokens")
+            limit = (view.record.get("sampling") or {}).get("max_new_tokens")
+            if limit is None:
+                return ComponentResult(math.nan, "overlong: the record's sampling has no max_new_tokens; give max_tokens")
+        return ComponentResult(overlong_penalty(n, int(limit), options["cache_tokens"]),
+                               details={"action_tokens": n, "max_tokens": int(limit)})
 
     # -- judging -------------------------------------------------------------------------
 

@@ -248,6 +248,21 @@ def length_penalty(num_tokens: int, max_tokens: int, ramp_tokens: int) -> float:
     return min(1.0, max(0.0, (num_tokens - max_tokens) / ramp_tokens))
 
 
+def overlong_penalty(num_tokens: int, max_tokens: int, cache_tokens: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13), as the penalty ``P`` whose
+    negative is its ``R_length``: with ``L_max`` = ``max_tokens`` and ``L_cache`` = ``cache_tokens``,
+
+        P = 0                                       if |y| <= L_max - L_cache
+        P = (|y| - (L_max - L_cache)) / L_cache     if L_max - L_cache < |y| <= L_max
+        P = 1                                       if |y| > L_max
+
+    so a response inside the last ``L_cache`` tokens before the limit loses up to the reward's unit,
+    linearly, and one at the limit (truncated) loses all of it."""
+    if cache_tokens < 1 or max_tokens < cache_tokens:
+        raise ValueError(f"need 1 <= cache_tokens <= max_tokens, got cache_tokens {cache_tokens}, max_tokens {max_tokens}")
+    return min(1.0, max(0.0, (num_tokens - (max_tokens - cache_tokens)) / cache_tokens))
+
+
 def truncated_penalty(status: str) -> float:
     """1.0 when the rollout stopped at its token limit (``status == "truncated"``), else 0.0."""
     return 1.0 if status == "truncated" else 0.0
