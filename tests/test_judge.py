@@ -469,6 +469,34 @@ def test_dynamic_sampling_leaves_out_groups_whose_rewards_are_all_equal(glmpost_
     assert plain.exit_code == 0 and len(judged(tmp_path / "plain")) == 12
 
 
+def test_dynamic_sampling_following_a_spool(glmpost_cli, tiny_checkpoint, policy, tmp_path):
+    """judge --follow --dynamic-sampling: the judged spool holds informative groups only, so a trainer
+    following it fills --follow-records with them (the rollout over-samples)."""
+    from glmpost.checkpoints import tokenizer_revision
+    from glmpost.spool.spool import Spool
+
+    def member(group: str, index: int, answer: str):
+        r = record(policy, f"{group}/{index}", "2+2?", rf"\boxed{{{answer}}}", domain="math", task={"answer": 4})
+        return {**r, "prompt_id": group, "group_id": group}
+
+    revision = tokenizer_revision(tiny_checkpoint)
+    rolled = Spool(tmp_path / "rolled", tokenizer_revision=revision)
+    parts = {"p-1.msgpack.zst": [member("a", 0, "4"), member("a", 1, "4"), member("b", 0, "4"), member("b", 1, "1")],
+             "p-2.msgpack.zst": [member("c", 0, "2"), member("c", 1, "2"), member("d", 0, "9"), member("d", 1, "4")]}
+    for name, records in parts.items():
+        write(tmp_path / "made", name, records)
+        target = rolled.publish_path(name)
+        shutil.copyfile(tmp_path / "made" / name, target.with_name("." + name + ".tmp"))
+        (target.with_name("." + name + ".tmp")).rename(target)
+    out = tmp_path / "judged"
+    result = glmpost_cli("judge", "--follow", rolled.path, "--out", out, "--checkpoint", tiny_checkpoint, "--dynamic-sampling",
+                         "--poll-s", "0.05", "--idle-timeout", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    judged_spool = Spool(out, tokenizer_revision=revision, create=False)
+    kept = sorted(r["id"] for p in judged_spool.ready_dir.glob("*.msgpack.zst") for r in read_shard(p).records)
+    assert kept == ["b/0", "b/1", "d/0", "d/1"] and rolled.depth().done == 2
+
+
 def test_informative_groups_and_their_counts():
     from glmpost.rewards.dynamic_sampling import GroupFilter, informative
 
