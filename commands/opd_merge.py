@@ -46,7 +46,7 @@ STAGE = "opd-merge"
 
 @with_config(FollowConfig)
 @with_options(RunOptions, RL_RUN_OPTIONS)
-@with_config(OPDConfig, exclude=('loss_normalization',))
+@with_config(OPDConfig, exclude=('loss_normalization', 'dr_grpo_max_tokens'))
 def opd_merge(
     ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Teacher-scored rollout shards (`glmpost score-teacher` output); none with --follow."),

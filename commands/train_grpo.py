@@ -18,6 +18,14 @@ averages each window first. Metrics: compaction/* per step (trajectories compact
 segments, trainable tokens per segment, the factor's range) and one line per compacted segment
 (window, trainable tokens, N_later, factor) after the steps'.
 
+The policy-optimisation variants are options (recipes/gspo.toml, recipes/dapo.toml): --policy-loss
+gspo (one length-normalised ratio per sequence, clipped per sequence) or cispo (the clipped weight,
+its gradient stopped, times A log pi); --advantage-scaling none (Dr. GRPO: no std division) or batch;
+--loss-normalization dapo / bnpo (the token-level loss, as token), segment (TRL's grpo) or dr_grpo
+(sum over tokens / sequences x --dr-grpo-max-tokens); --importance-correction tis / seq-tis / mis
+with --importance-cap (the policy term weighed by pi_old / pi_rollout, truncated per token or per
+sequence, or sequences above the cap masked).
+
 Every log-prob the trainer computes is of the distribution the records' rollout_log_probs are of
 (their sampling.log_prob_kind at their temperature, top-k and top-p: a top-k / top-p rollout is
 scored under the same truncated, renormalised distribution; SGLang's pre-filter log-probs under

@@ -106,6 +106,21 @@ ADDED_43 |= {(command, name): default for command in ("rollout", "eval")
              for name, default in (("reasoning_parser", "auto"), ("tool_call_parser", "strict"))}
 # DAPO's dynamic sampling in the judge (issue 46): groups whose rewards are all equal left out.
 ADDED_46_JUDGE = {("judge", "dynamic_sampling"): False}
+# The policy-optimisation variants (issue 46): the train-inference importance correction in every
+# policy-gradient trainer, Dr. GRPO's constant where the loss normalisation is an option; the policy
+# loss (ppo, gspo, cispo), CISPO's clip and the advantage scaling in train-grpo; the normalisation's
+# help names the new ones.
+ADDED_46 = {(command, name): default for command in ("train-grpo", "opd-merge", "train-sao")
+            for name, default in (("importance_correction", "none"), ("importance_cap", 2.0))}
+ADDED_46 |= {(command, "dr_grpo_max_tokens"): 0 for command in ("train-grpo", "train-sao")}
+ADDED_46 |= {("train-grpo", "policy_loss"): "ppo", ("train-grpo", "cispo_eps_low"): 1.0,
+             ("train-grpo", "cispo_eps_high"): 4.0, ("train-grpo", "advantage_scaling"): "group"}
+HELP_ADDITIONS |= {(command, "loss_normalization"): (
+    "up-weighted) or segment (each context window's mean, then the mean over windows: the per-segment mean it replaces).",
+    "up-weighted); segment (each context window's mean, then the mean over windows: the per-segment mean it replaces, "
+    "TRL's grpo); dapo (DAPO's token-level loss over the global batch: the same as token); bnpo (TRL's bnpo; glmpost's "
+    "batch is always the whole mini-batch, so the same as token); dr_grpo (Dr. GRPO: the sum over tokens divided by "
+    "sequences x --dr-grpo-max-tokens).") for command in ("train-grpo", "train-sao")}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -143,7 +158,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
                     command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
-                    command, name) in ADDED_43 or (command, name) in ADDED_46_JUDGE:
+                    command, name) in ADDED_43 or (command, name) in ADDED_46_JUDGE or (
+                    command, name) in ADDED_46:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -175,6 +191,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for (command, name), default in ADDED_46_JUDGE.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--dynamic-sampling"] and "DAPO" in row["help"]
+    for (command, name), default in ADDED_46.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and len(row["help"]) > 60
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]

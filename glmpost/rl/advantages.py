@@ -12,6 +12,8 @@ critic's values (:func:`skip_observation_gae`; its estimator comes with ``train-
 
 Scalings apply to an estimator's advantages: ``cross_segment``, CompactionRL's
 ``(gamma * lambda)^{N_{>s}}`` on a compacted trajectory's segments (:func:`cross_segment_factor`).
+Before them, how a group's rewards become advantages is a registered reward scaling
+(:data:`REWARD_SCALINGS`, ``config.advantage_scaling``): GRPO's std, the batch's std, or Dr. GRPO's none.
 """
 
 from __future__ import annotations
@@ -30,10 +32,37 @@ register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 # name (``config.advantage_scalings()``).
 ADVANTAGE_SCALINGS: Registry[Callable[..., torch.Tensor]] = Registry("advantage scaling")
 register_advantage_scaling = ADVANTAGE_SCALINGS.register
+# (group rewards [n], every reward of the batch [N], eps) -> the group's advantages [n], float64: how a
+# group's rewards become advantages, by name (``config.advantage_scaling``; TRL's ``scale_rewards``).
+REWARD_SCALINGS: Registry[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = Registry("reward scaling")
+register_reward_scaling = REWARD_SCALINGS.register
+
+
+@register_reward_scaling("group")
+def group_std_scaling(values: torch.Tensor, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """GRPO's (brief, "GRPO 在优化什么"; TRL ``scale_rewards="group"``): ``A_i = (R_i - mean_g) / (std_g + eps)``,
+    ``std_g`` the group's unbiased standard deviation."""
+    return (values - values.mean()) / (values.std(unbiased=True) + eps)
+
+
+@register_reward_scaling("batch")
+def batch_std_scaling(values: torch.Tensor, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """The group baseline over the batch's spread (TRL ``scale_rewards="batch"``, after "Tricks or Traps? A Deep Dive
+    into RL for LLM Reasoning", arXiv 2508.08221): ``A_i = (R_i - mean_g) / (std_batch + eps)``, ``std_batch`` the
+    unbiased standard deviation of every reward of the update."""
+    return (values - values.mean()) / (rewards.std(unbiased=True) + eps)
+
+
+@register_reward_scaling("none")
+def no_std_scaling(values: torch.Tensor, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective", arXiv 2503.20783, Sec. 3.1;
+    TRL ``scale_rewards="none"``): ``A_i = R_i - mean_g``. Dividing by the group's std weighs a question by how
+    uniform its rewards are (too easy or too hard: up-weighted), the difficulty bias this removes."""
+    return values - values.mean()
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: Sequence[str], *, eps: float = 1e-6
+    rewards: torch.Tensor, group_ids: Sequence[str], *, eps: float = 1e-6, scaling: str = "group"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group-relative advantages (brief, "GRPO 在优化什么").
 
@@ -41,7 +70,9 @@ def group_advantages(
 
     over the trajectories sharing a ``group_id``; ``std`` is the unbiased sample standard deviation
     (as in verl and TRL). A group whose rewards are all equal — or that has a single member —
-    carries no relative signal: its advantages are exactly 0.
+    carries no relative signal: its advantages are exactly 0. ``scaling`` names the registered
+    :data:`REWARD_SCALINGS` entry: ``group`` (the formula above), ``batch`` (the batch's std) or
+    ``none`` (Dr. GRPO: ``R_i - mean``).
 
     Args:
         rewards: ``[N]`` float scalar rewards (no NaN: exclude failed judgements first).
@@ -57,6 +88,7 @@ def group_advantages(
         raise ValueError("rewards contain NaN; exclude trajectories whose judgement failed first")
     index: dict[str, int] = {}
     groups = torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+    scale = REWARD_SCALINGS[scaling]
     advantages = torch.zeros_like(rewards)
     zero_signal = torch.zeros(rewards.shape, dtype=torch.bool)
     for g in range(len(index)):
@@ -65,7 +97,7 @@ def group_advantages(
         if values.numel() < 2 or bool((values == values[0]).all()):
             zero_signal[members] = True
             continue
-        advantages[members] = (values - values.mean()) / (values.std(unbiased=True) + eps)
+        advantages[members] = scale(values, rewards, eps)
     return advantages.float(), zero_signal
 
 

@@ -259,15 +259,18 @@ def failure_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6) -> PreparedBatch:
-    """Group advantages over usable records; NaN rewards and failed rollouts are excluded and counted,
+def prepare_batch(records: Sequence[dict[str, Any]], *, advantage_eps: float = 1e-6,
+                  advantage_scaling: str = "group") -> PreparedBatch:
+    """Group advantages over usable records (scaled by ``advantage_scaling``,
+    :data:`~glmpost.rl.advantages.REWARD_SCALINGS`); NaN rewards and failed rollouts are excluded and counted,
     and groups with half or fewer valid samples dropped whole (:func:`whole_groups`)."""
     usable, excluded = usable_records(records, need_reward=True)
     usable, excluded["small_group"], sizes = whole_groups(records, usable)
     rewards = np.array([r["reward"] for r in usable], dtype=np.float64)
     groups = [r["group_id"] for r in usable]
     if usable:
-        advantages, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps)
+        advantages, zero_signal = group_advantages(torch.from_numpy(rewards), groups, eps=advantage_eps,
+                                                   scaling=advantage_scaling)
     else:
         advantages, zero_signal = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     examples = [e for r, a in zip(usable, advantages.tolist()) for e in train_examples(r, a)]

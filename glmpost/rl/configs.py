@@ -1,5 +1,6 @@
-"""The settings of the policy-gradient updates: GRPO (+ IcePop / DIS) and OPD / MOPD, each naming the
-estimator, scalings, trust masks, loss terms and diagnostics the algorithm-blind
+"""The settings of the policy-gradient updates: GRPO (+ IcePop / DIS, and the variants issue 46 added:
+GSPO, CISPO, Dr. GRPO, DAPO's token-level loss, TIS / MIS) and OPD / MOPD, each naming the estimator,
+scalings, trust masks, importance correction, loss terms and diagnostics the algorithm-blind
 :class:`~glmpost.rl.trainer.PolicyTrainer` composes."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from typing import Optional
 
 from glmpost.config import SettingError, setting
 from glmpost.kernel.logprobs import DEFAULT_CHUNK_SIZE
-from glmpost.kernel.trust_masks import TRUST_MASKS
+from glmpost.kernel.trust_masks import IMPORTANCE_CORRECTIONS, TRUST_MASKS
+from glmpost.rl.advantages import REWARD_SCALINGS
 from glmpost.rl.distributed import OptimizerConfig
 from glmpost.rl.losses import LOSS_NORMALIZATIONS
 from glmpost.rl.micro_batches import micro_batch_tokens_setting, pack_sequences_setting
@@ -17,6 +19,8 @@ from glmpost.rl.routing_replay import routing_replay_setting
 
 LOSS_DENOMINATORS = ("trusted", "action")
 PER_STEP_MASKS = ("dis",)  # taken on the weights of each optimizer step, not once before the update
+# --policy-loss -> the registered loss term (glmpost.rl.losses.LOSS_TERMS) that is the policy term.
+POLICY_LOSSES = {"ppo": "policy", "gspo": "gspo", "cispo": "cispo"}
 
 
 @dataclass
@@ -67,8 +71,25 @@ class PolicyGradientConfig(OptimizerConfig):
     loss_normalization: str = setting(
         "token", "How a mini-batch's token losses are averaged, by name: token (every trusted token weighs the same: "
         "CompactionRL's normalisation over all trainable tokens, so a trajectory compacted into more segments is not "
-        "up-weighted) or segment (each context window's mean, then the mean over windows: the per-segment mean it "
-        "replaces).")
+        "up-weighted); segment (each context window's mean, then the mean over windows: the per-segment mean it "
+        "replaces, TRL's grpo); dapo (DAPO's token-level loss over the global batch: the same as token); bnpo (TRL's "
+        "bnpo; glmpost's batch is always the whole mini-batch, so the same as token); dr_grpo (Dr. GRPO: the sum "
+        "over tokens divided by sequences x --dr-grpo-max-tokens).")
+    # issue 46: Dr. GRPO's constant (arXiv 2503.20783, Sec. 3.1); TRL's is max_completion_length.
+    dr_grpo_max_tokens: int = setting(
+        0, "The constant of --loss-normalization dr_grpo (Dr. GRPO's MAX_TOKENS; TRL's max_completion_length): the "
+        "mini-batch's token losses are summed and divided by (its sequences x this). Set it to the rollout's "
+        "--max-new-tokens; required with dr_grpo, unused otherwise.", min=0)
+    # issue 46: a weight on the policy term from rho = pi_train_old / pi_rollout (the IcePop / DIS masks only mask).
+    importance_correction: str = setting(
+        "none", "Train-inference importance correction on the policy term, from rho_t = pi_train_old / pi_rollout "
+        "on the weights before the update: none; tis (the token loss times min(rho_t, C), token-level TIS as slime "
+        "--use-tis, verl rollout_is token, TRL token_truncate); seq-tis (every token of a sequence times "
+        "min(prod_t rho_t, C), the product form of verl rollout_is sequence and TRL sequence_truncate); mis (a "
+        "sequence whose prod_t rho_t exceeds C is masked whole, the others weighted by it: TRL sequence_mask). C is "
+        "--importance-cap. Not with --trust-mask dis (its policy term already divides by pi_rollout).")
+    importance_cap: float = setting(2.0, "C of --importance-correction: the truncation of tis / seq-tis, the "
+                                    "rejection threshold of mis (verl's default 2; TRL's 3).", above=0.0)
     entropy_coef: float = setting(0.0, "Entropy bonus weight (0 = off, the default).", min=0.0)
     routing_replay: bool = routing_replay_setting()  # issue 33: MoE routing is part of the executed policy (R3)
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "Positions per chunk of the log-prob computation (bounds [chunk, V] memory).", min=1)
@@ -90,6 +111,15 @@ class PolicyGradientConfig(OptimizerConfig):
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise SettingError("loss_normalization", self.loss_normalization,
                                f"is not one of {', '.join(LOSS_NORMALIZATIONS)}")
+        if self.loss_normalization == "dr_grpo" and self.dr_grpo_max_tokens <= 0:
+            raise SettingError("dr_grpo_max_tokens", self.dr_grpo_max_tokens, "must be set (> 0) with loss_normalization "
+                               "dr_grpo: the rollout's max-new-tokens")
+        if self.importance_correction != "none" and self.importance_correction not in IMPORTANCE_CORRECTIONS:
+            raise SettingError("importance_correction", self.importance_correction,
+                               f"is not one of none, {', '.join(IMPORTANCE_CORRECTIONS)}")
+        if self.importance_correction != "none" and "dis" in self.trust_masks():
+            raise SettingError("importance_correction", self.importance_correction, "does not go with the dis trust mask "
+                               "(its policy term is already -r A with r = pi_theta / pi_rollout)")
 
     # What the trainer composes (glmpost.rl.advantages / masks / losses / diagnostics), by name.
 
@@ -107,9 +137,16 @@ class PolicyGradientConfig(OptimizerConfig):
         """The most policy versions a trained record may lag the checkpoint."""
         return max(self.max_version_lag, self.max_staleness or 0)
 
+    def importance_correction_name(self) -> str | None:
+        """The registered importance correction (:data:`~glmpost.kernel.trust_masks.IMPORTANCE_CORRECTIONS`), or None."""
+        return None if self.importance_correction == "none" else self.importance_correction
+
+    def policy_term(self) -> str:
+        """The loss term that is the policy gradient: DIS's with the dis mask, else PPO's clipped one."""
+        return "dis_policy" if "dis" in self.trust_masks() else "policy"
+
     def loss_terms(self) -> tuple[str, ...]:
-        policy = "dis_policy" if "dis" in self.trust_masks() else "policy"
-        return (policy,) + (("entropy",) if self.entropy_coef > 0 else ())
+        return (self.policy_term(),) + (("entropy",) if self.entropy_coef > 0 else ())
 
     def diagnostics(self) -> tuple[str, ...]:
         return ("mismatch",)
@@ -125,6 +162,33 @@ class GRPOConfig(PolicyGradientConfig):
         "segment-decay^N, N = trainable tokens in its later windows (the brief's (gamma*lambda)^N_later); 1 = every "
         "window takes the trajectory's advantage.", min=0.0, max=1.0)
     kl_coef: float = setting(0.0, "Weight of the k3 KL to --ref-checkpoint (0 = off, the default).", min=0.0)
+    # issue 46: the policy-optimisation variants, each a registered piece (glmpost.rl.losses, glmpost.rl.advantages).
+    policy_loss: str = setting(
+        "ppo", "The policy term: ppo (PPO/GRPO's per-token clipped ratio, --eps-low / --eps-high); gspo (GSPO: one "
+        "length-normalised ratio per sequence, exp(mean_t log(pi_theta / pi_old)), clipped per sequence with --eps-low "
+        "/ --eps-high, the paper's 3e-4 / 4e-4; TRL importance_sampling_level sequence); cispo (CISPO, MiniMax-M1: "
+        "-sg(clip(r_t, 1 - cispo-eps-low, 1 + cispo-eps-high)) A_t log pi_theta, every token kept). Not with --trust-mask dis.")
+    cispo_eps_low: float = setting(1.0, "CISPO's eps_low^IS: the weight is clipped below at 1 - this (1: no lower "
+                                   "bound, MiniMax-M1's choice).", min=0.0, max=1.0)
+    cispo_eps_high: float = setting(4.0, "CISPO's eps_high^IS: the weight is clipped above at 1 + this (4: the bound "
+                                    "5 TRL recommends after ScaleRL).", min=0.0)
+    advantage_scaling: str = setting(
+        "group", "How a group's rewards become advantages (TRL's scale_rewards): group ((R - mean) / (std + eps), GRPO's; "
+        "the default), batch ((R - group mean) / (the batch's std + eps)) or none (R - mean: Dr. GRPO, no std division, "
+        "which weighs every question alike). Groups with equal rewards get 0 in each.")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.policy_loss not in POLICY_LOSSES:
+            raise SettingError("policy_loss", self.policy_loss, f"is not one of {', '.join(POLICY_LOSSES)}")
+        if self.policy_loss != "ppo" and "dis" in self.trust_masks():
+            raise SettingError("policy_loss", self.policy_loss, "does not go with the dis trust mask (its policy term "
+                               "replaces the policy loss)")
+        if self.advantage_scaling not in REWARD_SCALINGS:
+            raise SettingError("advantage_scaling", self.advantage_scaling, f"is not one of {', '.join(REWARD_SCALINGS)}")
+
+    def policy_term(self) -> str:
+        return "dis_policy" if "dis" in self.trust_masks() else POLICY_LOSSES[self.policy_loss]
 
     def advantage_estimator(self) -> str:
         return "grpo"

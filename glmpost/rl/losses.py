@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from glmpost.kernel.trust_masks import per_sequence_sum
 from glmpost.registry import Registry
 
 
@@ -92,15 +93,15 @@ def masked_sum_over(values: torch.Tensor, mask: torch.Tensor, denominator: float
     return torch.where(mask, values, torch.zeros_like(values)).sum() / denominator
 
 
-# (counts [N] float64 per example) -> (weights [N], denominator): how a mini-batch's per-token
+# (counts [N] float64 per example, config) -> (weights [N], denominator): how a mini-batch's per-token
 # losses are averaged, by name (``config.loss_normalization``); the trainer sums the denominator over
 # ranks and divides ``sum_e weight_e * sum_{t in e} l_t`` by it.
-LOSS_NORMALIZATIONS: Registry[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = Registry("loss normalization")
+LOSS_NORMALIZATIONS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry("loss normalization")
 register_loss_normalization = LOSS_NORMALIZATIONS.register
 
 
 @register_loss_normalization("token")
-def token_level_normalization(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_level_normalization(counts: torch.Tensor, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level normalisation (brief, CompactionRL: the PPO loss over all trainable tokens ``M``)::
 
         L = -1/|M| * sum_{(s,i) in M} l_{s,i}         weights 1, denominator |M| = sum_s |M_s|
@@ -112,8 +113,9 @@ def token_level_normalization(counts: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 @register_loss_normalization("segment")
-def segment_mean_normalization(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-segment mean token-level normalisation replaces (verl's ``seq-mean-token-mean``)::
+def segment_mean_normalization(counts: torch.Tensor, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-segment mean token-level normalisation replaces (verl's ``seq-mean-token-mean``; the
+    original GRPO's, TRL ``loss_type="grpo"``)::
 
         L = -1/K * sum_s 1/|M_s| * sum_{i in M_s} l_{s,i}     weights 1/|M_s|, denominator K
 
@@ -121,6 +123,40 @@ def segment_mean_normalization(counts: torch.Tensor) -> tuple[torch.Tensor, torc
     more segments by compaction counts more times (the bias CompactionRL removes)."""
     present = counts > 0
     return torch.where(present, 1.0 / counts.clamp(min=1.0), torch.zeros_like(counts)), present.sum().to(counts.dtype)
+
+
+@register_loss_normalization("dapo")
+def dapo_normalization(counts: torch.Tensor, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DAPO's token-level policy-gradient loss (Yu et al., "DAPO", arXiv 2503.14476, Eq. 12; TRL
+    ``loss_type="dapo"``): every token of the optimizer step's global batch weighs the same::
+
+        L = 1 / sum_i |o_i| * sum_i sum_t l_{i,t}
+
+    It is ``token``: glmpost's denominator is already the whole mini-batch's count across micro-batches
+    and ranks (``--loss-denominator action`` counts every action token as DAPO and TRL do; ``trusted``,
+    the default, leaves out the tokens a trust mask dropped)."""
+    return token_level_normalization(counts)
+
+
+@register_loss_normalization("bnpo")
+def bnpo_normalization(counts: torch.Tensor, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's ``loss_type="bnpo"``: the token mean over "the local batch". glmpost never normalises by
+    a micro-batch or one rank (the gradient is split-invariant), so its batch is the mini-batch and
+    this equals ``dapo`` / ``token``; TRL's equals them with one micro-batch on one process."""
+    return token_level_normalization(counts)
+
+
+@register_loss_normalization("dr_grpo")
+def dr_grpo_normalization(counts: torch.Tensor, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO's constant normaliser (Liu et al., "Understanding R1-Zero-Like Training", arXiv 2503.20783,
+    Sec. 3.1: ``1/|o_i|`` replaced by a constant ``MAX_TOKENS``; TRL ``loss_type="dr_grpo"``, constant
+    ``max_completion_length``)::
+
+        L = 1 / (N * MAX_TOKENS) * sum_i sum_t l_{i,t}       weights 1, denominator N * config.dr_grpo_max_tokens
+
+    over the mini-batch's ``N`` examples (sequences; a compacted record's context windows each), every
+    one counted whatever its length or how many of its tokens a mask dropped: no length bias."""
+    return torch.ones_like(counts), torch.tensor(float(counts.numel() * config.dr_grpo_max_tokens), dtype=counts.dtype)
 
 
 def opd_pg_loss(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
@@ -231,16 +267,56 @@ def trusted_sum(values: torch.Tensor, trust: torch.Tensor) -> torch.Tensor:
     return torch.where(trust, values, torch.zeros_like(values)).sum()
 
 
+def clip_metrics(terms: PolicyLossTerms, trust: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A clipped policy term's metric sums: clipped trusted tokens and the ratio over trusted tokens."""
+    return {"train/clip_fraction": (terms.clipped & trust).sum(), "train/ratio_mean": trusted_sum(terms.ratio, trust)}
+
+
 @register_loss_term("policy", metrics=("train/clip_fraction", "train/ratio_mean"), logged_as="train/pg_loss")
 def policy_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy gradient (:func:`clipped_policy_loss` with ``eps_low`` / ``eps_high``)."""
     config = inputs.config
     terms = clipped_policy_loss(inputs.forward.log_probs, inputs.old_log_probs, inputs.advantages,
                                 eps_low=config.eps_low, eps_high=config.eps_high)
-    return terms.losses, {
-        "train/clip_fraction": (terms.clipped & inputs.trust).sum(),
-        "train/ratio_mean": trusted_sum(terms.ratio, inputs.trust),
-    }
+    return terms.losses, clip_metrics(terms, inputs.trust)
+
+
+def gspo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                     trust: torch.Tensor, examples: torch.Tensor, *, eps_low: float, eps_high: float) -> PolicyLossTerms:
+    """GSPO's sequence-level clipped objective (Zheng et al., "Group Sequence Policy Optimization",
+    arXiv 2507.18071, Eq. 5-7; TRL ``importance_sampling_level="sequence"``)::
+
+        s_i = exp( 1/|y_i| * sum_{t in y_i} (logp_theta(y_t) - logp_old(y_t)) )      length-normalised
+        l_t = -min(s_i * A_t, clip(s_i, 1 - eps_low, 1 + eps_high) * A_t)          each token t of sequence i
+
+    ``y_i``: the sequence's trusted tokens (``examples`` says which entries are whose,
+    :meth:`~glmpost.rl.micro_batches.MicroBatch.example_ids`), so a masked token leaves the ratio too. The
+    clip is one decision per sequence; with a sequence's advantage ``A_i`` this is GSPO-token (Eq. 11) as
+    well, the same value and gradient. The paper's clip range is 3e-4 / 4e-4 (``--eps-low`` / ``--eps-high``).
+    """
+    log_ratio = torch.where(trust, log_probs - old_log_probs, torch.zeros_like(log_probs))
+    lengths = per_sequence_sum(trust.to(log_ratio.dtype), examples).clamp(min=1.0)
+    ratio = torch.exp(per_sequence_sum(log_ratio, examples) / lengths)
+    unclipped = ratio * advantages
+    clipped_term = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    losses = -torch.minimum(unclipped, clipped_term)
+    return PolicyLossTerms(losses=losses, ratio=ratio.detach(), clipped=(clipped_term < unclipped).detach())
+
+
+def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
+                      eps_low: float, eps_high: float) -> PolicyLossTerms:
+    """CISPO (MiniMax, "MiniMax-M1", arXiv 2506.13585, Eq. 4-5; ROLL ``cispo``; TRL ``loss_type="cispo"``
+    with ``epsilon_high`` = 1 + eps_high)::
+
+        r_t = exp(logp_theta - logp_old)
+        l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logp_theta(y_t)
+
+    The importance weight is clipped and carries no gradient; the token itself is never dropped (a PPO
+    clip zeroes a clipped token's gradient, here it keeps ``-w_t A_t grad logp``). ``clipped`` marks
+    tokens whose weight was clipped."""
+    ratio = torch.exp(log_probs - old_log_probs).detach()
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return PolicyLossTerms(losses=-weight * advantages * log_probs, ratio=ratio, clipped=weight != ratio)
 
 
 def dis_policy_loss(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, advantages: torch.Tensor) -> PolicyLossTerms:
@@ -264,6 +340,26 @@ def dis_policy_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.T
     """The DIS policy gradient (:func:`dis_policy_loss`), the policy term when the ``dis`` mask is on."""
     terms = dis_policy_loss(inputs.forward.log_probs, inputs.batch.rollout_log_probs, inputs.advantages)
     return terms.losses, {"train/ratio_mean": trusted_sum(terms.ratio, inputs.trust)}
+
+
+@register_loss_term("gspo", metrics=("train/clip_fraction", "train/ratio_mean"), logged_as="train/pg_loss")
+def gspo_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GSPO policy term (:func:`gspo_policy_loss` with ``eps_low`` / ``eps_high``), ``--policy-loss gspo``;
+    ``train/ratio_mean`` is the sequence ratio's mean per trusted token."""
+    config = inputs.config
+    terms = gspo_policy_loss(inputs.forward.log_probs, inputs.old_log_probs, inputs.advantages, inputs.trust,
+                             inputs.batch.example_ids(), eps_low=config.eps_low, eps_high=config.eps_high)
+    return terms.losses, clip_metrics(terms, inputs.trust)
+
+
+@register_loss_term("cispo", metrics=("train/clip_fraction", "train/ratio_mean"), logged_as="train/pg_loss")
+def cispo_term(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The CISPO policy term (:func:`cispo_policy_loss` with ``cispo_eps_low`` / ``cispo_eps_high``),
+    ``--policy-loss cispo``."""
+    config = inputs.config
+    terms = cispo_policy_loss(inputs.forward.log_probs, inputs.old_log_probs, inputs.advantages,
+                              eps_low=config.cispo_eps_low, eps_high=config.cispo_eps_high)
+    return terms.losses, clip_metrics(terms, inputs.trust)
 
 
 @register_loss_term("topk_reverse_kl", metrics=("train/topk_kl",), gather="teacher_topk_ids")

@@ -80,6 +80,15 @@ class MicroBatch:
             out[row, cut.start : cut.start + take] = value[:take].cpu()
         return out.to(self.action_mask.device)
 
+    def example_ids(self) -> torch.Tensor:
+        """``[B, L-1]`` long: the example (its index in the micro-batch) each entry belongs to, -1 for
+        none (padding); what a per-sequence quantity (GSPO's ratio, sequence-level IS) sums over."""
+        out = torch.full(self.action_mask.shape, -1, dtype=torch.long)
+        for example in range(len(self.places)):
+            row, cut = self.entries(example)
+            out[row, cut] = example
+        return out.to(self.action_mask.device)
+
     def spread(self, values: Sequence[float], *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One value per example over all its entries: ``[B, L-1]`` (0 elsewhere)."""
         out = torch.zeros(self.action_mask.shape, dtype=dtype)

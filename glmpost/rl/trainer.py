@@ -7,8 +7,10 @@ the training engine on the same weights, AND the trust masks into the action mas
 registries, chosen by the config: the advantage estimator (:mod:`glmpost.rl.advantages`), the trust
 masks (:mod:`glmpost.kernel.trust_masks`), the loss terms (:mod:`glmpost.rl.losses`) and the batch
 diagnostics (:mod:`glmpost.rl.diagnostics`). GRPO (:class:`GRPOConfig`) is ``grpo`` + ``icepop`` +
-``policy``; OPD / MOPD (:class:`OPDConfig`) is ``opd`` (or ``task`` with the ``topk_reverse_kl``
-term) + ``icepop`` + ``policy``.
+``policy`` (or ``gspo`` / ``cispo``); OPD / MOPD (:class:`OPDConfig`) is ``opd`` (or ``task`` with the
+``topk_reverse_kl`` term) + ``icepop`` + ``policy``. An importance correction (``tis``, ``seq-tis``, ``mis``:
+:data:`~glmpost.kernel.trust_masks.IMPORTANCE_CORRECTIONS`) is taken with the masks, before the update:
+its weights multiply the advantages (so the policy term), its rejections join the mask.
 
 The loss of a mini-batch is a sum over its trusted action tokens divided by their number (or, with
 ``loss_denominator = "action"``, by the number of all its action tokens) *in the
@@ -35,7 +37,7 @@ import torch
 from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.logprobs import sequence_log_probs
 from glmpost.kernel.scoring import score_tokens
-from glmpost.kernel.trust_masks import TRUST_MASKS
+from glmpost.kernel.trust_masks import IMPORTANCE_CORRECTIONS, TRUST_MASKS, correction_counts, correction_metrics
 from glmpost.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALINGS
 from glmpost.rl.batches import TrainExample
 from glmpost.rl.configs import PER_STEP_MASKS, GRPOConfig
@@ -53,6 +55,7 @@ class OldPolicyStats:
     old_log_probs: dict[int, torch.Tensor]
     trust: dict[int, torch.Tensor]  # the first optimizer step's final mask
     base_trust: dict[int, torch.Tensor] = None  # the update-start masks alone (before the per-step ones)
+    importance: dict[int, torch.Tensor] | None = None  # the importance correction's weights float32 [L-1] (None: off)
 
 
 @dataclass
@@ -90,6 +93,8 @@ class PolicyTrainer:
         self.estimator = ADVANTAGE_ESTIMATORS[config.advantage_estimator()]
         self.scalings = [ADVANTAGE_SCALINGS[name] for name in config.advantage_scalings()]
         self.normalization = LOSS_NORMALIZATIONS[config.loss_normalization]
+        correction = config.importance_correction_name()
+        self.correction = None if correction is None else IMPORTANCE_CORRECTIONS[correction]
         # Masks of two engines on the same weights are taken once, before the update; DIS judges the
         # policy being optimised, so it is taken again on the weights of every later optimizer step.
         self.masks = [TRUST_MASKS[name] for name in config.trust_masks() if name not in PER_STEP_MASKS]
@@ -167,19 +172,26 @@ class PolicyTrainer:
         """Old log-probs of the rollout tokens with the training engine (under ``distribution``), and
         the trust mask (the per-step masks on these weights: the first step's)."""
         self.model.eval()
-        old, trust, base = {}, {}, {}
+        old, trust, base, importance = {}, {}, {}, {}
         self.routing_totals = torch.zeros(5, dtype=torch.float64)
+        self.correction_totals = torch.zeros(4, dtype=torch.float64)
         for chunk, batch in self._micro_batches(examples, indices):
             result = self._log_probs(self.model, batch, distribution)
             self.routing_totals += replay_counts(self.routing_session, batch)
             mask = batch.action_mask.clone()
             for trust_mask in self.masks:
                 mask &= trust_mask(result.log_probs, batch.rollout_log_probs, self.config)[0]
+            if self.correction is not None:  # a weight on the policy term, and MIS's sequence rejection in the mask
+                weights, keep = self.correction(result.log_probs, batch.rollout_log_probs, batch.action_mask,
+                                                batch.example_ids(), self.config)
+                self.correction_totals += correction_counts(weights, keep, batch.action_mask)
+                mask &= keep
+                importance.update({index: w.cpu() for index, w in zip(chunk, batch.per_example(weights))})
             stepped = self._with_step_masks(mask, result.log_probs, batch)
             for index, log_probs, final, start in zip(chunk, batch.per_example(result.log_probs),
                                                       batch.per_example(stepped), batch.per_example(mask)):
                 old[index], trust[index], base[index] = log_probs.cpu(), final.cpu(), start.cpu()
-        return OldPolicyStats(old, trust, base)
+        return OldPolicyStats(old, trust, base, importance if self.correction is not None else None)
 
     def _with_step_masks(self, mask: torch.Tensor, log_probs: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         for trust_mask in self.step_masks:
@@ -232,6 +244,8 @@ class PolicyTrainer:
             diagnostics.update(diagnostic(examples, old, self.backend.all_reduce_sum))
         if self.config.routing_replay:
             diagnostics.update(replay_metrics(self.backend.all_reduce_sum(self.routing_totals)))
+        if self.correction is not None:
+            diagnostics.update(correction_metrics(self.backend.all_reduce_sum(self.correction_totals)))
         ref = self.reference_log_probs(examples, mine, distribution) if any(t is LOSS_TERMS["kl"] for t in self.terms) else None
         return PreparedUpdate(list(examples), old, ref, diagnostics, distribution)
 
@@ -293,13 +307,17 @@ class PolicyTrainer:
 
     def _micro_loss(self, batch: MicroBatch, distribution: ScoredDistribution, old_lp: torch.Tensor, trust: torch.Tensor,
                     ref_lp, denominator: float, sums: dict[str, torch.Tensor],
-                    weights: torch.Tensor | None = None) -> torch.Tensor:
+                    weights: torch.Tensor | None = None, importance: torch.Tensor | None = None) -> torch.Tensor:
         """The composed loss of one micro-batch; its named metric sums are added to ``sums``.
-        ``weights`` ``[B, L-1]``: each example's weight under the loss normalisation over its entries (None: all 1)."""
+        ``weights`` ``[B, L-1]``: each example's weight under the loss normalisation over its entries (None: all 1).
+        ``importance`` ``[B, L-1]``: the importance correction's weights ``w >= 0``, folded into the advantages, so
+        they weigh the policy term alone (``-min(r w A, clip(r) w A) = w * -min(r A, clip(r) A)``)."""
         forward = self._train_forward(batch, distribution)
         advantages, _ = self.estimator(batch, old_lp, self.config)
         for scaling in self.scalings:
             advantages = scaling(batch, advantages, self.config)
+        if importance is not None:
+            advantages = advantages * importance
         inputs = LossInputs(forward, old_lp, advantages, trust, batch, ref_lp, self.config)
         loss = None
         for term in self.terms:
@@ -327,7 +345,7 @@ class PolicyTrainer:
         trusted = [int(trust_of[i].sum()) for i in indices]
         actions = [int(examples[i].action_mask.sum()) for i in indices]
         weights, local_denominator = self.normalization(
-            torch.tensor(trusted if config.loss_denominator == "trusted" else actions, dtype=torch.float64))
+            torch.tensor(trusted if config.loss_denominator == "trusted" else actions, dtype=torch.float64), config)
         weight_of = None if bool((weights == 1.0).all()) else dict(zip(indices, weights.tolist()))
         counts = torch.tensor([sum(trusted), sum(actions), float(local_denominator)], dtype=torch.float64)
         local_trusted = sum(trusted)
@@ -351,8 +369,10 @@ class PolicyTrainer:
             used += int(trust.sum())
             ref_lp = None if ref is None else batch.lay([ref[i] for i in chunk_idx])
             weights = None if weight_of is None else batch.spread([weight_of[i] for i in chunk_idx], dtype=torch.float64)
+            importance = None if old.importance is None else batch.lay([old.importance[i] for i in chunk_idx], fill=1.0)
             with self._replay(batch):  # open over the backward too: a checkpointed layer recomputes under it
-                self.backend.backward(self._micro_loss(batch, distribution, old_lp, trust, ref_lp, denominator, sums, weights))
+                self.backend.backward(self._micro_loss(batch, distribution, old_lp, trust, ref_lp, denominator, sums, weights,
+                                                       importance))
         if used != local_trusted:  # numerator and denominator must count the same final mask (ROLL#444, verl#4852)
             raise RuntimeError(f"the loss summed {used} trusted tokens but its denominator counted {local_trusted}")
         grad_norm = self.backend.step()

@@ -90,7 +90,7 @@ def grpo_batch(inputs: Sequence[str], config: GRPOConfig, *, parent_version: int
     admitted = admit(inputs, config, stage=stage, parent_version=parent_version, revision=revision,
                      require=["rollout_log_probs", "sampling", "reward"], skip_ids=skip_ids, temperature=temperature)
     records, lags, stale = admitted.records, admitted.lags, admitted.stale
-    batch = prepare_batch(records, advantage_eps=config.advantage_eps)
+    batch = prepare_batch(records, advantage_eps=config.advantage_eps, advantage_scaling=config.advantage_scaling)
     if not batch.examples:
         raise NothingToTrain(f"{stage}: no usable records (excluded: {batch.excluded})", stale)
     prepare_replay(config, records, batch.examples, stage)
