@@ -106,6 +106,9 @@ def _human(recipe: Path, description: str, counts: dict, workload, rows: list, s
         f"ZeRO stage {workload.zero_stage} on {workload.ranks} rank(s), attention {workload.attention}, "
         f"log-prob chunk {workload.chunk_size}; rollout batch {workload.rollout_batch} x "
         f"{workload.rollout_prompt}+{workload.response_tokens} tokens"),
+        *([f"actor: a LoRA adapter of rank {workload.lora_rank} ({summary['roles']['actor']['details']['lora_parameters']:,} "
+           f"parameters on {', '.join(workload.lora_targets or ('the default targets',))}) over the frozen base"]
+          if workload.lora_rank else []),
         "",
         format_table(rows),
         "",

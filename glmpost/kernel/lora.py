@@ -20,6 +20,7 @@ layer of attention and MLP the model has, found by name per architecture:
 * Qwen3, Llama: ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``; GLM-4.5/4.6/4.7 the
   same and ``experts`` (dense first layers, a shared expert beside the routed ones); Qwen3-MoE
   ``q_proj k_proj v_proj o_proj`` and ``experts`` (it has no dense MLP).
+  GLM-4 (``glm4``) computes gate and up with one linear layer: ``gate_up_proj down_proj``.
 
 PEFT wraps fused experts (a 3-D ``nn.Parameter``, transformers 5's MoE layout: GLM-5, GLM-4.5/4.6/4.7,
 Qwen3-MoE, DeepSeek-V3, Mixtral) with its ``ParamWrapper``, which adds ``scale · B @ A`` to the whole
@@ -63,7 +64,7 @@ EXPERTS = "experts"
 # The default targets a model has, in this order: attention (GQA: q k v o; MLA: q or q_a q_b, kv_a kv_b,
 # o), then MLP.
 DEFAULT_CANDIDATES = ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                      "gate_proj", "up_proj", "down_proj")
+                      "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 
 __all__ = ["DEFAULT_CANDIDATES", "EXPERTS", "LoraSettings", "adapter_state_names", "apply_adapter", "default_targets",

@@ -77,6 +77,8 @@ def workload_from_recipe(values: dict[str, dict[str, Any]], settings: dict[str, 
         rollout="rollout" in values,
         margin=settings["margin"],
         routing=bool(rollout.get("record_routing") or train.get("routing_replay")),
+        lora_rank=int(train.get("lora_rank") or 0),
+        lora_targets=tuple(t.strip() for item in train.get("lora_targets") or () for t in str(item).split(",") if t.strip()) or None,
     )
     ds_path = train.get("deepspeed_config")
     if ds_path and Path(ds_path).is_file():

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from glmpost.memory.buckets import DEFAULT_ALLGATHER_BUCKET, DEFAULT_REDUCE_BUCKET, zero_bucket_elements
+from glmpost.memory.lora import experts_delta_bytes, lora_parameter_count, lora_state_bytes
 from glmpost.memory.native import native_cache_bytes, native_gather_workspace_bytes
 from glmpost.memory.plan import (
     COMPONENTS,
@@ -63,6 +64,8 @@ class Workload:
     routing: bool = False  # rollout --record-routing / a trainer's --routing-replay (issue 33)
     micro_batch_tokens: int = 0  # a token budget instead of micro_batch sequences
     pack_sequences: bool = False
+    lora_rank: int = 0  # the actor trains a LoRA adapter of this rank (0: every weight; issue 45)
+    lora_targets: tuple[str, ...] | None = None  # None: the adapter's default targets
 
     def micro_rows(self) -> int:
         """Trajectories of ``seq`` tokens in a training micro-batch: ``micro_batch``, or as many as
@@ -122,8 +125,11 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
 
     # Actor: the policy being trained (train-grpo / opd-merge / qat): float32 master weights, gradients
     # and AdamW states whatever the checkpoint's dtype; activations in the precision's dtype.
-    state = model_state_bytes(shape, dtype="float32", trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
+    full_state = model_state_bytes(shape, dtype="float32", trainable=True, zero_stage=w.zero_stage, ranks=w.ranks)
     act_dtype = w.dtype if w.precision == "bf16" else "float32"
+    state = full_state if not w.lora_rank else lora_state_bytes(shape, rank=w.lora_rank, targets=w.lora_targets,
+                                                                base_dtype=act_dtype, zero_stage=w.zero_stage, ranks=w.ranks)
+    lora = {"lora_parameters": lora_parameter_count(shape, w.lora_rank, w.lora_targets)["total"]} if w.lora_rank else {}
     activations = checkpointed_activation_terms if w.activation_checkpointing else saved_activation_terms
     acts = activations(shape, batch=w.micro_rows(), seq=w.seq, dtype=act_dtype, attention=w.attention)
     ws = {
@@ -131,10 +137,11 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
         "attention": attention_workspace_bytes(shape, batch=w.micro_rows(), seq=w.seq, attention=w.attention, grad=True,
                                                dtype=act_dtype),
         "dsa_indexer": indexer_workspace_bytes(shape, **w.indexer_geometry(), attention=w.attention),
+        **({"lora_experts_delta": experts_delta_bytes(shape, rank=w.lora_rank, targets=w.lora_targets)} if w.lora_rank else {}),
     }
     rows.append(RoleMemory(
         "actor", w.training, sum(state.values()), sum(acts.values()), max(ws.values()), comm_buffers(True),
-        train_io_bytes(batch=w.micro_rows(), seq=w.seq), details={**state, "activations": acts, "workspace": ws},
+        train_io_bytes(batch=w.micro_rows(), seq=w.seq), details={**state, **lora, "activations": acts, "workspace": ws},
     ))
     # Reference and teacher: frozen forward passes without autograd.
     frozen = model_state_bytes(shape, dtype=w.dtype, trainable=False)
@@ -152,7 +159,7 @@ def _model_roles(shape: ModelShape, w: Workload) -> list[RoleMemory]:
                            details={**frozen, "workspace": frozen_ws}))
     # Critic (SAO): the body plus a scalar value head instead of the LM head.
     critic_params_saved = (shape.vocab * shape.hidden - shape.hidden - 1) if not shape.tie_word_embeddings else 0
-    critic_state = {k: max(v - critic_params_saved * (4 if k != "optimizer" else 8), 0) for k, v in state.items()}
+    critic_state = {k: max(v - critic_params_saved * (4 if k != "optimizer" else 8), 0) for k, v in full_state.items()}
     rows.append(RoleMemory("critic", w.critic, sum(critic_state.values()), sum(acts.values()) - acts["head"],
                            max(ws["attention"], ws["dsa_indexer"]), comm_buffers(True),
                            train_io_bytes(batch=w.micro_rows(), seq=w.seq), details=critic_state))
