@@ -140,6 +140,31 @@ def test_bin_async_rl_trains_with_sao_when_the_recipe_has_a_train_sao_section(ti
     assert read_manifest(CheckpointRoot(run_dir / "policy").version_dir(policies[-1])).stage == "train-sao"
 
 
+def test_bin_async_rl_with_dynamic_sampling_trains_informative_groups_only(tiny_checkpoint, tmp_path):
+    """DAPO's dynamic sampling over spools: the judge leaves out the groups whose rewards are all
+    equal, so the trainer's --follow-records batches hold informative groups only while the rollout
+    samples on (over-sampling); at the tiny model's start most count groups are all-zero."""
+    root = Path(__file__).resolve().parents[1]
+    recipe = tmp_path / "async-dapo.toml"
+    recipe.write_text((root / "recipes" / "tiny-async-rl.toml").read_text().replace("[judge]", "[judge]\ndynamic-sampling = true"))
+    run_dir = tmp_path / "async"
+    done = subprocess.run([root / "bin" / "async-rl", recipe, "recipes/data/count-train.jsonl", "--checkpoint", tiny_checkpoint,
+                           "--run-dir", run_dir, "--max-rounds", "2"], cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    revision = tokenizer_revision(tiny_checkpoint)
+    rolled = [r for p in _all_shards(Spool(run_dir / "rolled", tokenizer_revision=revision, create=False)) for r in ShardReader(p)]
+    judged = [r for p in _all_shards(Spool(run_dir / "judged", tokenizer_revision=revision, create=False)) for r in ShardReader(p)]
+    groups: dict = {}
+    for record in judged:
+        groups.setdefault(record["group_id"], []).append(record["reward"])
+    assert len(rolled) == 2 * 10 * 8 and 0 < len(judged) < len(rolled)  # some groups were left out, some kept
+    assert all(max(rewards) > min(rewards) for rewards in groups.values())  # every kept group can teach
+    policy = CheckpointRoot(run_dir / "policy")
+    trained = {i for v in policy.versions()
+               for ids in read_manifest(policy.version_dir(v)).extra["spool"]["shards"].values() for i in ids}
+    assert trained and trained <= {r["id"] for r in judged}
+
+
 def test_bin_async_rl_serve_puts_a_server_and_the_weight_sync_between_trainer_and_rollout(tiny_checkpoint, tmp_path):
     root = Path(__file__).resolve().parents[1]
     run_dir = tmp_path / "async"
