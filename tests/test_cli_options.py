@@ -101,6 +101,8 @@ ADDED_MATH = {("judge", "math_checker"): "math-verify"}
 ADDED_43 = {(command, "chat_template_kwargs"): "{}" for command in ("rollout", "eval", "qat", "shards import")}
 ADDED_43 |= {(command, name): default for command in ("rollout", "eval")
              for name, default in (("reasoning_parser", "auto"), ("tool_call_parser", "strict"))}
+# LoRA adapters loaded at run time by glmpost serve (issue 45), off by default as in SGLang and vLLM.
+ADDED_45 = {("serve", "enable_lora"): False}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -138,7 +140,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
                     command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
-                    command, name) in ADDED_43:
+                    command, name) in ADDED_43 or (command, name) in ADDED_45:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -167,6 +169,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             continue
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and row["help"]
+    for (command, name), default in ADDED_45.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and "unmerged" in row["help"]
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]
