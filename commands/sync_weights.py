@@ -17,7 +17,11 @@ already published from the same source is not written again (its servers are sti
 network only); vLLM reports no version, so the switch is confirmed by fingerprint: the server's
 prompt log-probs of a fixed sequence within --fingerprint-tolerance (mean |difference|) of the new
 version's, computed on CPU in float32 and kept as glmpost-fingerprint.json in the version directory,
-and nearer to them than to the previous version's. Per-server results go to stdout (--json) and to
+and nearer to them than to the previous version's. A LoRA version is published as it is (its adapter,
+never the base) and loaded on each server as the adapter ROOTNAME-vNNNNNN (vLLM /v1/load_lora_adapter:
+--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; SGLang /load_lora_adapter: --enable-lora) once
+the server's base is confirmed by fingerprint to be the adapter's; the adapter is confirmed the same
+way and the root's previous adapters unloaded. Per-server results go to stdout (--json) and to
 ROOT/metrics.jsonl.
 """
 

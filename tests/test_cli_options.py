@@ -121,6 +121,8 @@ HELP_ADDITIONS |= {(command, "loss_normalization"): (
     "TRL's grpo); dapo (DAPO's token-level loss over the global batch: the same as token); bnpo (TRL's bnpo; glmpost's "
     "batch is always the whole mini-batch, so the same as token); dr_grpo (Dr. GRPO: the sum over tokens divided by "
     "sequences x --dr-grpo-max-tokens).") for command in ("train-grpo", "train-sao")}
+# LoRA adapters loaded at run time by glmpost serve (issue 45), off by default as in SGLang and vLLM.
+ADDED_45 = {("serve", "enable_lora"): False}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -159,7 +161,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
                     command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
                     command, name) in ADDED_43 or (command, name) in ADDED_46_JUDGE or (
-                    command, name) in ADDED_46:
+                    command, name) in ADDED_46 or (command, name) in ADDED_45:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -194,6 +196,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for (command, name), default in ADDED_46.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and len(row["help"]) > 60
+    for (command, name), default in ADDED_45.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and "unmerged" in row["help"]
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]

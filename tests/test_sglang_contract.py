@@ -38,8 +38,8 @@ def recorded(monkeypatch):
     calls = []
     real = SGLangClient._once
 
-    def once(self, method, path, data, ok):
-        answer = real(self, method, path, data, ok)
+    def once(self, method, path, data, ok, text=False):
+        answer = real(self, method, path, data, ok, text)
         calls.append((method, path, None if data is None else json.loads(data), answer))
         return answer
 

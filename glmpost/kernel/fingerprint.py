@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from glmpost.checkpoints import CheckpointRoot
+from glmpost.kernel.lora_versions import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_lora_version, model_dir
 
 FINGERPRINT_TOKENS = 32
 DEFAULT_TOLERANCE = 0.05
@@ -75,18 +76,23 @@ class Fingerprint:
 def weights_identity(directory: Path) -> list:
     """What a kept fingerprint is valid for: ``config.json``'s digest and each weight file's name, size
     and modification time (a copy that keeps them holds the same weights; a rewritten, quantized or
-    edited file changes them, and the fingerprint is computed again)."""
+    edited file changes them, and the fingerprint is computed again). A LoRA version's: its base's,
+    then its adapter files' (the base checked to be the one it was trained on: ``model_dir``)."""
+    if is_lora_version(directory):
+        adapter = [directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS]
+        return [*weights_identity(model_dir(directory)), *([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in adapter)]
     files = sorted(p for pattern in ("*.safetensors", "*.bin", "*.pt") for p in directory.glob(pattern))
     config = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()[:16]
     return [config, *([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files)]
 
 
 def checkpoint_fingerprint(version_dir: Path | str) -> Fingerprint:
-    """The fingerprint of a checkpoint's weights: its ``glmpost-fingerprint.json`` when that was kept
-    for these very weight files (:func:`weights_identity`), else computed on CPU in float32 (and kept
-    there when the directory is writable)."""
+    """The fingerprint of a checkpoint's weights (a LoRA version's: its base with the adapter
+    applied, as :func:`~glmpost.kernel.loading.load_model` loads it): its ``glmpost-fingerprint.json``
+    when that was kept for these very weight files (:func:`weights_identity`), else computed on CPU in
+    float32 (and kept there when the directory is writable)."""
     directory = Path(version_dir)
-    vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
+    vocab = int(json.loads((model_dir(directory) / "config.json").read_text())["vocab_size"])  # a LoRA version: its base's
     ids = fingerprint_ids(vocab)
     sidecar, weights = directory / SIDECAR, weights_identity(directory)
     try:

@@ -45,7 +45,7 @@ def load_tokenizer(checkpoint: Path | str):
 
 
 def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None, deterministic_topk: bool = True,
-               attention: str = "native"):
+               attention: str = "native", adapter: Path | str | None = None):
     """``AutoModelForCausalLM`` from a root or version directory, in eval mode.
 
     A quantized checkpoint (``glmpost quantize`` / ``sync-weights --quantize`` output: a
@@ -58,7 +58,9 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     the adapter was trained on, and applies its adapter unmerged (:func:`glmpost.kernel.lora.apply_adapter`):
     the adapted layers compute ``W x + scale · B (A x)`` as the trainer's PEFT model does, so the
     engine samples with the trainer's own function (no merged ``W + scale · B A`` rounded to the
-    weights' dtype), and a new adapter replaces only the adapter's tensors.
+    weights' dtype), and a new adapter replaces only the adapter's tensors. ``adapter`` (a PEFT adapter
+    folder, or a LoRA version) is applied the same way onto the full version ``checkpoint``, whatever
+    base it names (as a serving engine applies an adapter onto the base it serves: ``glmpost serve``).
 
     With ``deterministic_topk`` (the default) a GLM-5 DSA indexer selects keys by
     :func:`glmpost.npu.topk.deterministic_topk` (ties to the lower position), so the rollout engine
@@ -69,9 +71,11 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     """
     directory = resolve_checkpoint(checkpoint)
     lora = is_lora_version(directory)
+    if lora and adapter is not None:
+        raise CheckpointError(f"{directory} is a LoRA version: an adapter applies onto a full version (its base)")
     model = load_weights(read_lora_base(directory) if lora else directory, dtype)
-    if lora:
-        model = apply_adapter(model, directory)
+    if lora or adapter is not None:
+        model = apply_adapter(model, directory if lora else adapter)
     check_finite(model, directory)
     if deterministic_topk:
         install_deterministic_topk(model)

@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from glmpost.kernel.lora_routes import LoraRoutes
 from glmpost.kernel.sglang_transport import (
     ADMIN_ROUTES,
     SGLangTransport,
@@ -51,8 +52,8 @@ __all__ = ["ADMIN_ROUTES", "SGLangClient", "ServerError", "check_api_key", "fres
            "without_api_key"]
 
 
-class SGLangClient(SGLangTransport):
-    """One SGLang (or ``glmpost serve``) server.
+class SGLangClient(LoraRoutes, SGLangTransport):
+    """One SGLang (or ``glmpost serve``) server; its LoRA adapters: :class:`~glmpost.kernel.lora_routes.LoraRoutes`.
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:30000``.
@@ -76,7 +77,9 @@ class SGLangClient(SGLangTransport):
     def copy(self, **changes: Any) -> "SGLangClient":
         """The same server and keys with other ``timeout`` / ``retries`` / ``backoff``."""
         settings = {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, **changes}
-        return type(self)(self.url, api_key=self.api_key, admin_api_key=self.admin_api_key, **settings)
+        clone = type(self)(self.url, api_key=self.api_key, admin_api_key=self.admin_api_key, **settings)
+        clone.adapter, clone.on_adapter_gone = self.adapter, self.on_adapter_gone
+        return clone
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -183,8 +186,23 @@ class SGLangClient(SGLangTransport):
         generates the same sequences twice; the resend carries fresh ids (:func:`fresh_rid`): SGLang
         refuses an id it still holds with HTTP 400 ``Duplicate request ID detected: RID``, and it
         holds an aborted request's id until the scheduler has answered the abort
-        (managers/tokenizer_manager.py ``_init_req_state``, sglang 0.5.23).
+        (managers/tokenizer_manager.py ``_init_req_state``, sglang 0.5.23). A client with an
+        ``adapter`` names it as ``lora_path`` (:meth:`~glmpost.kernel.lora_routes.LoraRoutes.with_adapter`).
         """
+        first = self.adapter
+
+        def send(name: str | None) -> Any:
+            extra = {**fields, "lora_path": name} if name else fields
+            rid = extra.get("rid")
+            if first is not None and name != first[0] and rid is not None:  # a resend naming another adapter
+                extra = {**extra, "rid": fresh_rid(rid) if isinstance(rid, str) else [fresh_rid(r) for r in rid]}
+            return self._generate(input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, extra)
+
+        return self.with_adapter(send)
+
+    def _generate(self, input_ids: Any, sampling_params: Any, return_logprob: bool, logprob_start_len: int,
+                  top_logprobs_num: int, fields: dict) -> Any:
+        """:meth:`generate`'s one request (with its aborts and resends under fresh ids)."""
         body = {"input_ids": [list(map(int, x)) for x in input_ids] if _is_batch(input_ids) else list(map(int, input_ids)),
                 "sampling_params": sampling_params, "return_logprob": return_logprob,
                 "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num, **fields}

@@ -74,7 +74,7 @@ def without_api_key(options: dict[str, Any]) -> dict[str, Any]:
 
 # SGLang's ADMIN_OPTIONAL routes (entrypoints/http_server.py ``@auth_level``) that glmpost calls.
 ADMIN_ROUTES = frozenset({"/update_weights_from_disk", "/abort_request", "/flush_cache", "/pause_generation",
-                          "/continue_generation", "/update_weight_version"})
+                          "/continue_generation", "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter"})
 
 _RETRYABLE_EXCEPTIONS = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
                          http.client.HTTPException, OSError)
@@ -92,7 +92,7 @@ class SGLangTransport:
     admin_api_key: str | None
 
     def request(self, method: str, path: str, body: Any = None, *, ok_statuses: Iterable[int] = (),
-                before_retry: Callable[[ServerError], Any] | None = None) -> Any:
+                before_retry: Callable[[ServerError], Any] | None = None, text: bool = False) -> Any:
         """One JSON request with retries; returns the decoded JSON answer (None for an empty body).
 
         ``ok_statuses`` are non-2xx statuses whose JSON body is returned instead of raising (SGLang
@@ -100,6 +100,7 @@ class SGLangTransport:
         ``before_retry(error)`` runs before each retry of a request that got no answer (a timeout or
         a dropped connection: the server may still be working on it), e.g. to abort it there first;
         when it returns a body, that body is sent from then on (a resend under fresh request ids).
+        ``text``: an answer that is no JSON is returned as its text (vLLM answers its LoRA routes so).
         """
         ok = set(ok_statuses)
         data = None if body is None else json.dumps(body).encode()
@@ -112,7 +113,7 @@ class SGLangTransport:
                     if resend is not None:
                         data = json.dumps(resend).encode()
             try:
-                return self._once(method, path, data, ok)
+                return self._once(method, path, data, ok, text)
             except ServerError as exc:
                 last = exc
                 if not exc.retryable:
@@ -141,12 +142,12 @@ class SGLangTransport:
                     "for a server launched with --admin-api-key)")
         return "the server refused the API key" if self.api_key is not None else "the server wants an API key and none was given"
 
-    def _once(self, method: str, path: str, data: bytes | None, ok: set[int]) -> Any:
+    def _once(self, method: str, path: str, data: bytes | None, ok: set[int], text: bool = False) -> Any:
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data, path))
         where = f"{method} {self.url}{path}"
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:
-                return _decode(response.read(), where, self.url)
+                return _decode(response.read(), where, self.url, text)
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             if exc.code in ok:
@@ -162,12 +163,14 @@ class SGLangTransport:
                               retryable=True) from None
 
 
-def _decode(raw: bytes, where: str, url: str) -> Any:
+def _decode(raw: bytes, where: str, url: str, as_text: bool = False) -> Any:
     if not raw.strip():
         return None
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
+        if as_text:
+            return raw.decode(errors="replace")
         text = raw[:200].decode(errors="replace").strip()
         raise ServerError(f"{where}: answer is not JSON: {text!r}", url=url) from None
 
@@ -181,7 +184,7 @@ def _error_detail(raw: bytes) -> str:
         error = payload.get("error")
         if isinstance(error, dict):
             return str(error.get("message", error))
-        for key in ("message", "detail", "error"):
+        for key in ("message", "detail", "error", "error_message"):  # error_message: SGLang's LoRA routes
             if key in payload:
                 return _short_key_list(str(payload[key]))
     return str(payload)[:200]

@@ -53,6 +53,10 @@ class VLLMClient(VLLMWeights, SGLangClient):
     to clear (vLLM 0.34), apart from ``retries``."""
 
     engine = "vllm"
+    LOAD_ROUTE = "/v1/load_lora_adapter"
+    UNLOAD_ROUTE = "/v1/unload_lora_adapter"
+    ENABLE_HINT = ("launch vLLM with --enable-lora (--max-lora-rank at least the adapter's rank) and "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
 
     def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
                  api_key: str | None = None, admin_api_key: str | None = None, weight_version: str | None = None,
@@ -69,14 +73,14 @@ class VLLMClient(VLLMWeights, SGLangClient):
 
     # ------------------------------------------------------------------ transport
 
-    def _once(self, method: str, path: str, data: bytes | None, ok: set[int]) -> Any:
+    def _once(self, method: str, path: str, data: bytes | None, ok: set[int], text: bool = False) -> Any:
         """:meth:`SGLangClient._once`, except that a 503 from a paused server (vLLM 0.34 answers every
         new request so while paused) waits for ``GET /is_paused`` to clear and is sent again, within
         ``pause_wait`` seconds: a weight sync costs no sequence and no retry."""
         deadline = None
         while True:
             try:
-                return super()._once(method, path, data, ok)
+                return super()._once(method, path, data, ok, text)
             except ServerError as exc:
                 if exc.status != 503 or path.split("?", 1)[0] in DEV_MODE_ROUTES:
                     raise
@@ -195,19 +199,21 @@ class VLLMClient(VLLMWeights, SGLangClient):
 
     def _one(self, prompt: Sequence[int], sampling: dict, return_logprob: bool, top_logprobs_num: int,
              routed: bool = False) -> dict:
-        body = completion_request(prompt, sampling, model=self.model(),
-                                  logprobs=top_logprobs_num if return_logprob else None)
-        if self.release_at_least(0, 34):
-            body["return_weight_versions"] = True
-        try:
-            answer = sglang_answer(self.completions(body), weight_version=self.weight_version,
-                                   top_logprobs_num=top_logprobs_num,
-                                   routed_experts=routed)
-            if "weight_versions" in answer["meta_info"]:
+        def send(adapter: str | None) -> dict:
+            body = completion_request(prompt, sampling, model=adapter or self.model(),
+                                      logprobs=top_logprobs_num if return_logprob else None)
+            if self.release_at_least(0, 34):
+                body["return_weight_versions"] = True
+            try:
+                answer = sglang_answer(self.completions(body), weight_version=self.weight_version,
+                                       top_logprobs_num=top_logprobs_num, routed_experts=routed)
+            except ValueError as exc:
+                raise ServerError(f"POST {self.url}/v1/completions: {exc}", url=self.url) from None
+            if "weight_versions" in answer["meta_info"] and adapter is None:
                 self.per_choice_versions = True
             return answer
-        except ValueError as exc:
-            raise ServerError(f"POST {self.url}/v1/completions: {exc}", url=self.url) from None
+
+        return self.with_adapter(send)  # a client's adapter is named as the model
 
     def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict | Sequence[dict], *,
                  return_logprob: bool = True, logprob_start_len: int = -1, top_logprobs_num: int = 0,
@@ -247,10 +253,13 @@ class VLLMClient(VLLMWeights, SGLangClient):
         problem = self.scoring_problem()
         if problem:
             raise ServerError(problem, url=self.url)
-        body = completion_request(input_ids, {"max_new_tokens": 1, "temperature": 1.0, "ignore_eos": True},
-                                  model=self.model(), logprobs=None)
-        body["prompt_logprobs"] = int(top_logprobs_num)
-        answer = self.completions(body)
+        def send(adapter: str | None) -> dict:
+            body = completion_request(input_ids, {"max_new_tokens": 1, "temperature": 1.0, "ignore_eos": True},
+                                      model=adapter or self.model(), logprobs=None)
+            body["prompt_logprobs"] = int(top_logprobs_num)
+            return self.completions(body)
+
+        answer = self.with_adapter(send)  # under the client's adapter, as every request
         try:
             rows = answer["choices"][0]["prompt_logprobs"]
         except (KeyError, IndexError, TypeError):
@@ -258,7 +267,8 @@ class VLLMClient(VLLMWeights, SGLangClient):
         if not isinstance(rows, list) or len(rows) != len(input_ids):
             raise ServerError(f"POST {self.url}/v1/completions: {len(rows or [])} prompt log-prob rows for "
                               f"{len(input_ids)} prompt tokens", url=self.url)
-        result: dict[str, Any] = {"token_log_probs": [], "weight_version": self.weight_version}
+        version = str(self.adapter[1]) if self.adapter is not None else self.weight_version
+        result: dict[str, Any] = {"token_log_probs": [], "weight_version": version}
         tops_ids, tops_lps = [], []
         for position in range(logprob_start_len, len(input_ids)):
             row = {int(k): v for k, v in (rows[position] or {}).items()}

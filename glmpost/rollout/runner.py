@@ -186,8 +186,10 @@ class RolloutRunner:
         """Sample ``root``'s newest version from now on (``rollout --follow``; None: this one only): the
         caller switches before each part with :meth:`switch_to_newest`, the runner itself between the
         turns of a multi-turn part when its engine is local (a server's weights are switched by
-        sync-weights, each answer saying which version sampled it); trajectories in flight at such a
-        switch keep their KV caches (``keep_cache``) or recompute them. ``label`` names it in the log."""
+        sync-weights, each answer saying which version sampled it), or, with servers of LoRA versions,
+        to the newer adapter once they hold it (:mod:`glmpost.rollout.lora_servers`); trajectories in
+        flight at such a switch keep their KV caches (``keep_cache``) or recompute them (an adapter
+        switch: always recomputed, the servers' caches being per adapter). ``label`` names it in the log."""
         self.following = None if root is None else FollowedWeights(Path(root), keep_cache, label)
 
     def switch_to_newest(self, *, between_turns: bool = False) -> bool:
@@ -200,11 +202,16 @@ class RolloutRunner:
         newer = newest_version(following.root if following else None, self.checkpoint)
         if newer is None:
             return False
+        local = isinstance(self.backend, LocalBackend)
+        adapter = None if local else self.backend.switch_adapter(newer)  # servers of LoRA versions: name the newer adapter
+        if adapter is False or (adapter is None and between_turns and not local):
+            return False  # not on the servers yet; or a server's full weights, which sync-weights switches
         how = f" between turns ({'keep' if following.keep_cache else 'recompute'} the KV caches)" if between_turns else ""
+        how = " (the adapter the servers hold)" if adapter else how
         log(f"{following.label}: switching from v{self.checkpoint.policy_version} to v{newer.policy_version}{how}")
-        if isinstance(self.backend, LocalBackend):
+        if local:
             self.backend.switch(newer, self.config, self.device, keep_cache=between_turns and following.keep_cache)
-        else:
+        elif adapter is None:
             self.backend.close()
             self.backend = open_backend(newer, self.config, self.device)
         self.checkpoint = newer
@@ -216,8 +223,8 @@ class RolloutRunner:
 
     def _turn_hook(self) -> Callable[[], None] | None:
         """What runs between the turns of a multi-turn part: a switch to the newest weights, when
-        following a root with the local engine."""
-        if self.following is None or not isinstance(self.backend, LocalBackend):
+        following a root with the local engine or with servers of LoRA versions (the newer adapter)."""
+        if self.following is None or not (isinstance(self.backend, LocalBackend) or self.backend.lora is not None):
             return None
         return lambda: self.switch_to_newest(between_turns=True)
 

@@ -17,10 +17,12 @@ from tqdm import tqdm
 
 from glmpost.config import ConfigError
 from glmpost.kernel.engine import SamplingParams, sequence_seed
+from glmpost.kernel.lora_versions import is_lora_version, model_dir
 from glmpost.kernel.routing import config_routing_layout, routed_from_sglang
 from glmpost.kernel.server_settings import probe_log_prob_kind, probe_prompts, rejected_field
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.sglang_sampling import FIELD_SINCE, refused_message
+from glmpost.rollout.lora_servers import ServedLora
 from glmpost.rollout.policy import PolicyCheckpoint
 from glmpost.rollout.records import as_version, completion_from_sglang, sglang_sampling_params
 from glmpost.rollout.servers import (
@@ -56,8 +58,9 @@ class SGLangBackend:
 
     def __init__(self, pool: Any, *, model_config: Any, default_stops: Any, batch_size: int,
                  settings: Sequence[Any] = (), kind_setting: str = "auto", probe_prompts: Sequence[list[int]] = (),
-                 stamp: Any = None, max_continuations: int = 3, routing: Any = None):
+                 stamp: Any = None, max_continuations: int = 3, routing: Any = None, lora: ServedLora | None = None):
         self.pool = pool
+        self.lora = lora  # a LoRA version: the adapter every request names (glmpost.rollout.lora_servers)
         self.model_config = model_config
         self.default_stops = default_stops
         self.batch_size = batch_size
@@ -80,19 +83,26 @@ class SGLangBackend:
         from transformers import AutoConfig, GenerationConfig
 
         version_dir = str(checkpoint.version_dir)
-        model_config = AutoConfig.from_pretrained(version_dir)
+        model_config = AutoConfig.from_pretrained(str(model_dir(checkpoint.version_dir)))  # a LoRA version: its base's
         try:
             default_stops = GenerationConfig.from_pretrained(version_dir).eos_token_id
         except OSError:
             default_stops = model_config.eos_token_id
         pool, settings = connect_servers(config, revision=checkpoint.revision, version_dir=checkpoint.version_dir)
+        lora = ServedLora.open(pool.clients, checkpoint) if is_lora_version(checkpoint.version_dir) else None
         stamps = ([version_stamp(s, config.engine.unversioned_server, checkpoint.policy_version) for s in settings]
-                  if cls.reports_weight_version else [None])
+                  if cls.reports_weight_version and lora is None else [None])  # an adapter's answers carry its version
         return cls(pool, model_config=model_config, default_stops=default_stops, batch_size=config.batch_size,
                    settings=settings, kind_setting=config.engine.server_log_prob_kind,
                    probe_prompts=probe_prompts(checkpoint.tokenizer), stamp=stamps[0],
                    max_continuations=config.engine.max_continuations,
-                   routing=_routing_layout(model_config) if config.record_routing else None)
+                   routing=_routing_layout(model_config) if config.record_routing else None, lora=lora)
+
+    def switch_adapter(self, newer: PolicyCheckpoint) -> Optional[bool]:
+        """Name ``newer``'s adapter from now on (:meth:`~glmpost.rollout.lora_servers.ServedLora.switch`):
+        True when switched, False when a server does not hold it yet, None when this is no switch
+        between adapters (not a LoRA rollout, or ``newer`` no LoRA version of its root and base)."""
+        return None if self.lora is None else self.lora.switch(self.pool.clients, newer)
 
     def server_facts(self) -> list[dict]:
         """Each server's URL, engine and release, as stage.json records them."""

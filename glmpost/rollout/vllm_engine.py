@@ -5,6 +5,8 @@ through :class:`~glmpost.kernel.vllm_client.VLLMClient`, with what vLLM does not
   records ``raw``, ``processed_logprobs`` ``sampled``; the logits modes are refused (a logit is no
   log-prob); without dev mode the four-request probe tells the kind.
 * ``seed_reproducible`` only under ``VLLM_BATCH_INVARIANT=1``.
+* A LoRA version: every request names its adapter and is stamped with its version
+  (:mod:`glmpost.rollout.lora_servers`); no label nor fingerprint is read.
 * The weight version: a server with labels (``GET /weight_info``, dev mode; vLLM 0.27.1 on) that
   ``sync-weights`` labelled is trusted for its label (the policy version that samples), read when the
   run opens and again after every generate call (one cheap GET, no model work), or, where the server
@@ -58,6 +60,8 @@ class VLLMBackend(SGLangBackend):
     def open(cls, checkpoint: Any, config: Any, device: Any = None) -> "VLLMBackend":
         """:meth:`SGLangBackend.open`, then each server's version confirmed against the checkpoint."""
         backend = super().open(checkpoint, config, device)
+        if backend.lora is not None:  # a LoRA version: each request names its adapter, whose version it is
+            return backend
         backend.expected = checkpoint_fingerprint(checkpoint.version_dir)
         older = previous_version_dir(checkpoint.version_dir)
         backend.previous = checkpoint_fingerprint(older) if older is not None else None
@@ -143,6 +147,8 @@ class VLLMBackend(SGLangBackend):
         choice): a sequence keeps the checkpoint's version only when its server was confirmed before
         (its answer carries it) and after, or its own label is the checkpoint's version."""
         outcomes = super().generate(sequences, keys, progress, **kwargs)
+        if self.lora is not None:  # stamped with the adapter each request named (glmpost.rollout.lora_servers)
+            return outcomes
         labelled = {client.url for client in self.pool.clients if client.labelled}
         own = {client.url for client in self.pool.clients if client.labelled and client.per_choice_versions}
         confirmed = own | {client.url for client in self.pool.clients if client.url not in own and self._confirm(client)}

@@ -35,6 +35,8 @@ managers/schedule_batch.py ``FINISH_*.to_json`` for ``finish_reason``):
 * ``GET /get_weight_version``, ``/model_info``, ``/health``; ``/server_info`` (``/get_server_info``):
   the model info, ``enable_deterministic_inference`` (always true), ``log_prob_kind``, ``version``
   (glmpost's) and counters since start.
+* ``POST /load_lora_adapter``, ``/unload_lora_adapter``, ``GET /v1/models`` and ``lora_path`` per request
+  (``--enable-lora``): :mod:`glmpost.server.adapters`.
 * Keys: :mod:`glmpost.server.http` (SGLang's ``--api-key`` and ``--admin-api-key`` rules).
 
 One worker thread owns the :class:`~glmpost.kernel.engine.LocalEngine`; HTTP threads only parse, queue and
@@ -63,7 +65,8 @@ from glmpost import __version__
 from glmpost.kernel.distribution import DEFAULT_LOG_PROB_KIND, check_log_prob_kind
 from glmpost.kernel.engine import Completion
 from glmpost.server.answers import sequence_answer
-from glmpost.server.loading import load_checkpoint
+from glmpost.server.adapters import NOT_ENABLED, ServedAdapters
+from glmpost.server.loading import LoadedCheckpoint, load_checkpoint
 from glmpost.server.parsing import RequestError, SequenceRequest, parse_generate
 from glmpost.server.worker import ARRIVAL_GAP_S, EngineWorker, Job
 
@@ -73,7 +76,8 @@ class EngineServer(EngineWorker):
 
     def __init__(self, checkpoint: str | Path, *, device: Any = "cpu", batch_size: int = 32, deterministic_topk: bool = True,
                  weight_version: str | None = None, batch_wait_s: float = 0.05, log_prob_kind: str = DEFAULT_LOG_PROB_KIND,
-                 prefix_cache_batches: int = 0, attention: str = "native", max_queued: int = 1024):
+                 prefix_cache_batches: int = 0, attention: str = "native", max_queued: int = 1024,
+                 enable_lora: bool = False):
         self.device = device
         self.max_queued = max_queued
         self.attention = attention
@@ -86,6 +90,7 @@ class EngineServer(EngineWorker):
                                       prefix_cache_batches=prefix_cache_batches, attention=attention)
         self.weight_version = weight_version if weight_version is not None else (
             str(self.loaded.policy_version) if self.loaded.policy_version is not None else "default")
+        self.adapters = ServedAdapters(self._adapted, enabled=enable_lora)
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -102,6 +107,7 @@ class EngineServer(EngineWorker):
         # Counters since start (GET /get_server_info): requests answered, engine batches, sequences
         # and tokens generated, prompt tokens read from the prefix cache, and the seconds the engine
         # spent running batches.
+        self.started = int(time.time())
         self.stats = {"requests": 0, "batches": 0, "sequences": 0, "generated_tokens": 0, "cached_tokens": 0,
                       "engine_busy_s": 0.0}
 
@@ -165,6 +171,13 @@ class EngineServer(EngineWorker):
 
     def generate(self, body: dict) -> Any:
         items, batch = parse_generate(body, self.loaded, log_prob_kind=self.log_prob_kind)
+        names = body.get("lora_path")  # SGLang: an adapter's name, or one per sequence of a batch
+        if names is not None:
+            names = names if isinstance(names, list) else [names] * len(items)
+            if len(names) != len(items):
+                raise RequestError(f"lora_path: {len(names)} entries for {len(items)} sequences")
+            for item, name in zip(items, names):
+                item.target = self.adapters.resolve(name)
         rids = self._hold_rids(items)
         try:
             if batch:
@@ -223,6 +236,37 @@ class EngineServer(EngineWorker):
             self.abort(abort_all=True, message="Abort by update_weights_from_disk")
         answer = self.submit(job)
         return (HTTPStatus.OK if answer["success"] else HTTPStatus.BAD_REQUEST), answer
+
+    # ------------------------------------------------------------------ LoRA adapters (glmpost.server.adapters)
+
+    def _adapted(self, path: str) -> LoadedCheckpoint:
+        """The served weights with the adapter folder ``path`` applied (unmerged)."""
+        return load_checkpoint(self.loaded.version_dir, device=self.device, batch_size=self.batch_size,
+                               deterministic_topk=self.deterministic_topk, prefix_cache_batches=self.prefix_cache_batches,
+                               attention=self.attention, adapter=path)
+
+    def load_lora_adapter(self, body: Any) -> tuple[int, dict]:
+        """SGLang's ``POST /load_lora_adapter``: ``{success, error_message, loaded_adapters}``, 400 when refused."""
+        body = body if isinstance(body, dict) else {}
+        problem = self.adapters.load(body.get("lora_name"), body.get("lora_path"))
+        answer = {"success": problem is None, "error_message": problem or "", "loaded_adapters": self.adapters.paths()}
+        return (HTTPStatus.OK if problem is None else HTTPStatus.BAD_REQUEST), answer
+
+    def unload_lora_adapter(self, body: Any) -> tuple[int, dict]:
+        """SGLang's ``POST /unload_lora_adapter``: the name dropped at once, its requests in flight finish on it."""
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        problem = NOT_ENABLED if not self.adapters.enabled else (
+            None if self.adapters.unload(name) else f"LoRA with name {name} does not exist. Loaded LoRAs: "
+            f"odict_keys({list(self.adapters.paths())})")
+        answer = {"success": problem is None, "error_message": problem or "", "loaded_adapters": self.adapters.paths()}
+        return (HTTPStatus.OK if problem is None else HTTPStatus.BAD_REQUEST), answer
+
+    def model_list(self) -> dict:
+        """SGLang's ``GET /v1/models``: the served model's card, then one per adapter held."""
+        name = str(self.loaded.version_dir)
+        base = {"id": name, "object": "model", "created": self.started, "owned_by": "sglang", "root": name, "parent": None,
+                "max_model_len": self.loaded.config.get("max_position_embeddings")}
+        return {"object": "list", "data": [base, *self.adapters.cards(name, self.started, "sglang")]}
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "Abort by /abort_request") -> int:
         """Stop request ``rid`` (a batch's sequences ``rid_i`` too), or every generate request

@@ -33,7 +33,7 @@ from glmpost.npu import resolve_device
 from glmpost.server.engine import EngineServer
 from glmpost.server.parsing import RequestError
 from glmpost.server.serve_config import SGLANG_LOG_PROB_KIND, ServeConfig, checked_settings
-from glmpost.server.vllm_api import VLLMApi, check_logprobs_mode, error_payload, guarded
+from glmpost.server.vllm_api import PlainText, VLLMApi, check_logprobs_mode, error_payload, guarded
 from glmpost.stage import MetricsWriter, log
 
 LISTEN_BACKLOG = 512
@@ -54,9 +54,10 @@ class _Handler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
     def _send(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
-        body = b"" if payload is None else json.dumps(payload).encode()
+        text = isinstance(payload, PlainText)  # vLLM answers its LoRA routes with a bare text
+        body = b"" if payload is None else payload.encode() if text else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
         self.send_header("Content-Length", str(len(body)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
@@ -138,8 +139,14 @@ class _Handler(BaseHTTPRequestHandler):
             elif method == "POST" and path == "/abort_request":
                 self.engine.abort_request(self._body())
                 self._send(200, None)
+            elif method == "POST" and path in ("/load_lora_adapter", "/unload_lora_adapter"):  # glmpost.server.adapters
+                route = self.engine.load_lora_adapter if path == "/load_lora_adapter" else self.engine.unload_lora_adapter
+                self._send(*route(self._body()))
+            elif method == "GET" and path == "/v1/models":
+                self._send(200, self.engine.model_list())
             elif path in ("/health", "/get_weight_version", "/model_info", "/server_info", "/get_server_info", "/generate",
-                          "/update_weights_from_disk", "/abort_request"):
+                          "/update_weights_from_disk", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter",
+                          "/v1/models"):
                 self._error(405, f"{method} is not allowed on {path}")
             else:
                 self._error(404, f"no route {path}")
@@ -270,7 +277,8 @@ def serve_checkpoint(config: ServeConfig, *, on_listening: Callable[[str], None]
                               deterministic_topk=config.deterministic_topk, attention=config.attention,
                               weight_version=config.weight_version,
                               batch_wait_s=config.batch_wait_ms / 1000.0, log_prob_kind=kind,
-                              prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued)
+                              prefix_cache_batches=config.prefix_cache_batches, max_queued=config.max_queued,
+                              enable_lora=config.enable_lora)
         try:
             if config.enable_return_routed_experts and engine._routing_layout() is None:
                 raise ConfigError("{enable_return_routed_experts}: {path} is a dense model (no MoE router)", path=config.checkpoint)

@@ -13,6 +13,7 @@ from glmpost.errors import GlmpostError
 from glmpost.kernel.continuation import TurnCaches
 from glmpost.kernel.engine import LocalEngine
 from glmpost.kernel.loading import load_model, load_tokenizer
+from glmpost.kernel.lora_versions import model_dir
 
 
 @dataclass
@@ -26,6 +27,7 @@ class LoadedCheckpoint:
     tensors: dict[str, tuple[int, ...]]
     caches: TurnCaches | None = None  # KV caches of these weights that later requests may extend
     routing_layout: Any = None  # its RoutingLayout, read on the first return_routed_experts (EngineServer)
+    adapter: str | None = None  # the adapter folder applied onto these weights (glmpost.server.adapters)
 
 
 def model_tensors(model) -> dict[str, tuple[int, ...]]:
@@ -35,9 +37,11 @@ def model_tensors(model) -> dict[str, tuple[int, ...]]:
 
 
 def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, deterministic_topk: bool,
-                    prefix_cache_batches: int = 0, attention: str = "native") -> LoadedCheckpoint:
+                    prefix_cache_batches: int = 0, attention: str = "native",
+                    adapter: str | Path | None = None) -> LoadedCheckpoint:
     """Model, tokenizer and identity of a checkpoint root or version directory, with a prefix cache
-    of ``prefix_cache_batches`` engine batches (0: none)."""
+    of ``prefix_cache_batches`` engine batches (0: none); with ``adapter`` (a PEFT adapter folder) applied
+    unmerged onto its weights (:func:`~glmpost.kernel.loading.load_model`)."""
 
     version_dir = resolve_checkpoint(checkpoint)
     tokenizer, revision = load_tokenizer(version_dir)
@@ -46,12 +50,13 @@ def load_checkpoint(checkpoint: str | Path, *, device: Any, batch_size: int, det
     except CheckpointError:
         policy_version = None
     try:
-        config = json.loads((version_dir / "config.json").read_text())
+        config = json.loads((model_dir(version_dir) / "config.json").read_text())  # a LoRA version: its base's
     except (OSError, json.JSONDecodeError) as exc:
         raise GlmpostError(f"{version_dir}/config.json: unreadable ({exc})") from None
-    model = load_model(version_dir, device=device, deterministic_topk=deterministic_topk, attention=attention)
+    model = load_model(version_dir, device=device, deterministic_topk=deterministic_topk, attention=attention, adapter=adapter)
     tensors = model_tensors(model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine = LocalEngine(model, batch_size=batch_size, pad_token_id=pad)
     caches = TurnCaches(retain=prefix_cache_batches) if prefix_cache_batches else None
-    return LoadedCheckpoint(engine, tokenizer, version_dir, revision, policy_version, config, tensors, caches)
+    return LoadedCheckpoint(engine, tokenizer, version_dir, revision, policy_version, config, tensors, caches,
+                            adapter=None if adapter is None else str(adapter))

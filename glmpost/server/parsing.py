@@ -76,6 +76,7 @@ class SequenceRequest:
     result: dict | None = None
     abort_message: str | None = None  # set when /abort_request (or an update's abort_all_requests) stops it
     return_routed_experts: bool = False  # meta_info.routed_experts (SGLang's, base64 int32 [P + n - 1, L, k])
+    target: Any = None  # the adapter's model it runs on (lora_path: glmpost.server.adapters); None: the served weights
 
 
 def parse_generate(body: Any, loaded: LoadedCheckpoint, *, log_prob_kind: str = DEFAULT_LOG_PROB_KIND) -> tuple[list[SequenceRequest], bool]:

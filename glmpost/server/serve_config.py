@@ -69,6 +69,11 @@ class ServeConfig:
     vllm_release: str = setting(DEFAULT_RELEASE, "With --api vllm: the vLLM release answered by /version and mimicked: "
                                 "from 0.34 a request that comes while paused is answered 503 (before, it waits for "
                                 "/resume) and return_weight_versions gives each choice its weight_versions.")
+    enable_lora: bool = setting(
+        False, "Load LoRA adapters at run time and serve requests naming one (SGLang's and vLLM's --enable-lora): "
+        "/load_lora_adapter, /unload_lora_adapter and lora_path per request; with --api vllm /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter and the model field. Each adapter is applied unmerged onto the served weights, "
+        "a model of its own (the base's memory again).")
     enable_return_routed_experts: bool = setting(
         False, "With --api vllm: vLLM's --enable-return-routed-experts (MoE models): every /v1/completions choice "
         "carries routed_experts (base64 .npy [prompt + output - 1, num_hidden_layers, k], dense layers' rows 0). "

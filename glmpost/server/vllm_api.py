@@ -54,6 +54,9 @@ protocol.py``; ``/server_info`` at 09cb327, ``vllm/entrypoints/serve/instrumenta
   protocol.py`` as read at ``local-inference-lab/vllm`` 7b2bff9; the rows as
   ``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py`` at vllm-project/vllm 42fa4c0
   captures them). vLLM has no request field for them.
+* ``--enable-lora``: ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, the adapters' cards in
+  ``/v1/models`` and ``model`` naming one (:mod:`glmpost.server.adapters`); without it those routes are
+  404, as on a vLLM without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``.
 * ``--api-key`` guards only ``/v1``, ``/v2`` and ``/inference`` (``Authorization: Bearer KEY``), as
   vLLM's middleware does (``server_utils`` ``GUARDED_PREFIX``): the RL routes are open, so keep such
   a server on loopback or a private network.
@@ -73,6 +76,7 @@ import numpy as np
 
 from glmpost.kernel.vllm_client import LOGPROBS_MODES
 from glmpost.kernel.vllm_protocol import release_parts
+from glmpost.server.adapters import PlainText, vllm_lora_route
 from glmpost.server.parsing import RequestError
 from glmpost.server.vllm_checks import VLLMRequestError, check_completion
 
@@ -86,7 +90,7 @@ DEV_ROUTES = frozenset({"/server_info", "/collective_rpc", "/reset_prefix_cache"
                         "/update_weight_version", "/weight_info"})
 DEFAULT_RELEASE = "0.32.0"
 
-__all__ = ["DEFAULT_RELEASE", "DEV_ROUTES", "GUARDED_PREFIXES", "VLLMApi", "check_release", "guarded"]
+__all__ = ["DEFAULT_RELEASE", "DEV_ROUTES", "GUARDED_PREFIXES", "PlainText", "VLLMApi", "check_release", "guarded"]
 
 
 def check_release(release: str) -> tuple[int, ...]:
@@ -177,6 +181,8 @@ class VLLMApi:
             return 200, {"weight_version": self.weight_version}
         if method == "GET" and path == "/v1/models":
             return 200, self.models()
+        if method == "POST" and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and self.engine.adapters.enabled:
+            return vllm_lora_route(self.engine.adapters, path, body(), self.model_name)
         if method == "POST" and path == "/v1/completions":
             return 200, self.completions(body())
         if method == "GET" and path == "/server_info":
@@ -206,9 +212,10 @@ class VLLMApi:
                       "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                       "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
                       "group": None, "is_blocking": False}
+        adapters = [{**card, "permission": [permission]} for card in self.engine.adapters.cards(self.model_name, self.started, "vllm")]
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
                                             "owned_by": "vllm", "root": self.model_name, "parent": None,
-                                            "max_model_len": self.max_model_len, "permission": [permission]}]}
+                                            "max_model_len": self.max_model_len, "permission": [permission]}, *adapters]}
 
     def server_info(self, config_format: str) -> dict:
         vllm_config = {"model_config": {"model": self.model_name, "served_model_name": self.model_name,
@@ -246,8 +253,9 @@ class VLLMApi:
             raise RequestError("the request body must be a JSON object")
         prompts = _prompts(body)
         _check_neutral(body)
-        check_completion(body, prompts, model_name=self.model_name, vocab_size=int(self.engine.loaded.config.get("vocab_size")),
-                         max_model_len=self.max_model_len)
+        adapter = body.get("model") if self.engine.adapters.holds(body.get("model")) else None  # glmpost.server.adapters
+        check_completion(body, prompts, model_name=adapter or self.model_name,
+                         vocab_size=int(self.engine.loaded.config.get("vocab_size")), max_model_len=self.max_model_len)
         with self._cond:
             if self._paused and self.rejects_while_paused:
                 raise RequestError("The engine is paused for a weight update: retry after /resume", 503)
@@ -255,7 +263,7 @@ class VLLMApi:
             self._active += 1
             label = self.weight_version  # labels change only while paused, so not during this request
         try:
-            choices = [self._choice(i, prompt, body) for i, prompt in enumerate(prompts)]
+            choices = [self._choice(i, prompt, body, adapter) for i, prompt in enumerate(prompts)]
         finally:
             with self._cond:
                 self._active -= 1
@@ -266,7 +274,7 @@ class VLLMApi:
                 choice["weight_versions"] = [{"version": label, "start": 0, "end": choice["_n"]}] if choice["_n"] else []
         completion_tokens = sum(c.pop("_n") for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
+                "model": adapter or self.model_name, "choices": choices,
                 "service_tier": None, "system_fingerprint": f"vllm-{self.release}-glmpost",
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
                           "completion_tokens": completion_tokens, "prompt_tokens_details": None,
@@ -304,8 +312,8 @@ class VLLMApi:
                 "logprob_start_len": 0 if prompt_logprobs is not None else -1,
                 "top_logprobs_num": max(logprobs or 0, prompt_logprobs or 0)}
 
-    def _choice(self, index: int, prompt: list[int], body: dict) -> dict:
-        answer = self.engine.generate(self._generate_body(prompt, body))
+    def _choice(self, index: int, prompt: list[int], body: dict, adapter: str | None = None) -> dict:
+        answer = self.engine.generate({**self._generate_body(prompt, body), "lora_path": adapter})
         meta, ids = answer["meta_info"], answer["output_ids"]
         tokenizer = self.engine.loaded.tokenizer
         finish = meta["finish_reason"]

@@ -17,7 +17,7 @@ from glmpost.errors import GlmpostError
 from glmpost.kernel.engine import Scores
 from glmpost.kernel.routing import model_routing_layout
 from glmpost.server.answers import input_start, prompt_rows, sequence_answer
-from glmpost.server.loading import load_checkpoint
+from glmpost.server.loading import LoadedCheckpoint, load_checkpoint
 from glmpost.server.parsing import RequestError, SequenceRequest
 
 __all__ = ["ARRIVAL_GAP_S", "EngineWorker", "Job"]
@@ -111,7 +111,22 @@ class EngineWorker:
         return jobs
 
     def _run_generate(self, items: list[SequenceRequest]) -> None:
-        loaded = self.loaded
+        """Run one batch of ``items``: those naming an adapter on its model (``item.target``,
+        :mod:`glmpost.server.adapters`), the others on the served weights, each model's in request order."""
+        by_model: dict[int, tuple[LoadedCheckpoint, list[SequenceRequest]]] = {}
+        for item in items:
+            loaded = item.target or self.loaded
+            by_model.setdefault(id(loaded), (loaded, []))[1].append(item)
+        with self._cond:
+            self._running = list(items)
+        try:
+            for loaded, group in by_model.values():
+                self._run_on(loaded, group)
+        finally:
+            with self._cond:
+                self._running = []
+
+    def _run_on(self, loaded: LoadedCheckpoint, items: list[SequenceRequest]) -> None:
         engine = loaded.engine
         started = time.perf_counter()
         # Input log-probs (SGLang's input_token_logprobs): entries for positions start .. P-1, the
@@ -134,8 +149,6 @@ class EngineWorker:
         completions, cached = {}, {}
         routed = prompt_rows(engine.model, items)
         layout = self._routing_layout() if routed else None
-        with self._cond:
-            self._running = list(items)
         for key, idx in groups.items():
             engine.record_routing = any(items[i].return_routed_experts for i in idx)
             try:
@@ -147,8 +160,6 @@ class EngineWorker:
             completions.update(zip(idx, outs))
             if loaded.caches is not None:
                 cached.update(zip(idx, loaded.caches.last_reused))
-        with self._cond:
-            self._running = []
         latency = time.perf_counter() - started
         for i, it in enumerate(items):
             it.result = sequence_answer(it, completions.get(i), scores.get(i), tokenizer=loaded.tokenizer,
@@ -197,5 +208,6 @@ class EngineWorker:
         if payload["weight_version"] is not None:
             self.weight_version = payload["weight_version"]
         del old
+        self.adapters.rebuild()  # onto the new weights, as the engines apply theirs to the base they serve
         return {"success": True, "message": f"Succeeded to update model weights from {target}.",
                 "num_paused_requests": 0, "weight_version": self.weight_version}

@@ -29,6 +29,7 @@ from glmpost.checkpoints import MANIFEST, TOKENIZER_FILES, CheckpointError, read
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.fsutil import fsync_path
+from glmpost.kernel.lora_versions import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_lora_version, read_lora_base
 from glmpost.models.skeleton import model_skeleton
 from glmpost.quant.formats import default_format
 from glmpost.quant.spec import make_spec
@@ -48,8 +49,9 @@ _AUX_FILES = (*TOKENIZER_FILES, "generation_config.json")
 class TrainSource:
     """Where the weights come from.
 
-    ``kind`` is ``"safetensors"`` (a Hugging Face/glmpost directory) or ``"deepspeed"``; ``base``
-    holds ``config.json`` and the tokenizer files; ``revision`` identifies these exact weights.
+    ``kind`` is ``"safetensors"`` (a Hugging Face/glmpost directory), ``"deepspeed"`` or ``"lora"`` (a
+    LoRA version, synced as its adapter); ``base`` holds ``config.json`` and the tokenizer files (a LoRA
+    version: itself, whose manifest names its base); ``revision`` identifies these exact weights.
     """
 
     path: Path
@@ -127,6 +129,12 @@ def resolve_source(checkpoint: Path | str, base: Path | str | None = None) -> Tr
     if base is not None:
         raise ConfigError("{base} is only for a DeepSpeed checkpoint; {path} is not one", path=checkpoint)
     directory = resolve_checkpoint(checkpoint)
+    if is_lora_version(directory):  # synced as its adapter (glmpost.weight_sync.lora_sync); its base checked here
+        read_lora_base(directory)
+        manifest = read_manifest(directory)
+        files = [directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS]
+        revision = _digest([(directory / MANIFEST).read_bytes(), *_file_facts(files, mtime=False)])
+        return TrainSource(directory, "lora", directory, manifest.policy_version, manifest.step, manifest.stage, revision)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise GlmpostError(f"checkpoint {directory}: no config.json")

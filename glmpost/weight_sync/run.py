@@ -33,6 +33,8 @@ from glmpost.checkpoints import (
 from glmpost.config import ConfigError, setting
 from glmpost.errors import GlmpostError
 from glmpost.kernel.fingerprint import DEFAULT_TOLERANCE, checkpoint_fingerprint
+from glmpost.kernel.lora_routes import adapter_name
+from glmpost.kernel.lora_versions import is_lora_version
 from glmpost.kernel.sglang_client import parse_server_urls
 from glmpost.locks import output_lock
 from glmpost.quant.spec import GroupSizeSetting
@@ -46,6 +48,7 @@ from glmpost.weight_sync.sync import (
     sync_servers,
     weight_version_name,
 )
+from glmpost.weight_sync.lora_sync import copy_lora_version, sync_lora_servers, unload_root_adapters
 from glmpost.weight_sync.vllm_sync import sync_vllm_servers
 
 STAGE = "sync-weights"
@@ -136,8 +139,12 @@ def describe_quantization(quantization: dict | None) -> str:
 
 
 def _resolve(config: SyncConfig) -> TrainSource:
-    """The training checkpoint, refused when the rollout root holds it."""
+    """The training checkpoint, refused when the rollout root holds it (a LoRA version: also when a
+    conversion is asked for, its adapter being synced as it is)."""
     source = resolve_source(config.checkpoint, config.base)
+    if source.kind == "lora" and (config.quantize != "none" or config.dtype != "auto"):
+        raise ConfigError("{checkpoint} {path} is a LoRA version, synced as its adapter files as they are: leave "
+                          "{quantize} none and {dtype} auto (merge it into a full version to quantize)", path=source.path)
     out = config.out
     if out.resolve() in (source.path.resolve(), *source.path.resolve().parents):
         raise ConfigError("{out} {root} holds the training checkpoint {path}; use a separate rollout root", root=out, path=source.path)
@@ -168,10 +175,15 @@ def _check_new(config: SyncConfig, source: TrainSource, target: Path, latest: in
 
 
 def _convert_into(config: SyncConfig, source: TrainSource, staging: Path, options: dict[str, Any]) -> ConvertResult:
-    """Convert ``source`` into ``staging`` (progress on stderr) with its manifest and ``stage.json``."""
-    with tqdm(desc=STAGE, unit="tensor", leave=False, disable=None, file=sys.stderr) as bar:
-        result = convert(source, staging, scheme=config.quantize, group_size=config.group_size, dtype=config.dtype,
-                         max_shard_bytes=int(config.max_shard_size * 2**20), progress=bar.update)
+    """Convert ``source`` into ``staging`` (progress on stderr; a LoRA version: copied as it is) with its
+    manifest (a LoRA version's naming the same base) and ``stage.json``."""
+    lora_base = read_manifest(source.path).lora_base if source.kind == "lora" else None
+    if lora_base is not None:
+        result = copy_lora_version(source, staging)
+    else:
+        with tqdm(desc=STAGE, unit="tensor", leave=False, disable=None, file=sys.stderr) as bar:
+            result = convert(source, staging, scheme=config.quantize, group_size=config.group_size, dtype=config.dtype,
+                             max_shard_bytes=int(config.max_shard_size * 2**20), progress=bar.update)
     if result.unexpected:
         log(f"{len(result.unexpected)} tensor(s) the architecture does not load were copied as they are "
             f"(first: {result.unexpected[0]})")
@@ -180,6 +192,7 @@ def _convert_into(config: SyncConfig, source: TrainSource, staging: Path, option
         step=source.step, parent=str(source.path),
         extra={"source": source.to_json(), "quantization": config.quantization(),
                "quantized_layers": len(result.quantized_layers), "files": result.files},
+        lora_base=lora_base,
     )
     write_manifest(staging, manifest)
     write_stage_json(staging, STAGE, options, source=source.to_json())
@@ -191,7 +204,7 @@ def _write_version(config: SyncConfig, source: TrainSource, target: Path, option
     """Convert into a staging directory, publish it as ``target`` and switch LATEST; the convert summary."""
     version = source.policy_version
     staging = staging_dir(config.out, version)
-    log(f"converting {source.path} ({source.kind}, policy version {version}) -> {target}"
+    log(f"{'copying' if source.kind == 'lora' else 'converting'} {source.path} ({source.kind}, policy version {version}) -> {target}"
         + (f" quantized {config.quantize}" if config.quantize != "none" else ""))
     try:
         result = _convert_into(config, source, staging, options)
@@ -201,7 +214,8 @@ def _write_version(config: SyncConfig, source: TrainSource, target: Path, option
         raise
     metrics.write(**{"sync/policy_version": version, "sync/convert_s": round(result.seconds, 3),
                      "sync/bytes_in": result.bytes_in, "sync/bytes_out": result.bytes_out,
-                     "sync/quantize": config.quantize, "sync/quantized_layers": len(result.quantized_layers)})
+                     "sync/quantize": config.quantize, "sync/quantized_layers": len(result.quantized_layers),
+                     **({"sync/adapter": adapter_name(target)} if source.kind == "lora" else {})})
     log(f"published {target} and switched {config.out}/LATEST to it")
     return {"convert_s": round(result.seconds, 3), "bytes_in": result.bytes_in, "bytes_out": result.bytes_out,
             "tensors": result.tensors, "quantized_layers": len(result.quantized_layers), "files": result.files}
@@ -213,13 +227,21 @@ def _sync(config: SyncConfig, urls: list[str], target: Path, version: int, *, sk
     (``previous``: the version ``LATEST`` named before, whose fingerprint a vLLM server must not match better)."""
     common = dict(retries=config.retries, backoff=config.backoff, timeout=config.timeout, skip_if_current=skipped,
                   api_key=config.api_key)
-    if config.engine == "vllm" and urls:
+    if is_lora_version(target) and urls:
+        results = sync_lora_servers(urls, target.resolve(), version, previous=previous, engine=config.engine,
+                                    tolerance=config.fingerprint_tolerance, admin_api_key=config.admin_api_key, **common)
+    elif config.engine == "vllm" and urls:
         old = checkpoint_fingerprint(previous) if previous is not None and previous != target else None
         results = sync_vllm_servers(urls, target.resolve(), weight_version_name(version), expected=checkpoint_fingerprint(target),
                                     previous=old, tolerance=config.fingerprint_tolerance, **common)
     else:
         results = sync_servers(urls, target.resolve(), weight_version_name(version), admin_api_key=config.admin_api_key,
                                abort_in_flight=config.abort_in_flight, **common)
+    root = CheckpointRoot(config.out)
+    if not is_lora_version(target) and any(is_lora_version(root.version_dir(v)) for v in root.versions()):
+        # a full version in a root of LoRA versions: their adapters were trained on the base it replaced
+        unload_root_adapters(results, config.out, engine=config.engine, timeout=config.timeout, backoff=config.backoff,
+                             api_key=config.api_key, admin_api_key=config.admin_api_key)
     rows = [r.to_json() for r in results]
     for row in rows:
         metrics.write(**{"sync/policy_version": version, "sync/server": row["url"], "sync/status": row["status"],
@@ -296,6 +318,7 @@ def _publish_and_switch(config: SyncConfig, urls: list[str], source: TrainSource
         "out": str(out), "version_dir": str(target), "policy_version": version,
         "weight_version": weight_version_name(version), "source": str(source.path), "source_kind": source.kind,
         "quantize": config.quantize, "skipped": skipped, **convert_summary, "servers": rows,
+        **({"adapter": adapter_name(target)} if source.kind == "lora" else {}),
         "failed_servers": [r["url"] for r in rows if r["status"] == "failed"], "pruned": removed,
     }
 

@@ -118,12 +118,15 @@ class ServerResult:
     seconds: float = 0.0
     error: str | None = None
     engine_release: str | None = None  # the server's release where it reports one (vLLM's GET /version)
+    adapter: str | None = None  # a LoRA version: the name it is loaded under (glmpost.weight_sync.lora_sync)
+    unloaded: list[str] | None = None  # the root's adapters unloaded from the server by this sync
 
     def to_json(self) -> dict[str, Any]:
         row = {"url": self.url, "status": self.status, "version_before": self.version_before,
                "version_after": self.version_after, "attempts": self.attempts, "seconds": round(self.seconds, 3),
                "error": self.error}
-        return {**row, "engine_release": self.engine_release} if self.engine_release is not None else row
+        extra = {"engine_release": self.engine_release, "adapter": self.adapter, "unloaded": self.unloaded}
+        return {**row, **{key: value for key, value in extra.items() if value is not None}}
 
 
 def weight_version_name(policy_version: int) -> str:
