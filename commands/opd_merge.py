@@ -32,6 +32,7 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
+    LORA_OPTIONS,
     TRAINING_RUN_OPTIONS,
     config_from,
     follow_from,
@@ -51,7 +52,7 @@ STAGE = "opd-merge"
 
 
 @with_config(FollowConfig)
-@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk") + LORA_OPTIONS)
 @with_config(OPDConfig, exclude=('loss_normalization',))
 def opd_merge(
     ctx: typer.Context,

@@ -58,6 +58,7 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
+    LORA_OPTIONS,
     TRAINING_RUN_OPTIONS,
     bounded,
     config_from,
@@ -77,7 +78,7 @@ STAGE = "train-grpo"
 
 
 @with_config(FollowConfig)
-@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk") + LORA_OPTIONS)
 @with_config(GRPOConfig)
 def train_grpo(
     ctx: typer.Context,

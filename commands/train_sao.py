@@ -46,6 +46,7 @@ import typer
 
 from glmpost.commands.common import config_option, effective_options, print_summary, report_update
 from glmpost.commands.options import (
+    LORA_OPTIONS,
     TRAINING_RUN_OPTIONS,
     config_from,
     follow_from,
@@ -64,7 +65,7 @@ STAGE = "train-sao"
 
 
 @with_config(FollowConfig)
-@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk"))
+@with_options(RunOptions, TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk") + LORA_OPTIONS)
 @with_config(SAOConfig, exclude=('icepop', 'advantage_eps'))
 def train_sao(
     ctx: typer.Context,

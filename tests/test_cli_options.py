@@ -101,6 +101,9 @@ ADDED_MATH = {("judge", "math_checker"): "math-verify"}
 ADDED_43 = {(command, "chat_template_kwargs"): "{}" for command in ("rollout", "eval", "qat", "shards import")}
 ADDED_43 |= {(command, name): default for command in ("rollout", "eval")
              for name, default in (("reasoning_parser", "auto"), ("tool_call_parser", "strict"))}
+# LoRA training (issue 45): the policy as a PEFT adapter in the policy-gradient trainers; 0 = full fine-tuning.
+ADDED_LORA = {(command, name): default for command in ("train-grpo", "opd-merge", "train-sao")
+              for name, default in (("lora_rank", 0), ("lora_alpha", 16.0), ("lora_targets", []), ("lora_dropout", 0.0))}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -138,7 +141,7 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             if (command, name) in ADDED or (command, name) in ADDED_LIMITS or (command, name) in ADDED_32 or (
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
                     command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
-                    command, name) in ADDED_43:
+                    command, name) in ADDED_43 or (command, name) in ADDED_LORA:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -167,6 +170,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
             continue
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and row["help"]
+    for (command, name), default in ADDED_LORA.items():
+        row = now[command][name]
+        assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and "LoRA" in row["help"]
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]
