@@ -259,3 +259,5 @@ def with_deprecated_aliases(aliases: dict[str, str], *, until: str = "the next r
 
 TRAINING_RUN_OPTIONS = ("zero_stage", "deepspeed_config", "device", "precision", "activation_checkpointing", "deterministic", "attention", "save_every", "resume",
                         "overwrite")
+# The policy trained as a LoRA adapter (issue 45): train-grpo, opd-merge, train-sao (glmpost.rl.lora_training).
+LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")

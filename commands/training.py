@@ -11,13 +11,13 @@ from typing import Any, Callable
 import typer
 
 from glmpost.commands.common import effective_options, print_summary, report_update
-from glmpost.commands.options import TRAINING_RUN_OPTIONS, config_from, follow_from
+from glmpost.commands.options import LORA_OPTIONS, TRAINING_RUN_OPTIONS, config_from, follow_from
 from glmpost.rl.follow import FollowConfig, follow_line
 from glmpost.rl.run import RunOptions
 from glmpost.rl.run_once import RunOnce
 
 # The run settings every RL training stage takes (qat takes TRAINING_RUN_OPTIONS alone).
-RL_RUN_OPTIONS = TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk")
+RL_RUN_OPTIONS = TRAINING_RUN_OPTIONS + ("reset_optimizer", "deterministic_topk") + LORA_OPTIONS  # LoRA: glmpost.rl.lora_training
 
 
 def run_training_stage(ctx: typer.Context, stage: str, inputs: list[str] | None, *, checkpoint: Path, out: Path, what: str,

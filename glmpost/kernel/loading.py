@@ -76,6 +76,13 @@ def load_model(checkpoint: Path | str, *, device: Any = "cpu", dtype: Any = None
     model = load_weights(read_lora_base(directory) if lora else directory, dtype)
     if lora or adapter is not None:
         model = apply_adapter(model, directory if lora else adapter)
+    return ready_model(model, directory, device=device, deterministic_topk=deterministic_topk, attention=attention)
+
+
+def ready_model(model, directory: Path, *, device: Any = "cpu", deterministic_topk: bool = True, attention: str = "native"):
+    """The rest of :func:`load_model` for a ``model`` loaded from ``directory`` (an adapter already
+    injected: a trainer's fresh one too): weights checked finite, the deterministic DSA top-k and
+    MoE routing, the attention implementation, on ``device`` (ZeRO-3: where it was partitioned), in eval mode."""
     check_finite(model, directory)
     if deterministic_topk:
         install_deterministic_topk(model)

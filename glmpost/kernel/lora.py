@@ -68,7 +68,7 @@ DEFAULT_CANDIDATES = ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 
 __all__ = ["DEFAULT_CANDIDATES", "EXPERTS", "LoraSettings", "adapter_state_names", "apply_adapter", "default_targets",
-           "expert_parameters", "is_lora_version", "peft_config", "read_lora_base", "resolve_targets", "write_lora_version"]
+           "expert_parameters", "is_lora_version", "load_adapter", "peft_config", "read_lora_base", "resolve_targets", "write_lora_version"]
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,14 @@ def apply_adapter(model: Any, adapter_dir: Path | str, *, where: Path | str | No
     saved wider). Refused in one line (CheckpointError naming ``where``, default ``adapter_dir``): an
     adapter that does not fit the model, one with a dropout, one whose file lacks a tensor the
     config asks for or holds one no layer takes."""
+    inner = load_adapter(model, adapter_dir, where=where).base_model.model
+    inner.glmpost_adapter = str(adapter_dir)  # what was applied: readers can tell a LoRA model
+    return inner
+
+
+def load_adapter(model: Any, adapter_dir: Path | str, *, where: Path | str | None = None, trainable: bool = False) -> Any:
+    """The ``PeftModel`` of :func:`apply_adapter` (checked as it says); ``trainable``: its adapter's
+    parameters require grad (a trainer continuing it), the base's never."""
     from peft import PeftModel  # optional heavy dependency (LoRA only)
 
     adapter_dir = Path(adapter_dir)
@@ -224,7 +232,7 @@ def apply_adapter(model: Any, adapter_dir: Path | str, *, where: Path | str | No
     try:
         with warnings.catch_warnings():  # PEFT asks transformers 5 a deprecated question (is_gradient_checkpointing)
             warnings.simplefilter("ignore", FutureWarning)
-            wrapped = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER, is_trainable=False)
+            wrapped = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=ADAPTER, is_trainable=trainable)
     except Exception as exc:  # PEFT raises many types for an adapter that does not fit (ValueError, KeyError, RuntimeError, ...)
         raise CheckpointError(f"{where}: the adapter does not apply to its base ({first_line(exc)})") from None
     config = wrapped.peft_config[ADAPTER]
@@ -236,6 +244,4 @@ def apply_adapter(model: Any, adapter_dir: Path | str, *, where: Path | str | No
         if names:
             more = f" (+{len(names) - 1} more)" if len(names) > 1 else ""
             raise CheckpointError(f"{where}: adapter_model.safetensors {problem} tensor {sorted(names)[0]}{more}")
-    inner = wrapped.base_model.model
-    inner.glmpost_adapter = str(adapter_dir)  # what was applied: readers can tell a LoRA model
-    return inner
+    return wrapped

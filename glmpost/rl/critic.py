@@ -37,7 +37,9 @@ from glmpost.checkpoints import (
     write_manifest,
 )
 from glmpost.config import ConfigError, setting
-from glmpost.kernel.loading import load_model
+from glmpost.kernel.loading import load_model, load_weights
+from glmpost.kernel.lora import load_adapter
+from glmpost.kernel.lora_versions import is_lora_version, model_dir, read_lora_base
 from glmpost.stage import MetricsWriter, write_stage_json
 
 VALUE_HEAD = "value_head.safetensors"
@@ -120,7 +122,10 @@ def init_critic(policy: Path | str, out: Path | str, *, seed: int = 0) -> dict[s
     ``out`` (created); returns its parameter counts and the tensors frozen by default."""
     source = resolve_checkpoint(policy)
     out = Path(out)
-    model = load_model(source, dtype="float32")
+    if is_lora_version(source):  # the policy's function as one full model: its adapter merged into its base
+        model = load_adapter(load_weights(read_lora_base(source), "float32"), source).merge_and_unload()
+    else:
+        model = load_model(source, dtype="float32")
     critic = ValueModel(model, new_value_head(model.config.hidden_size, seed=seed))
     critic.save_pretrained(out)
     for name in (*TOKENIZER_FILES, "generation_config.json"):  # not the policy's stage.json, metrics or manifest
@@ -161,7 +166,7 @@ def check_critic(critic: Path, policy: Path) -> None:
         raise CheckpointError(f"{critic}: critic of tokenizer revision {critic_revision}, the policy {policy} has "
                               f"{policy_revision}; its values are of other token ids")
     keys = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-    mine, theirs = (json.loads((d / "config.json").read_text()) for d in (critic, policy))
+    mine, theirs = (json.loads((model_dir(d) / "config.json").read_text()) for d in (critic, policy))  # a LoRA policy: its base's
     differ = [k for k in keys if mine.get(k) != theirs.get(k)]
     if differ:
         raise CheckpointError(f"{critic}: critic of another architecture than {policy} "

@@ -164,6 +164,8 @@ class DeepSpeedBackend:
     multiplied by the world size to make the reduced gradient that sum.
     """
 
+    saves_frozen = True  # its checkpoints hold frozen parameters too (a LoRA backend's leave the base out)
+
     def __init__(self, model: torch.nn.Module, config: Any, *, ds_config: dict, world_size: int, rank: int,
                  precision: str = "fp32"):
         import deepspeed
@@ -236,15 +238,16 @@ class DeepSpeedBackend:
             save_weights(self.model, directory, state, dtype=dtype, masters=masters, shard_bytes=shard_bytes)
 
     def save_optimizer(self, path: Path) -> None:
-        self.engine.save_checkpoint(str(path.parent / "deepspeed"), tag="optimizer", client_state={"world_size": self.world_size})
+        self.engine.save_checkpoint(str(path.parent / "deepspeed"), tag="optimizer", client_state={"world_size": self.world_size},
+                                    exclude_frozen_parameters=not self.saves_frozen)
 
     def load_optimizer(self, path: Path) -> bool:
         directory = path.parent / "deepspeed"
         if not (directory / "optimizer").is_dir():
             return False
         _, client = self.engine.load_checkpoint(
-            str(directory), tag="optimizer", load_optimizer_states=True, load_lr_scheduler_states=False, load_module_only=False
-        )
+            str(directory), tag="optimizer", load_optimizer_states=True, load_lr_scheduler_states=False, load_module_only=False,
+            load_module_strict=self.saves_frozen)
         return client is not None
 
     def save_resume_state(self, path: Path, step: int, history: list[dict]) -> None:
@@ -254,7 +257,8 @@ class DeepSpeedBackend:
         partitions from different steps)."""
         directory, tag = path.parent / "resume-deepspeed", f"step-{step:08d}"
         previous = self._resume_tag(path) if path.exists() else None
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "history": history})
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "history": history},
+                                    exclude_frozen_parameters=not self.saves_frozen)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         if self.rank == 0:
@@ -270,7 +274,7 @@ class DeepSpeedBackend:
 
     def load_resume_state(self, path: Path) -> tuple[int, list[dict]]:
         directory = path.parent / "resume-deepspeed"
-        _, client = self.engine.load_checkpoint(str(directory), tag=self._resume_tag(path))
+        _, client = self.engine.load_checkpoint(str(directory), tag=self._resume_tag(path), load_module_strict=self.saves_frozen)
         if client is None:
             raise GlmpostError(f"{directory}: no DeepSpeed resume checkpoint")
         return int(client["step"]), list(client["history"])
@@ -356,16 +360,17 @@ class TrainingSession:
             return contextlib.nullcontext()
         return zero3_init(ds)
 
-    def backend(self, model: torch.nn.Module, config: Any, *, own_optimizer: bool = False):
+    def backend(self, model: torch.nn.Module, config: Any, *, own_optimizer: bool = False, kinds: tuple | None = None):
         """The optimisation backend of ``model``; ``own_optimizer``: a second model's (SAO's critic),
-        whose learning rate, weight decay and clipping are ``config``'s whatever a --deepspeed file says."""
+        whose learning rate, weight decay and clipping are ``config``'s whatever a --deepspeed file says;
+        ``kinds``: the (one process, DeepSpeed) backend classes (a LoRA run's, :mod:`glmpost.rl.lora_training`)."""
+        local, ranks = kinds or (TorchBackend, DeepSpeedBackend)
         if not self.use_deepspeed:
-            return TorchBackend(model, config, precision=self.precision)
+            return local(model, config, precision=self.precision)
         parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         ds = deepspeed_config(config, zero_stage=self.zero_stage, path=self.deepspeed_path, own_optimizer=own_optimizer,
                               parameters=parameters)
-        return DeepSpeedBackend(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank,
-                                precision=self.precision)
+        return ranks(model, config, ds_config=ds, world_size=self.world_size, rank=self.rank, precision=self.precision)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -38,14 +38,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from glmpost.checkpoints import CheckpointManifest, NextVersion
-from glmpost.config import setting, shared
+from glmpost.checkpoints import CheckpointManifest, NextVersion, read_manifest
+from glmpost.config import section, setting, shared
 from glmpost.errors import GlmpostError, first_line, storage_error
 from glmpost.fsutil import file_system_problem
 from glmpost.kernel.loading import attention_ran, import_architecture, load_model, partitioned, saved_dtype
+from glmpost.kernel.lora_versions import is_lora_version
 from glmpost.memory.process import peak_rss_mib, resident_mib, trim_heap
 from glmpost.rl.distributed import TrainingSession
 from glmpost.rl.jobs import RunResult, TrainingJob, Update
+from glmpost.rl.lora_training import LoraOptions, lora_training
 from glmpost.rl.precision import MASTERS, checkpoint_layers, load_masters
 from glmpost.rl.sharded_save import master_files, source_shard_bytes
 from glmpost.stage import log, write_stage_json
@@ -74,6 +76,7 @@ class RunOptions:
     precision: str = setting("auto", "Training arithmetic: bf16 (autocast over float32 master weights and AdamW states; the "
                              "LM head, log-probs and losses in float32), fp32, or auto: bf16 on an accelerator, fp32 on a "
                              "CPU. Versions are published in the parent checkpoint's dtype either way.")
+    lora: LoraOptions = section(LoraOptions)  # the policy trained as a LoRA adapter (glmpost.rl.lora_training)
 
 
 class TrainingCore:
@@ -87,6 +90,7 @@ class TrainingCore:
         self.job: TrainingJob | None = None
         self.session: TrainingSession | None = None
         self.model = self.backend = self.trainer = None
+        self.lora = lora_training(options.lora, plan.parent)  # None: every weight trains
         self._clear()
 
     def _clear(self) -> None:
@@ -132,23 +136,26 @@ class TrainingCore:
         import_architecture(self.parent)
         with session.partitioned_loading(job.config) if job.adapt_model is None else contextlib.nullcontext():
             before = resident_mib()  # DeepSpeed, transformers' integration and the model's code imported: what the model adds
-            model = self.load(self.parent, session)
+            model = self.load(self.parent, session) if self.lora is None else self.lora.load_base(session)
+        if self.lora is not None:  # the adapter made whole, as in one process (DeepSpeed partitions it later)
+            model = self.lora.adapt(model, self.parent, session, deterministic_topk=o.deterministic_topk, attention=o.attention)
         trim_heap()  # what building and filling the model freed
         if partitioned(model) and session.is_main:
-            held = sum(p.ds_tensor.numel() for p in model.parameters())
+            held = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # a fresh adapter: not yet partitioned
             peak = peak_rss_mib()
             log(f"ZeRO-3: the model was created partitioned over {session.world_size} ranks; rank 0 holds {held:,} of "
-                f"{sum(p.ds_numel for p in model.parameters()):,} parameters"
+                f"{sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters"
                 + (f" (resident before loading: {before:,.0f} MiB; peak so far: {peak:,.0f} MiB)" if peak is not None else ""))
-        self.dtype = saved_dtype(self.parent) if job.publish_in_parent_dtype else "float32"
+        # A LoRA version is its float32 adapter (its own masters); the frozen base is the published weights.
+        self.dtype = saved_dtype(self.parent) if job.publish_in_parent_dtype and self.lora is None else "float32"
         masters = self.parent / "trainer_state" / MASTERS
-        if not self.resuming and master_files(masters):  # the parent's float32 weights, before it was rounded
+        if not self.resuming and self.lora is None and master_files(masters):  # the parent's float32 weights, before it was rounded
             load_masters(model, masters)
         if o.activation_checkpointing:
             checkpoint_layers(model)
         if job.adapt_model is not None:
             job.adapt_model(model)
-        self.model, self.backend = model, session.backend(model, job.config)
+        self.model, self.backend = model, session.backend(model, job.config, kinds=self.lora and self.lora.backends())
         if self._carries_optimizer:
             self.backend.load_optimizer(self.parent / "trainer_state" / "optimizer.pt")
 
@@ -333,12 +340,14 @@ def published_steps(root: Path) -> int:
 def publish_staged(plan: NextVersion, *, stage: str, stage_options: dict[str, Any], world_size: int, stage_extra: dict[str, Any],
                    manifest_extra: dict[str, Any], steps: int, tokenizer_revision: str, history: list[dict],
                    replace: bool = False) -> None:
-    """Rank 0, the weights in ``plan.staging``: stage.json, the manifest, the move into place and
-    ``LATEST``; the steps' metrics appended to the root's ``metrics.jsonl`` (its history across versions)."""
+    """Rank 0, the weights in ``plan.staging``: stage.json, the manifest (a staged LoRA version's
+    keeps the base it names), the move into place and ``LATEST``; the steps' metrics appended to the
+    root's ``metrics.jsonl`` (its history across versions)."""
     if "attention" in stage_options:
         stage_extra = {"attention_ran": attention_ran(plan.parent, stage_options["attention"]), **stage_extra}
     write_stage_json(plan.staging, stage, stage_options, parent=str(plan.parent), world_size=world_size, **stage_extra)
+    lora_base = read_manifest(plan.staging).lora_base if is_lora_version(plan.staging) else None
     plan.publish(CheckpointManifest(policy_version=plan.version, tokenizer_revision=tokenizer_revision, stage=stage, step=steps,
-                                    parent=str(plan.parent), extra=manifest_extra), replace=replace)
+                                    parent=str(plan.parent), extra=manifest_extra, lora_base=lora_base), replace=replace)
     with open(plan.root.path / "metrics.jsonl", "a") as f:
         f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
