@@ -3,8 +3,10 @@ train a PEFT adapter over the frozen parent and publish it as a LoRA version.
 
 * the update equals one computed by hand from PEFT's forward, torch.autograd and torch's AdamW over
   two optimizer steps (gradients and the published adapter within 1e-6, fp32);
-* closure: a rollout of the new LoRA version (embedded engine), single-turn and multi-turn, scored
-  again by train-grpo's old log-probs: every action token within 1e-5;
+* closure: a rollout of the new LoRA version (the embedded engine, and the real vLLM server with the
+  trained adapter loaded by sync-weights), single-turn and multi-turn, scored again by train-grpo's
+  old log-probs: every action token within 1e-5; the trainer keeps the version's fingerprint, which
+  sync-weights reads instead of loading the model;
 * ``--lora-rank 0`` writes what a run without the option writes, byte for byte;
 * only the adapter has gradients and AdamW states; the versions carry them; the KL reference is the
   parent (a LoRA version too);
@@ -191,6 +193,29 @@ def test_the_version_is_the_adapter_naming_its_base_with_its_optimizer_state(lor
     assert [line["train/step"] for line in lines] == [0, 1, 2, 3]
 
 
+def _trainer_closure(glmpost_cli, judged: Path, version: Path, out: Path, monkeypatch) -> tuple[float, int]:
+    """train-grpo from ``version`` on ``judged``: the largest |old log-prob - rollout log-prob| over
+    every action token of the batch (train-grpo's recomputed old log-probs), and the tokens compared."""
+    seen = _spy_old_log_probs(monkeypatch)
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", version, "--out", out, *_adapter_options(version), "--json")
+    assert result.exit_code == 0, result.stderr
+    (examples, old), = seen
+    worst, tokens = 0.0, 0
+    for index, example in enumerate(examples):
+        p, acting = example.prompt_length, example.action_mask
+        mine = old.old_log_probs[index][p - 1 : p - 1 + len(acting)].double().numpy()
+        worst = max(worst, float(np.abs(mine[acting] - example.rollout_log_probs[acting]).max()))
+        tokens += int(acting.sum())
+    assert tokens == sum(int(r["action_mask"].sum()) for r in _records(judged))
+    return worst, tokens
+
+
+def _adapter_options(version: Path) -> list[str]:
+    """The --lora-* options that continue ``version``'s adapter (its adapter_config.json)."""
+    config = json.loads((version / "adapter_config.json").read_text())
+    return ["--lora-rank", str(config["r"]), "--lora-alpha", str(config["lora_alpha"])]
+
+
 def test_closure_of_a_lora_version_single_and_multi_turn(glmpost_cli, lora_v1, tiny_checkpoint, tmp_path, monkeypatch):
     """Rollouts of the LoRA version by the embedded engine (a one-turn task; the Countdown
     environment over several turns): train-grpo from that version recomputes every action token's
@@ -202,22 +227,38 @@ def test_closure_of_a_lora_version_single_and_multi_turn(glmpost_cli, lora_v1, t
     assert sum(len(r["segments"]) > 1 for r in multi_records) >= 2
     multi = judged_by_env(multi_out, tmp_path / "multi-judged", spread=0.1)
     for name, judged in (("single", single), ("multi", multi)):
-        seen = _spy_old_log_probs(monkeypatch)
-        result = glmpost_cli("train-grpo", judged, "--checkpoint", version, "--out", tmp_path / f"{name}-root", *LORA, "--json")
-        assert result.exit_code == 0, result.stderr
-        (examples, old), = seen
-        worst, tokens = 0.0, 0
-        for index, example in enumerate(examples):
-            p, acting = example.prompt_length, example.action_mask
-            mine = old.old_log_probs[index][p - 1 : p - 1 + len(acting)].double().numpy()
-            worst = max(worst, float(np.abs(mine[acting] - example.rollout_log_probs[acting]).max()))
-            tokens += int(acting.sum())
-        assert tokens == sum(int(r["action_mask"].sum()) for r in _records(judged))
+        worst, tokens = _trainer_closure(glmpost_cli, judged, version, tmp_path / f"{name}-root", monkeypatch)
         print(f"{name}-turn closure of a LoRA version: max |delta| {worst:.3g} over {tokens} action tokens")
         assert worst <= CLOSE
     diff = glmpost_cli("diff-logprobs", single, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "diff", "--json", "--no-plots")
     assert diff.exit_code == 0, diff.stderr
     assert json.loads(diff.stdout)["overall"]["max_abs"] > 1e-3  # the adapter matters
+
+
+def test_the_trainer_keeps_the_versions_fingerprint_for_sync_weights(lora_v1, tmp_path, monkeypatch):
+    """The published LoRA version holds glmpost-fingerprint.json, written by the trainer from its own
+    float32 model: what sync-weights computes by loading base + adapter (within 1e-5), and read by
+    it without loading any model."""
+    import shutil
+
+    import glmpost.kernel.loading as loading
+    from glmpost.kernel.fingerprint import SIDECAR, checkpoint_fingerprint
+
+    root, _ = lora_v1
+    version = root / "v000001"
+    assert (version / SIDECAR).is_file()
+    again = tmp_path / "v000001"
+    shutil.copytree(version, again)  # times kept: the kept fingerprint stays valid for the copy
+    (again / SIDECAR).unlink()
+    computed = checkpoint_fingerprint(again)  # sync-weights' own computation: load_model, the kernel's scoring
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("sync-weights loaded a model for a fingerprint the trainer kept")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    kept = checkpoint_fingerprint(version)
+    assert kept.token_ids == computed.token_ids
+    assert max(abs(a - b) for a, b in zip(kept.log_probs, computed.log_probs)) <= CLOSE
 
 
 def test_a_version_from_a_lora_version_continues_its_adapter_optimizer_and_base(glmpost_cli, lora_v1, tiny_checkpoint, tmp_path):
@@ -446,6 +487,57 @@ def test_bf16_trains_float32_adapter_masters_over_the_bf16_base(glmpost_cli, tmp
     manifest = read_manifest(version)
     assert manifest.extra["precision"] == "bf16" and manifest.extra["masters"] is None
     assert not (version / "trainer_state" / "masters.safetensors").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# the real vLLM server
+
+
+def test_a_trained_adapter_on_the_real_vllm_closes_with_the_trainer(glmpost_cli, qwen3, real_vllm_lora, tmp_path, monkeypatch):
+    """train-grpo with LoRA (rank 8, alpha 16) from the tiny Qwen3 the real vLLM serves (LoRA on);
+    sync-weights loads the trained adapter on it, reading the fingerprint the trainer kept (no model
+    of the version loaded for it); rollouts through vLLM naming the adapter, single-turn and
+    multi-turn (Countdown): train-grpo from that version recomputes every action token's log-prob as
+    vLLM recorded it (fp32, within 1e-5), diff-logprobs too; the base alone differs."""
+    import glmpost.kernel.loading as loading
+    from test_lora_sync import _closure
+
+    from glmpost.diff.mismatch import action_positions
+
+    judged = _judged(glmpost_cli, qwen3, tmp_path, name="base-judged")
+    trained = glmpost_cli("train-grpo", judged, "--checkpoint", qwen3, "--out", tmp_path / "trained", "--lora-rank", "8",
+                          "--lora-alpha", "16", "--lr", "2e-2", "--epochs", "2", "--json")
+    assert trained.exit_code == 0, trained.stderr
+    loaded, load_model = [], loading.load_model
+
+    def spy(checkpoint, *args, **kwargs):
+        loaded.append(Path(checkpoint).resolve())
+        return load_model(checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model", spy)
+    served = tmp_path / "lora-trained"
+    sync = glmpost_cli("sync-weights", "--checkpoint", tmp_path / "trained" / "v000001", "--out", served, "--server",
+                       real_vllm_lora.url, "--engine", "vllm", "--json")
+    assert sync.exit_code == 0, sync.stderr
+    assert json.loads(sync.stdout)["adapter"] == "lora-trained-v000001"
+    version = served / "v000001"
+    assert is_lora_version(version) and version.resolve() not in loaded, loaded
+    monkeypatch.setattr(loading, "load_model", load_model)
+
+    vllm = ("--engine", "vllm", "--server", real_vllm_lora.url)
+    single = _judged(glmpost_cli, served, tmp_path, name="single", seed=3, rollout_args=vllm)
+    multi_out, multi_records = _rollout(glmpost_cli, served, tmp_path, "test_agentic:Countdown", *vllm, name="multi")
+    assert any(len(r["segments"]) > 1 for r in multi_records)
+    multi = judged_by_env(multi_out, tmp_path / "multi-judged", spread=0.1)
+    for name, records in (("single", single), ("multi", multi)):
+        assert all((r["policy_versions"][action_positions(r)] == 1).all() for r in _records(records))
+        worst, tokens = _trainer_closure(glmpost_cli, records, version, tmp_path / f"{name}-root", monkeypatch)
+        report = _closure(glmpost_cli, records, version, tmp_path / f"{name}-diff")
+        print(f"\nreal vLLM, {name}-turn, under lora-trained-v000001: trainer max |delta| {worst:.3g} over {tokens} "
+              f"action tokens; diff-logprobs {report['max_abs']:.3g}")
+        assert worst <= CLOSE
+    base = _closure(glmpost_cli, single, qwen3, tmp_path / "base-diff", fail_above=None)
+    assert base["max_abs"] > 1e-3  # the trained adapter matters
 
 
 # --------------------------------------------------------------------------------------------

@@ -71,3 +71,27 @@ def test_the_actors_plan_with_lora_holds_the_frozen_base_and_the_adapters_states
     assert actor["workspace"]["lora_experts_delta"] == 2 * 4 * shape.experts * 3 * shape.hidden * shape.moe_intermediate
     zero3 = {r.role: r for r in plan_memory(shape, Workload(dtype="bfloat16", lora_rank=16, zero_stage=3, ranks=2))}["actor"].details
     assert (zero3["weights"], zero3["grads"], zero3["optimizer"]) == (-(-(base + 4 * n) // 2), 2 * n, 4 * n)
+
+
+def test_a_recipes_lora_rank_is_counted_by_plan(glmpost_cli, tmp_path):
+    """``[train-grpo] lora-rank = 8`` (the option train-grpo takes): ``glmpost plan`` of the recipe
+    plans the actor as the adapter's (its parameters, grads and AdamW states) over the frozen base;
+    ``lora-targets`` narrows it; the same recipe without it plans full fine-tuning."""
+    from glmpost.memory.recipe import model_config
+
+    shape = ModelShape.from_config(model_config("tiny-glm5")[1])
+    plans = {}
+    for name, section in (("full", ""), ("lora", "lora-rank = 8\n"), ("narrow", 'lora-rank = 8\nlora-targets = ["kv_b_proj"]\n')):
+        recipe = tmp_path / f"{name}.toml"
+        recipe.write_text(f'[plan]\ndtype = "float32"\n[train-grpo]\nprecision = "fp32"\n{section}')
+        result = glmpost_cli("plan", recipe, "--json")
+        assert result.exit_code == 0, result.stderr
+        plans[name] = json.loads(result.stdout)
+    full, lora, narrow = (plans[n]["roles"]["actor"]["details"] for n in ("full", "lora", "narrow"))
+    assert plans["lora"]["workload"]["lora_rank"] == 8 and plans["full"]["workload"]["lora_rank"] == 0
+    n = lora_parameter_count(shape, 8)["total"]
+    assert (lora["lora_parameters"], lora["grads"], lora["optimizer"]) == (n, 4 * n, 8 * n)
+    assert lora["optimizer"] < full["optimizer"] and "lora_parameters" not in full
+    assert narrow["lora_parameters"] == lora_parameter_count(shape, 8, ("kv_b_proj",))["total"] < n
+    table = glmpost_cli("plan", tmp_path / "lora.toml")
+    assert table.exit_code == 0 and f"actor: a LoRA adapter of rank 8 ({n:,} parameters on the default targets)" in table.stdout

@@ -42,7 +42,7 @@ DEFAULT_TOLERANCE = 0.05
 SIDECAR = "glmpost-fingerprint.json"
 
 __all__ = ["DEFAULT_TOLERANCE", "Fingerprint", "checkpoint_fingerprint", "confirm_server", "fingerprint_ids",
-           "previous_version_dir", "server_fingerprint", "weights_identity"]
+           "keep_fingerprint", "previous_version_dir", "server_fingerprint", "weights_identity"]
 
 
 def previous_version_dir(version_dir: Path | str) -> Path | None:
@@ -103,15 +103,35 @@ def checkpoint_fingerprint(version_dir: Path | str) -> Fingerprint:
         pass
     import torch  # only where no fingerprint was kept: loading the model is the slow path
 
-    from glmpost.kernel.engine import LocalEngine  # the kernel's scoring, only when computing one
     from glmpost.kernel.loading import load_model  # the model, only when computing one
 
-    model = load_model(directory, device="cpu", dtype=torch.float32)
-    scores = LocalEngine(model, batch_size=1, pad_token_id=0).score([ids], [1])[0]
+    return keep_fingerprint(directory, load_model(directory, device="cpu", dtype=torch.float32))
+
+
+def keep_fingerprint(directory: Path | str, model: Any) -> Fingerprint:
+    """The fingerprint of ``directory``'s weights scored by ``model``, a float32 model holding them
+    (the one :func:`checkpoint_fingerprint` loads, or a trainer's own model that has just written them:
+    a LoRA version's adapter over its float32 base), kept beside them in ``glmpost-fingerprint.json``
+    for these weight files (:func:`weights_identity`; not kept where the directory is read-only)."""
+    import torch  # only when computing one
+
+    from glmpost.kernel.engine import LocalEngine  # the kernel's scoring, only when computing one
+
+    directory = Path(directory)
+    ids = fingerprint_ids(int(json.loads((model_dir(directory) / "config.json").read_text())["vocab_size"]))
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            scores = LocalEngine(model, batch_size=1, pad_token_id=0).score([ids], [1])[0]
+    finally:
+        model.train(training)
     result = Fingerprint(tuple(ids), tuple(float(x) for x in scores.log_probs))
     try:
+        sidecar = directory / SIDECAR
         tmp = sidecar.with_name(f".{SIDECAR}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"token_ids": ids, "log_probs": list(result.log_probs), "dtype": "float32", "weights": weights,
+        tmp.write_text(json.dumps({"token_ids": ids, "log_probs": list(result.log_probs), "dtype": "float32",
+                                   "weights": weights_identity(directory),
                                    "what": "log-probs of token_ids[1:] under their prefixes (glmpost.kernel.fingerprint)"}))
         os.replace(tmp, sidecar)
     except OSError:

@@ -28,7 +28,10 @@ only (:func:`prepare_zero3` says why).
 **Published** by the LoRA backends' ``save_model`` (:class:`LoraTorchBackend`,
 :class:`LoraDeepSpeedBackend`): :func:`~glmpost.kernel.lora.write_lora_version` into the run's staging,
 naming as base the full version under the parent chain (the parent, or the parent's base); the run
-then publishes it as any version (stage.json, the manifest keeping ``lora_base``, ``LATEST``). The
+then publishes it as any version (stage.json, the manifest keeping ``lora_base``, ``LATEST``). Where
+the trained model is the version's float32 function, whole on rank 0 (fp32, not ZeRO-3), its
+fingerprint is kept beside it (``glmpost-fingerprint.json``), so ``sync-weights`` does not load the
+base and adapter again to compute it. The
 optimizer state is the adapter's, carried from a LoRA parent like full training carries its own (a
 full parent's is the full model's: a LoRA version starts AdamW afresh). Resume states hold the
 adapter and its optimizer state, not the frozen base.
@@ -49,6 +52,7 @@ import torch
 
 from glmpost.checkpoints import CheckpointManifest, tokenizer_revision
 from glmpost.config import ConfigError, setting
+from glmpost.kernel.fingerprint import keep_fingerprint
 from glmpost.kernel.loading import load_weights, ready_model, saved_dtype
 from glmpost.kernel.lora import LoraSettings, load_adapter, peft_config, resolve_targets
 from glmpost.kernel.lora_versions import ADAPTER_CONFIG, is_lora_version, read_lora_base, write_lora_version
@@ -136,6 +140,14 @@ class LoraTraining:
         its manifest is the run's to write, keeping the ``lora_base`` written here."""
         staged = CheckpointManifest(policy_version=0, tokenizer_revision=tokenizer_revision(self.base), stage="staging")
         write_lora_version(directory, self.peft, base=self.base, manifest=staged)
+        if self.scores_as_loaded():  # sync-weights then reads the version's fingerprint instead of loading it
+            keep_fingerprint(directory, self.model)
+
+    def scores_as_loaded(self) -> bool:
+        """Whether the trained model computes what the published version loads as in float32 (a
+        fingerprint, :mod:`glmpost.kernel.fingerprint`): every parameter float32 and whole on this
+        rank (not under bf16's base in its saved dtype, nor ZeRO-3's partitioned base)."""
+        return all(p.dtype == torch.float32 and not hasattr(p, "ds_id") for p in self.model.parameters())
 
 
 def lora_training(options: LoraOptions, parent: Path) -> LoraTraining | None:
