@@ -300,6 +300,19 @@ def test_refusals_are_one_line_and_write_nothing(glmpost_cli, lora_v1, tiny_chec
     assert not (tmp_path / "out").exists()
 
 
+def test_a_recipe_trains_lora_through_config(glmpost_cli, lora_v1, tiny_checkpoint, tmp_path):
+    """``[train-grpo] lora-rank = 8`` with its alpha and targets in a recipe: ``recipe check`` takes it
+    and ``train-grpo --config`` trains that adapter (its adapter_config.json says so)."""
+    _, judged = lora_v1
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[train-grpo]\nlora-rank = 8\nlora-alpha = 32\nlora-targets = ["q_a_proj", "o_proj"]\nlr = 1e-2\n')
+    assert glmpost_cli("recipe", "check", recipe).exit_code == 0
+    result = glmpost_cli("train-grpo", judged, "--checkpoint", tiny_checkpoint, "--out", tmp_path / "root", "--config", recipe)
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((tmp_path / "root" / "v000001" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (8, 32, ["o_proj", "q_a_proj"])
+
+
 # --------------------------------------------------------------------------------------------
 # full fine-tuning unchanged; resume, reruns, overwrite, locks, follow
 
