@@ -59,6 +59,7 @@ from glmpost.kernel.lora_versions import ADAPTER_CONFIG, is_lora_version, read_l
 from glmpost.rl.distributed import DeepSpeedBackend, TorchBackend
 
 LORA_SEED = 0  # lora_A of a fresh adapter: the same on every rank and in every rerun
+LORA_STAGES = ("train-grpo", "opd-merge", "train-sao")  # the stages with --lora-* options (commands/options.py LORA_OPTIONS)
 
 
 @dataclass
@@ -150,12 +151,13 @@ class LoraTraining:
         return all(p.dtype == torch.float32 and not hasattr(p, "ds_id") for p in self.model.parameters())
 
 
-def lora_training(options: LoraOptions, parent: Path) -> LoraTraining | None:
-    """The LoRA side of a run from ``parent`` (None: full fine-tuning); a LoRA parent with
-    ``lora_rank`` 0 is refused (full fine-tuning would train the base, which the version does not hold)."""
+def lora_training(options: LoraOptions, parent: Path, stage: str) -> LoraTraining | None:
+    """The LoRA side of a ``stage`` run from ``parent`` (None: full fine-tuning); in a stage that
+    trains LoRA (:data:`LORA_STAGES`) a LoRA parent with ``lora_rank`` 0 is refused (full fine-tuning
+    would train the base, which the version does not hold; other stages, qat, refuse it themselves)."""
     settings = options.settings()
     if not settings.enabled:
-        if is_lora_version(parent):
+        if stage in LORA_STAGES and is_lora_version(parent):
             config = _adapter_config(parent)
             raise ConfigError("{lora_rank} 0 trains every weight, but {parent} is a LoRA version: continue its adapter with "
                               "{lora_rank} {rank} {lora_alpha} {alpha} (and its {lora_targets})", parent=parent,
@@ -295,5 +297,5 @@ class LoraDeepSpeedBackend(DeepSpeedBackend):
         return self.lora.continues and super().load_optimizer(path)
 
 
-__all__ = ["LORA_SEED", "LoraDeepSpeedBackend", "LoraOptions", "LoraTorchBackend", "LoraTraining",
+__all__ = ["LORA_SEED", "LORA_STAGES", "LoraDeepSpeedBackend", "LoraOptions", "LoraTorchBackend", "LoraTraining",
            "adapter_state", "check_same_adapter", "load_adapter_state", "lora_training"]

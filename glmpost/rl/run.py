@@ -90,7 +90,7 @@ class TrainingCore:
         self.job: TrainingJob | None = None
         self.session: TrainingSession | None = None
         self.model = self.backend = self.trainer = None
-        self.lora = lora_training(options.lora, plan.parent)  # None: every weight trains
+        self.lora = lora_training(options.lora, plan.parent, stage)  # None: every weight trains
         self._clear()
 
     def _clear(self) -> None:
