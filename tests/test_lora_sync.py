@@ -197,6 +197,50 @@ def test_multi_turn_rollout_naming_the_adapter_closes_with_the_trainer(glmpost_c
     assert report["tokens"] == sum(int(a.sum()) for a in actions) and report["max_abs"] <= 1e-5
 
 
+def _scored(directory: Path) -> np.ndarray:
+    return np.concatenate([r["teacher_log_probs"] for r in _records(directory)])
+
+
+def test_score_teacher_and_diff_logprobs_name_the_adapter(glmpost_cli, lora_vllm, train, tmp_path):
+    """A LoRA teacher scored by the server (--engine vllm) is its adapter's prefill, equal to the local
+    engine's base+adapter forward (fp32, <= 1e-5); diff-logprobs --against-server of a LoRA version
+    compares with the server under that adapter; an adapter the server does not hold: one line."""
+    server, served = lora_vllm
+    rollout = glmpost_cli("rollout", _prompts(tmp_path, 3), "--checkpoint", served, "--out", tmp_path / "r", "--group-size",
+                          "2", "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "3", "--engine", "vllm",
+                          "--server", server.url)
+    assert rollout.exit_code == 0, rollout.stderr
+    teacher = served / "v000001"
+    for engine in ("local", "vllm"):
+        remote = ("--engine", "vllm", "--server", server.url) if engine == "vllm" else ()
+        result = glmpost_cli("score-teacher", tmp_path / "r", "--out", tmp_path / engine, "--teacher", teacher, *remote)
+        assert result.exit_code == 0, result.stderr
+    gap = float(np.max(np.abs(_scored(tmp_path / "vllm") - _scored(tmp_path / "local"))))
+    info = _records(tmp_path / "vllm")[0]["teacher"]
+    print(f"\nLoRA teacher through vLLM vs the local engine: max |delta| {gap:.3g}")
+    assert gap <= 1e-5 and info["adapter"] == "served-v000001" and info["policy_version"] == 1
+    result = glmpost_cli("diff-logprobs", tmp_path / "r", "--checkpoint", teacher, "--against-server", server.url,
+                         "--against-engine", "vllm", "--out", tmp_path / "d", "--dtype", "fp32", "--no-plots", "--json",
+                         "--fail-above", CLOSE)
+    assert result.exit_code == 0, result.stderr + result.stdout[-2000:]
+    report = json.loads(result.stdout)
+    assert report["overall"]["max_abs"] <= 1e-5
+    described = json.loads((tmp_path / "d" / "report.json").read_text())["path_b"]
+    assert (described["adapter"], described["weight_version"]) == ("served-v000001", "1")
+    other = make_lora_version(_base_of(teacher), tmp_path / "unsynced" / "v000009", seed=9, version=9)
+    for command in (("score-teacher", tmp_path / "r", "--out", tmp_path / "t9", "--teacher", other, "--engine", "vllm",
+                     "--server", server.url),
+                    ("diff-logprobs", tmp_path / "r", "--checkpoint", other, "--against-server", server.url,
+                     "--against-engine", "vllm", "--out", tmp_path / "d9")):
+        error = _one_line_failure(glmpost_cli(*command))
+        assert "holds no LoRA adapter unsynced-v000009 (it holds served-v000001)" in error and "sync-weights" in error
+    assert not (tmp_path / "t9").exists() or not list((tmp_path / "t9").glob("*.glmshard*"))
+
+
+def _base_of(version_dir: Path) -> Path:
+    return Path(read_manifest(version_dir).lora_base["path"])
+
+
 def test_the_next_sync_loads_v2_unloads_v1_and_rollouts_move_to_it(glmpost_cli, lora_vllm, train, tmp_path):
     """v2 loaded, v1 unloaded (its name now 404 as vLLM answers an unknown model); a runner following
     the root switches between turns once the server holds v2, one not following names v2 when v1 is refused."""
@@ -275,6 +319,26 @@ def test_serve_records_under_the_adapter_equal_the_embedded_engines(glmpost_cli,
         for key in ("response_token_ids", "rollout_log_probs", "policy_versions"):
             assert x[key].dtype == y[key].dtype and x[key].tobytes() == y[key].tobytes(), key
     assert _closure(glmpost_cli, tmp_path / "remote", served / "v000001", tmp_path / "d")["max_abs"] <= 1e-5
+
+
+def test_serve_scores_a_lora_teacher_under_its_adapter(glmpost_cli, served_tiny, tmp_path):
+    """score-teacher --engine sglang of a LoRA teacher and diff-logprobs --against-server of a LoRA
+    version name the adapter through glmpost serve too (lora_path), closing with the local engine."""
+    url, served, _ = served_tiny
+    teacher = served / "v000001"
+    rollout = glmpost_cli("rollout", _prompts(tmp_path, 2), "--checkpoint", served, "--out", tmp_path / "r", "--group-size",
+                          "2", "--max-new-tokens", "6", "--seed", "4")
+    assert rollout.exit_code == 0, rollout.stderr
+    for engine in ("local", "sglang"):
+        remote = ("--engine", "sglang", "--server", url) if engine == "sglang" else ()
+        result = glmpost_cli("score-teacher", tmp_path / "r", "--out", tmp_path / engine, "--teacher", teacher, *remote)
+        assert result.exit_code == 0, result.stderr
+    assert float(np.max(np.abs(_scored(tmp_path / "sglang") - _scored(tmp_path / "local")))) <= 1e-5
+    assert _records(tmp_path / "sglang")[0]["teacher"]["adapter"] == "served-v000001"
+    result = glmpost_cli("diff-logprobs", tmp_path / "r", "--checkpoint", teacher, "--against-server", url, "--out",
+                         tmp_path / "d", "--dtype", "fp32", "--no-plots", "--json", "--fail-above", CLOSE)
+    assert result.exit_code == 0, result.stderr + result.stdout[-2000:]
+    assert json.loads((tmp_path / "d" / "report.json").read_text())["path_b"]["adapter"] == "served-v000001"
 
 
 def test_serve_moves_from_v1_to_v2_as_vllm_does(glmpost_cli, served_tiny, tmp_path):

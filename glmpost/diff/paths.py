@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from glmpost.checkpoints import read_manifest
 from glmpost.config import ConfigError
 from glmpost.diff.mismatch import PathScores, load_path_model, local_path, server_path
 from glmpost.kernel.distribution import ScoredDistribution
@@ -59,9 +60,10 @@ class LocalSide:
 
 
 def server_path_b(url: str, records, *, distribution: ScoredDistribution, revision: str, vocab_size: int,
-                  progress: Callable, api_key: Optional[str] = None, engine: str = "sglang") -> tuple[PathScores, dict[str, Any]]:
+                  progress: Callable, api_key: Optional[str] = None, engine: str = "sglang",
+                  adapter_of: Optional[Path] = None) -> tuple[PathScores, dict[str, Any]]:
     """Path B on a server: its scores and its description; the server must be reachable and serve
-    tokenizer ``revision``."""
+    tokenizer ``revision``; ``adapter_of`` (a LoRA version): every request names its adapter."""
 
     client = (VLLMClient if engine == "vllm" else SGLangClient)(url, timeout=120.0, retries=2, backoff=0.2, api_key=api_key)
     try:
@@ -75,9 +77,17 @@ def server_path_b(url: str, records, *, distribution: ScoredDistribution, revisi
     if theirs is not None and theirs != revision:
         raise ConfigError("{against_server} {url}: tokenizer revision {theirs} differs from {checkpoint}'s {revision}",
                           url=client.url, theirs=theirs, revision=revision, exit_code=1)
+    if adapter_of is not None:  # path A a LoRA version: the server's base and that adapter, which sync-weights loaded
+        problem = client.name_adapter(adapter_of, read_manifest(adapter_of).policy_version)
+        if problem is not None:
+            raise ConfigError("{against_server} {url} {problem}; sync-weights of {path} to that server loads it",
+                              url=client.url, problem=problem, path=adapter_of, exit_code=1)
     try:
         path = server_path(client, records, distribution=distribution, vocab_size=vocab_size, label="B", progress=progress)
     except (ValueError, ServerError) as exc:
         raise ConfigError("{against_server} {url}: {reason}", url=client.url, reason=exc, exit_code=1) from None
-    return path, {"kind": "server", "engine": engine, "url": client.url, "weight_version": info.get("weight_version"),
-                  "model_path": info.get("model_path")}
+    described = {"kind": "server", "engine": engine, "url": client.url, "weight_version": info.get("weight_version"),
+                 "model_path": info.get("model_path")}
+    if client.adapter is not None:
+        described["adapter"], described["weight_version"] = client.adapter[0], str(client.adapter[1])
+    return path, described

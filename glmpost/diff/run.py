@@ -44,6 +44,7 @@ from glmpost.formats.windows import window_views
 from glmpost.kernel.distribution import ScoredDistribution, scored_distribution
 from glmpost.kernel.engine import SamplingParams
 from glmpost.kernel.loading import attention_ran, load_tokenizer
+from glmpost.kernel.lora_versions import is_lora_version
 from glmpost.npu import resolve_device
 from glmpost.npu.topk import indexers
 from glmpost.stage import MetricsWriter, write_json_atomic, write_stage_json
@@ -275,7 +276,8 @@ class LogprobDiff:
             if c.mode == "server":
                 path_b, desc_b = server_path_b(c.against_server, records, distribution=distribution, revision=revision,
                                                vocab_size=model_a.get_output_embeddings().weight.shape[0], progress=progress.update,
-                                               api_key=c.api_key, engine=c.against_engine)
+                                               api_key=c.api_key, engine=c.against_engine,
+                                               adapter_of=self.version_dir if is_lora_version(self.version_dir) else None)
                 return path_a, path_b, side_a.describe(), desc_b
             side_b = self._side_b(side_a, against_dir)
             if c.against is None and side_b.dtype == side_a.dtype and str(side_b.device) == str(side_a.device):

@@ -127,6 +127,30 @@ class LoraRoutes:
         return {str(card["id"]): str(card.get("root")) for card in cards or []
                 if isinstance(card, dict) and card.get("parent") and card.get("id")}
 
+    def adapter_problem(self, name: str, version_dir: Path | str) -> str | None:
+        """Why the server does not serve the adapter ``name`` of the LoRA version ``version_dir``
+        (it does not hold that name, or holds another folder under it, where that folder can be read
+        here), or None."""
+        try:
+            held = self.lora_adapters()
+        except ServerError as exc:
+            return f"cannot list its LoRA adapters ({exc})"
+        if name not in held:
+            return f"holds no LoRA adapter {name} (it holds {', '.join(held) or 'none'})"
+        path = Path(held[name])
+        if path.exists() and path.resolve() != Path(version_dir).resolve():
+            return f"holds another folder as {name} ({path})"
+        return None
+
+    def name_adapter(self, version_dir: Path | str, policy_version: int) -> str | None:
+        """Name the LoRA version ``version_dir``'s adapter (:func:`adapter_name`) in every request
+        from now on, stamped ``policy_version``; returns why the server cannot (nothing changed), or None."""
+        name = adapter_name(version_dir)
+        problem = self.adapter_problem(name, version_dir)
+        if problem is None:
+            self.adapter = (name, policy_version)
+        return problem
+
     @staticmethod
     def adapter_gone(exc: ServerError) -> bool:
         """Whether ``exc`` says the server does not hold the adapter the request named."""

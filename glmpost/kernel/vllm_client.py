@@ -25,6 +25,7 @@ shapes are :mod:`glmpost.kernel.vllm_protocol`'s, the weight routes :mod:`glmpos
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -41,6 +42,19 @@ DEV_MODE_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "/reset
 
 __all__ = ["DevModeError", "LOGITS_MODES", "LOGPROBS_MODES", "ReloadUncertain", "VLLMClient", "completion_request",
            "sglang_answer", "sglang_routed_experts", "vllm_settings"]
+
+
+# vLLM 0.32 maps LoRA adapters onto prompt log-prob rows with one index per *request* (punica's
+# sampler indices, vllm-project/vllm#17766, #29955): a batch of several requests asking prompt_logprobs
+# under an adapter kills its engine (an einsum of mismatched sizes); one request alone broadcasts its
+# index to every row, which is right. So scoring under an adapter sends one request at a time per server.
+_ADAPTER_SCORING: dict[str, threading.Lock] = {}
+_ADAPTER_SCORING_GUARD = threading.Lock()
+
+
+def _adapter_scoring_lock(url: str) -> threading.Lock:
+    with _ADAPTER_SCORING_GUARD:
+        return _ADAPTER_SCORING.setdefault(url, threading.Lock())
 
 
 class VLLMClient(VLLMWeights, SGLangClient):
@@ -259,7 +273,11 @@ class VLLMClient(VLLMWeights, SGLangClient):
             body["prompt_logprobs"] = int(top_logprobs_num)
             return self.completions(body)
 
-        answer = self.with_adapter(send)  # under the client's adapter, as every request
+        if self.adapter is None:
+            answer = self.with_adapter(send)
+        else:  # one adapter request in the server's batch at a time (module note above)
+            with _adapter_scoring_lock(self.url):
+                answer = self.with_adapter(send)
         try:
             rows = answer["choices"][0]["prompt_logprobs"]
         except (KeyError, IndexError, TypeError):

@@ -67,16 +67,7 @@ class ServedLora:
     @staticmethod
     def problem(client: Any, name: str, version_dir: Path) -> Optional[str]:
         """Why ``client``'s server does not serve the adapter ``name`` of ``version_dir``, or None."""
-        try:
-            held = client.lora_adapters()
-        except ServerError as exc:
-            return f"cannot list its LoRA adapters ({exc})"
-        if name not in held:
-            return f"holds no LoRA adapter {name} (it holds {', '.join(held) or 'none'})"
-        path = Path(held[name])
-        if path.exists() and path.resolve() != Path(version_dir).resolve():
-            return f"holds another folder as {name} ({path})"
-        return None
+        return client.adapter_problem(name, version_dir)
 
     def switch(self, clients: list[Any], newer: Any) -> Optional[bool]:
         """Name ``newer``'s adapter from now on: True when every server holds it, False (nothing

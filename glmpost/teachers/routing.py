@@ -34,6 +34,7 @@ class Teacher:
     policy_version: int | None
     model: Any = None
     pad_token_id: int = 0
+    adapter: str | None = None  # a LoRA teacher scored by servers: the adapter name its requests give
 
     def info(self, *, payload: str, topk: int, engine: str) -> dict[str, Any]:
         """The ``teacher`` map of a scored record (without its ``route``)."""
@@ -41,6 +42,8 @@ class Teacher:
                 "temperature": SCORING_TEMPERATURE, "engine": engine, "vocab_size": self.vocab_size}
         if self.policy_version is not None:
             info["policy_version"] = self.policy_version
+        if self.adapter is not None:
+            info["adapter"] = self.adapter
         if payload == "topk":
             info["topk"] = topk
         return info

@@ -23,6 +23,7 @@ from glmpost.errors import GlmpostError
 from glmpost.formats import ShardReader, ShardWriter, window_views
 from glmpost.kernel.distribution import ScoredDistribution
 from glmpost.kernel.engine import SamplingParams
+from glmpost.kernel.lora_versions import is_lora_version
 from glmpost.kernel.scoring import TeacherPayload, joined_payload, payload_from_rows, score_records
 from glmpost.kernel.sglang_client import ServerError, SGLangClient
 from glmpost.kernel.sglang_pool import SGLangPool
@@ -244,7 +245,7 @@ class ScoreTeacherStage:
 def _sglang_pool(server: str, teacher: Teacher, concurrency: int, *, api_key: str | None = None,
                  client_class: type = SGLangClient):
     """Connect to the servers; each must serve the teacher's tokenizer revision and vocabulary (when it
-    reports them: vLLM does not)."""
+    reports them: vLLM does not), and a LoRA teacher's adapter under the name sync-weights gave it."""
 
     pool = SGLangPool(server, concurrency=concurrency, api_key=api_key, client_class=client_class)
     for client in pool.clients:
@@ -259,6 +260,13 @@ def _sglang_pool(server: str, teacher: Teacher, concurrency: int, *, api_key: st
             pool.close()
             raise ConfigError("{server} {url} serves a vocabulary of {vocab} tokens but teacher {path} has {size}",
                               url=client.url, vocab=vocab, path=teacher.path, size=teacher.vocab_size, exit_code=1)
+        if is_lora_version(teacher.path):  # a LoRA teacher: every request names its adapter, which sync-weights loaded
+            problem = client.name_adapter(teacher.path, teacher.policy_version or 0)
+            if problem is not None:
+                pool.close()
+                raise ConfigError("{server} {url} {problem}; sync-weights of {path} to that server loads it", url=client.url,
+                                  problem=problem, path=teacher.path, exit_code=1)
+            teacher.adapter = client.adapter[0]
     return pool
 
 
