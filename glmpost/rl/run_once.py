@@ -14,6 +14,7 @@ update and publishes it.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class RunOnce:
         check_run_options(self.out, options)
         self.core: TrainingCore | None = None
         self._held = contextlib.ExitStack()
+        self._done: tuple[Path, int] | None = None  # a version that was this update already
 
     def __enter__(self) -> "RunOnce":
         with contextlib.ExitStack() as held:
@@ -52,7 +54,7 @@ class RunOnce:
             if self.core is not None:
                 self.core.close()
         finally:
-            self._held.close()
+            self._held.__exit__(*exc)  # the root's lock sees what ended the run (a full disk: named)
 
     @property
     def plan(self) -> NextVersion:
@@ -71,7 +73,7 @@ class RunOnce:
         ``overwrite`` trains it again and replaces it, when no later version was trained from it."""
         target = self.plan.target
         if not target.exists():
-            return False
+            return self._parent_is_this_update(stage_options)
         if self.options.overwrite:
             later = [v for v in self.plan.root.versions() if v > self.plan.version]
             if later:
@@ -82,9 +84,29 @@ class RunOnce:
         check_same_options(target, self.stage, stage_options, ignore=RERUN_IGNORED, overwrite=False)
         return True
 
+    def _parent_is_this_update(self, stage_options: dict[str, Any]) -> bool:
+        """Whether ``checkpoint`` named this root (not one of its versions) and its newest version was
+        trained from these inputs with these options (the same command run again after it published: done, not an
+        update of that version from records it already trained on)."""
+        parent = self.plan.parent  # the root's LATEST: a version named explicitly is a new update of it
+        if self.options.overwrite or Path(self.checkpoint).resolve() != self.out.resolve():
+            return False
+        try:
+            before = json.loads((parent / "stage.json").read_text())
+        except (OSError, ValueError):
+            return False
+        earlier, ignore = before.get("options", {}), (*RERUN_IGNORED, "checkpoint")
+        if before.get("stage") != self.stage or any(key not in earlier or earlier[key] != value
+                                                    for key, value in stage_options.items() if key not in ignore):
+            return False
+        log(f"{parent} was trained from these inputs with these options; nothing to do (already done)")
+        self._done = (parent, self.plan.parent_version)
+        return True
+
     def skipped(self) -> dict[str, Any]:
         """The summary of an update whose version was already published."""
-        return {"out": str(self.plan.target), "skipped": True, "policy_version": self.plan.version}
+        target, version = self._done or (self.plan.target, self.plan.version)
+        return {"out": str(target), "skipped": True, "policy_version": version}
 
     def check_staging(self) -> None:
         staging = self.plan.staging
