@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import sys
 import threading
 import time
 import urllib.parse
@@ -85,6 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             raise RequestError("Content-Length is not a number") from None
+        if length < 0:  # refused before anything is read (a read of -N reads to the end of the stream)
+            self.close_connection = True
+            raise RequestError(f"Content-Length {length} is negative", 400)
         if length > self.max_body_bytes:  # refused before it is read
             self.close_connection = True
             raise RequestError(f"the request body has {length} bytes, more than the {self.max_body_bytes} this server "
@@ -178,6 +182,14 @@ class _Server(ThreadingHTTPServer):
     # clients was reset); each accepted one gets a thread, and the engine's queue bounds the work.
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left before its request was read (reset, closed): one line, no traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log(f"{client_address[0]}:{client_address[1]} left before its request was read ({type(exc).__name__})")
+            return
+        super().handle_error(request, client_address)
 
 
 def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True, api_key: Optional[str] = None,
