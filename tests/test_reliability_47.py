@@ -122,7 +122,6 @@ def _damaged(tiny_checkpoint: Path, tmp_path: Path, *, version: int, value: floa
     """A copy of the tiny checkpoint as policy version ``version`` with one non-finite weight; (copy, its name)."""
     import shutil
 
-    import numpy as np
     from safetensors.numpy import load_file, save_file
 
     damaged = tmp_path / f"damaged-{version}"
@@ -440,3 +439,55 @@ def test_the_held_out_line_says_what_avg_at_n_and_the_score_are(glmpost_cli, tin
     [line] = [line for line in result.stderr.splitlines() if line.startswith("glmpost: evaluated v000000: ")]
     report = json.loads((tmp_path / "eval" / "v000000" / "report.json").read_text())["overall"]
     assert line == f"glmpost: evaluated v000000: {describe_scores(report, threshold=1.0)}"
+
+
+
+def test_serve_answers_every_client_that_reached_it_when_sigterm_comes(tiny_checkpoint):
+    """300 clients connecting at once as SIGTERM comes: each one the server took (its listen backlog
+    included) gets an answer, 200 or 503 with Retry-After, none a reset (before: about half were
+    reset, the backlog closed under them); one that comes after the socket closed is refused."""
+    import http.client
+    import signal
+    import time
+    from collections import Counter
+    from urllib.parse import urlsplit
+
+    from serve_process import start_server
+
+    proc, url = start_server(tiny_checkpoint, "--batch-size", "2")
+    address = urlsplit(url)
+    outcomes: list[object] = []
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+    barrier = threading.Barrier(301)
+
+    def client() -> None:
+        barrier.wait()
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+        try:
+            connection.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            outcomes.append(response.status if response.status != 503 or response.getheader("Retry-After") else "503 bare")
+        except ConnectionRefusedError:
+            outcomes.append("refused")  # came after the server had gone: not one of its clients
+        except (OSError, http.client.HTTPException) as exc:  # reset, broken pipe, cut short
+            outcomes.append(type(exc).__name__)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(300)]
+    for thread in threads:
+        thread.start()
+    try:
+        barrier.wait()
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for thread in threads:
+        thread.join(timeout=120)
+    counts = Counter(map(str, outcomes))
+    assert len(outcomes) == 300 and set(counts) <= {"200", "503", "refused"}, counts
+    assert "Traceback" not in proc.stderr.read()

@@ -226,8 +226,6 @@ def quantize_checkpoint(src: Path, staging: Path, files: list[Path], plan: Layer
     config, the other files of the checkpoint and a manifest (policy version kept, stage quantize)."""
     import shutil
 
-    import torch
-
     result = QuantizeResult(layers=len(plan.chosen))
     chosen = set(plan.chosen)
     writer = SafetensorsWriter(staging)

@@ -228,13 +228,29 @@ def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, 
                 if next_tick <= time.monotonic():  # a slow tick: skip the missed ones, no backlog
                     next_tick = time.monotonic() + tick_s
     finally:
+        engine.stop()  # queued work answered 503 at once, the batch running finishes; the loop still accepts
         server.shutdown()
-        server.server_close()
-        engine.stop()
+        _answer_backlog(server)
+        server.server_close()  # waits for every handler
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if on_tick is not None:
             on_tick(True)
+
+
+def _answer_backlog(server: ThreadingHTTPServer, *, quiet_s: float = 0.2, limit_s: float = 5.0) -> None:
+    """Connections the kernel took into the listen backlog after the serve loop stopped, handled
+    (a stopped engine answers 503 with Retry-After) instead of reset by closing the socket: until none
+    came for ``quiet_s`` seconds, for ``limit_s`` at most (a client that comes later is refused)."""
+    server.socket.settimeout(quiet_s)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            request, address = server.socket.accept()
+        except OSError:  # none came (a timeout), or the socket is gone
+            return
+        request.settimeout(None)
+        server.process_request(request, address)
 
 
 def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:
