@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         if not storage_error(exc):
             raise
         if isinstance(exc, OSError):
-            message = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc.strerror or exc)
+            written = exc.filename2 or exc.filename  # a copy names its source first, the file it writes second
+            message = f"{written}: {exc.strerror}" if written else str(exc.strerror or exc)
         else:
             message = f"{type(exc).__name__}: {first_line(exc)}"
         sys.stderr.write(f"glmpost: error: {message}\n")

@@ -31,6 +31,9 @@ RECIPE_ARGUMENT_COMMANDS = ("plan",)  # commands reading a recipe given as their
 PIPELINE_SECTION = "pipeline"  # bin/pipeline's, read by no stage
 
 
+RECIPE_META = "glmpost.recipe"  # ctx.meta: the --config recipe's path, section and {setting: key as written}
+
+
 def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> Path | None:
     """Eager callback of ``--config``: the recipe section becomes the command's default map."""
     if value is None:
@@ -64,18 +67,17 @@ def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> 
             if opt.startswith("--"):
                 params[opt[2:].replace("-", "_")] = p
     defaults: dict[str, Any] = {}
+    written: dict[str, str] = {}  # setting -> its key as the recipe spells it
     for key, setting in section.items():
         target = params.get(key.replace("-", "_"))
         if target is None:
-            if isinstance(setting, dict):
-                continue  # a sub-table for a subcommand or a structured setting read elsewhere
+            if isinstance(setting, dict) and f"{section_name}.{key}" in stage_commands(ctx.find_root().command):
+                continue  # the section of a subcommand
             flags = sorted({o[2:] for p in params.values() for o in p.opts if o.startswith("--")} | {
                 p.name.replace("_", "-") for p in params.values() if p.param_type_name == "argument"})
-            raise typer.BadParameter(
-                f"recipe {value}: unknown key '{key}' in [{section_name}] (known: {', '.join(flags)})",
-                ctx=ctx,
-                param=param,
-            )
+            unknown = f"sub-table [{section_name}.{key}]" if isinstance(setting, dict) else f"key '{key}' in [{section_name}]"
+            raise typer.BadParameter(f"recipe {value}: unknown {unknown} (known{' keys' if isinstance(setting, dict) else ''}: "
+                                     f"{', '.join(flags)})", ctx=ctx, param=param)
         if target.param_type_name == "argument":
             setting = [str(s) for s in setting] if isinstance(setting, list) else [str(setting)]
         else:  # refused here, the error names the recipe, not a flag nobody typed
@@ -87,7 +89,9 @@ def _load_recipe_section(ctx: typer.Context, param: Any, value: Path | None) -> 
                 raise typer.BadParameter(f"recipe {value}: [{section_name}] {key} = {setting!r}: {exc.message}",
                                          ctx=ctx, param=param) from None
         defaults[target.name] = setting
+        written[target.name] = key
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta[RECIPE_META] = {"path": value, "section": section_name, "keys": written}
     return value
 
 

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 
 import typer
 
+from glmpost.commands.common import RECIPE_META
 from glmpost.config import ConfigError, SettingError, from_values, leaves, setting_of
 from glmpost.drivers import ShardStage, follow_shards, run_shards
 from glmpost.errors import GlmpostError, UsageError
@@ -128,6 +129,15 @@ def flag_of(command: Any, name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def spelled_setting(ctx: typer.Context, name: str) -> str:
+    """The setting ``name`` as the user gave it: ``recipe FILE: [SECTION] KEY =`` when its value
+    came from the ``--config`` recipe (:data:`RECIPE_META`), else the command's flag."""
+    recipe = ctx.meta.get(RECIPE_META)
+    if recipe is not None and name in recipe["keys"] and ctx.get_parameter_source(name).name == "DEFAULT_MAP":
+        return f"recipe {recipe['path']}: [{recipe['section']}] {recipe['keys'][name]} ="
+    return flag_of(ctx.command, name)
+
+
 @contextmanager
 def flags_in_errors(ctx: typer.Context) -> Iterator[None]:
     """A library error naming config fields (:class:`~glmpost.config.SettingError`,
@@ -135,7 +145,7 @@ def flags_in_errors(ctx: typer.Context) -> Iterator[None]:
     try:
         yield
     except SettingError as exc:
-        raise UsageError(f"{flag_of(ctx.command, exc.field)} {exc.value!r} {exc.problem}") from None
+        raise UsageError(f"{spelled_setting(ctx, exc.field)} {exc.value!r} {exc.problem}") from None
     except ConfigError as exc:
         kind = UsageError if exc.exit_code == UsageError.exit_code else GlmpostError
         error = kind(exc.spelled(lambda name: flag_of(ctx.command, name)))

@@ -114,11 +114,9 @@ def check_section(report: RecipeReport, name: str, command: Any, section: dict[s
     values: dict[str, Any] = {}
     for key, setting in section.items():
         param = params.get(key.replace("-", "_"))
-        if param is None:
-            if isinstance(setting, dict):  # a structured sub-table a stage reads itself
-                report.warnings.append(f"{where}: sub-table [{name}.{key}] is not an option of `glmpost {name.replace('.', ' ')}`; not checked")
-                continue
-            report.errors.append(f"{where}: unknown key '{key}' (known: {', '.join(known_keys(command))})")
+        if param is None:  # a sub-table too: --config refuses it the same way
+            unknown = f"sub-table [{name}.{key}]" if isinstance(setting, dict) else f"key '{key}'"
+            report.errors.append(f"{where}: unknown {unknown} (known: {', '.join(known_keys(command))})")
             continue
         try:
             converted = convert_value(command, param, setting)

@@ -42,7 +42,7 @@ multi-turn trajectory) prefills only its new tokens, as SGLang's radix cache doe
 meta_info.cached_tokens says how many it read (same tokens; log-probs within float rounding of a
 full prefill). Listens on loopback by default; --port 0 picks a
 free port. When ready it prints one line `glmpost serve: listening on http://HOST:PORT` to stdout.
-SIGTERM or SIGINT stops it cleanly (queued requests are answered with HTTP 503). --metrics FILE
+SIGTERM or SIGINT stops it cleanly (queued requests, and connections still in the listen backlog, are answered with HTTP 503 and Retry-After; none is reset). --metrics FILE
 appends the counters as JSONL (serve/requests, serve/batches, serve/sequences,
 serve/generated_tokens, serve/cached_tokens, serve/engine_busy_s, serve/tokens_per_s over the interval,
 serve/weight_version, serve/uptime_s) every --metrics-interval seconds and once at stop.

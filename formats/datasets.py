@@ -7,14 +7,15 @@ gives each Slurm array task its shards, and :func:`iter_records` reads the recor
 
 from __future__ import annotations
 
-import glob
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from glmpost.config import ConfigError
 from glmpost.errors import UsageError
+from glmpost.formats.globbing import expand_pattern, has_magic, is_loop
 from glmpost.formats.shard_reader import ShardReader
 from glmpost.formats.shards import SHARD_SUFFIX
 
@@ -23,8 +24,9 @@ def resolve_shard_paths(inputs: Sequence[str | Path]) -> list[Path]:
     """Expand inputs to shard files, in input order, each input sorted, duplicates dropped.
 
     A file is taken as is; a directory contributes its ``*.msgpack.zst`` files (not recursive,
-    hidden files skipped); anything else is a glob. An input matching no shard is a
-    :class:`UsageError` naming it.
+    hidden files skipped); anything else is a glob (:mod:`glmpost.formats.globbing`: each real
+    directory walked once, symbolic link loops skipped and said in one line). An input matching no
+    shard, or a path through a link loop, is a :class:`UsageError` naming it.
     """
     if not inputs:
         raise UsageError("no input shards given")
@@ -41,6 +43,8 @@ def resolve_shard_paths(inputs: Sequence[str | Path]) -> list[Path]:
 
 def _expand(item: str) -> list[Path]:
     path = Path(item)
+    if is_loop(item):
+        raise UsageError(f"{item}: a symbolic link loop (too many levels of symbolic links)")
     if path.is_dir():
         found = _shards_in(path)
         if not found:
@@ -48,10 +52,13 @@ def _expand(item: str) -> list[Path]:
         return found
     if path.exists():
         return [path]
-    if not any(c in item for c in "*?["):
+    if not has_magic(item):
         raise UsageError(f"{item}: no such file or directory")
+    matches, loops = expand_pattern(item)
+    if loops:
+        sys.stderr.write(f"glmpost: {item}: skipped {len(loops)} symbolic link loop(s): {', '.join(loops)}\n")
     found = []
-    for match in sorted(glob.glob(item, recursive=True)):
+    for match in matches:
         found.extend(_shards_in(Path(match)) if os.path.isdir(match) else [Path(match)])
     if not found:
         raise UsageError(f"{item}: no shards match this pattern")

@@ -8,6 +8,7 @@ later stage works on those ids (TITO: text is never re-tokenized downstream).
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from glmpost.errors import GlmpostError
+from glmpost.formats.pipes import is_pipe, pipe_bytes
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "observation")
 
@@ -87,7 +89,7 @@ def read_jsonl(path: Path):
     are an error naming the line (and the byte's offset in the file)."""
     path = Path(path)
     try:
-        handle = open(path, "rb")
+        handle = io.BytesIO(pipe_bytes(path)) if is_pipe(path) else open(path, "rb")
     except FileNotFoundError:
         raise PromptDataError(f"{path}: no such file") from None
     except IsADirectoryError:

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 from glmpost.config import ConfigError, setting
 from glmpost.errors import UsageError, first_line
+from glmpost.formats.pipes import is_pipe, pipe_holds_shard
 from glmpost.formats.prompts import PromptDataError, jsonl_rows
 from glmpost.formats.shards import SHARD_SUFFIX
 
@@ -61,10 +62,31 @@ def dataset_directory(path: Path) -> bool:
 
 
 def is_prompt_source(path: str | Path) -> bool:
-    """Whether ``path`` is read as prompts (a file that is not a shard, or a datasets directory)
-    rather than as shards (a shard, a shard directory or a glob)."""
+    """Whether ``path`` is read as prompts (a file that is not a shard, a pipe carrying text, or a
+    datasets directory) rather than as shards (a shard, a shard directory or a glob)."""
     path = Path(path)
+    if is_pipe(path):  # a named pipe or <(...): told by what it carries (glmpost.formats.pipes)
+        return not pipe_holds_shard(path)
     return (path.is_file() and not path.name.endswith(SHARD_SUFFIX)) or dataset_directory(path)
+
+
+PROMPT_SUFFIXES = (".jsonl", ".parquet", ".pq", ".csv")  # files a folder of shards should not hold beside them
+OWN_FILES = ("metrics.jsonl",)  # what glmpost writes beside its shards
+
+
+def check_not_mixed(directory: str | Path) -> None:
+    """Refuse a directory holding both shards and prompt files (JSONL, parquet, CSV; not the
+    ``metrics.jsonl`` a stage writes): read as shards, its prompt files would be dropped without a
+    word. A :class:`UsageError` naming the directory and its prompt files."""
+    directory = Path(directory)
+    if not directory.is_dir() or not any(directory.glob(f"*{SHARD_SUFFIX}")):
+        return
+    loose = sorted(p.name for p in directory.iterdir() if p.suffix.lower() in PROMPT_SUFFIXES
+                   and not p.name.startswith(".") and p.name not in OWN_FILES and p.is_file())
+    if loose:
+        shown = ", ".join(loose[:3]) + (f" and {len(loose) - 3} more" if len(loose) > 3 else "")
+        raise UsageError(f"{directory}: holds both shards and prompt files ({shown}); name the prompt files, or the "
+                         f"shards ({directory}/*{SHARD_SUFFIX}), as inputs")
 
 
 def source_kind(path: Path) -> str:

@@ -46,6 +46,23 @@ class CheckpointError(GlmpostError):
     """A checkpoint path that cannot be used, with the reason."""
 
 
+def check_finite_weight(where: Any, name: str, tensor: Any, *, use: str = "sampled or trained from") -> None:
+    """Refuse a weight ``name`` of the checkpoint ``where`` holding NaN or infinite values (a diverged
+    run wrote it, or the file was damaged): a :class:`CheckpointError` naming it, saying what this
+    checkpoint cannot be (``use``). Looked at in slices, so the check holds no more than a slice's
+    mask beside the weights. Every path that loads or publishes weights calls it (loading,
+    sync-weights, quantize), before anything samples, trains or is published."""
+    if not tensor.is_floating_point():
+        return
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), 1 << 24):
+        part = flat[start:start + (1 << 24)]
+        if not bool(part.isfinite().all()):
+            bad = int((~part.isfinite()).sum())
+            raise CheckpointError(f"{where}: weight {name} holds {bad}+ NaN or infinite value(s); this checkpoint "
+                                  f"cannot be {use} (a diverged run, or a damaged file)")
+
+
 @dataclass
 class CheckpointManifest:
     """``glmpost.json``: where a checkpoint version comes from."""

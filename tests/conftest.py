@@ -13,6 +13,8 @@ import pytest
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: the slow tier (learning tests of many minutes); bin/test leaves it out, "
                             "bin/test -m slow runs it")
+    config.addinivalue_line("markers", "soak: the soak tier (the async pipeline over a real vLLM, its writers killed -9 "
+                            "and restarted; many minutes); bin/test leaves it out, bin/test -m soak runs it")
 
 
 @dataclass

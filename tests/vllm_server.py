@@ -102,9 +102,11 @@ def _healthy(url: str) -> bool:
 class VLLMServer:
     """One real vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``)."""
 
-    def __init__(self, model: Path, log: Path, *args: str, dev_mode: bool = True, env: dict | None = None):
+    def __init__(self, model: Path, log: Path, *args: str, dev_mode: bool = True, env: dict | None = None,
+                 port: int | None = None):
         python = require_vllm()
-        port = _free_port()
+        port = port or _free_port()  # a port given: a server restarted where its clients expect it
+        self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.model, self.log = Path(model), Path(log)
         environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -115,7 +117,7 @@ class VLLMServer:
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                    "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--seed", "0",
                    "--disable-log-stats", *args]
-        self._log_file = open(self.log, "w")
+        self._log_file = open(self.log, "a")  # a restart's log after the first one's
         self.proc = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=environ,
                                      start_new_session=True, cwd=self.log.parent)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -127,6 +129,15 @@ class VLLMServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        """SIGKILL to the server's process group, as a crash: nothing is answered, nothing cleaned up."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log_file.close()
 
     def stop(self) -> None:
         """SIGTERM to the server's process group (API server, engine core, worker), SIGKILL after 60 s."""

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from glmpost.checkpoints import CheckpointRoot, version_dir_name
 from glmpost.config import ConfigError, setting
-from glmpost.evaluation.run import PER_RUN_OPTIONS, STAGE, EvalConfig, run_eval
+from glmpost.evaluation.run import PER_RUN_OPTIONS, STAGE, EvalConfig, describe_scores, run_eval
 from glmpost.locks import output_lock
 from glmpost.rollout.settings import RolloutConfig
 from glmpost.stage import MetricsWriter, check_same_options, log, stop_on_signals, write_stage_json
@@ -76,9 +76,8 @@ def follow_eval(config: EvalConfig, follow: EvalFollowConfig, sampling: RolloutC
                                metrics=metrics)
             evaluated.append(version)
             reports[version_dir_name(version)] = summary["report"]["overall"]
-            log(f"evaluated {version_dir_name(version)}: " + ", ".join(
-                f"{key} {value:.4f}" for key, value in summary["report"]["overall"].items()
-                if isinstance(value, float)))
+            log(f"evaluated {version_dir_name(version)}: "
+                + describe_scores(summary["report"]["overall"], threshold=config.threshold))
             idle_since = time.monotonic()
     if flags["signal"] is not None:
         log(f"{flags['signal']}: stopped after {len(evaluated)} versions")

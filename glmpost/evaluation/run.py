@@ -176,6 +176,22 @@ def _aggregate(prompts: list[dict[str, float]], n: int) -> dict[str, Any]:
             "failures": int(sum(p["failures"] for p in prompts))}
 
 
+def describe_scores(overall: dict[str, Any], *, threshold: float) -> str:
+    """The ``overall`` metrics of a report as one line saying what each is: avg@n, pass@k and maj@n
+    count a response correct only at a verifier score of at least ``threshold``, while score_mean
+    is the mean verifier score itself (partial credit: ``count`` scores the fraction of matching
+    tokens), so it can be above 0 while avg@n is 0."""
+    kinds = ("avg@", "pass@", "maj@")
+    counted = ", ".join(f"{key} {overall[key]:.4f}" for kind in kinds for key in overall
+                        if key.startswith(kind) and isinstance(overall[key], float))
+    text = f"{counted} (a response counts as correct at a verifier score >= {threshold:g})"
+    if isinstance(overall.get("score_mean"), float):
+        avg = next((key for key in overall if key.startswith("avg@")), "avg@n")
+        text += (f", score_mean {overall['score_mean']:.4f} (the mean verifier score: partial credit counts, so it can "
+                 f"be above 0 when {avg} is 0)")
+    return text
+
+
 def report_metrics(report: dict[str, Any]) -> dict[str, Any]:
     """The report's scalars as one metrics line: ``eval/METRIC`` overall, ``eval/DOMAIN/METRIC`` per domain."""
     line = {f"eval/{key}": value for key, value in report["overall"].items()}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from glmpost.checkpoints import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint, tokenizer_revision
+from glmpost.checkpoints import MANIFEST, CheckpointError, check_finite_weight, read_manifest, resolve_checkpoint, tokenizer_revision
 from glmpost.config import ConfigError
 from glmpost.errors import first_line
 from glmpost.kernel.lora import apply_adapter
@@ -156,23 +156,13 @@ def partitioned(model) -> bool:
 
 
 def check_finite(model, directory: Path) -> None:
-    """Refuse a checkpoint holding NaN or infinite weights (a diverged run wrote it, or the file was
-    damaged), naming the first tensor, before anything samples or trains from it. Looked at in
-    slices, so the check holds no more than a slice's mask beside the weights."""
+    """Refuse a checkpoint holding NaN or infinite weights, naming the first tensor
+    (:func:`~glmpost.checkpoints.check_finite_weight`), before anything samples or trains from it."""
     import torch
 
     with torch.no_grad():
         for name, tensor in model.named_parameters():
-            tensor = getattr(tensor, "ds_tensor", tensor)  # ZeRO-3: this rank's share
-            if not tensor.is_floating_point():
-                continue
-            flat = tensor.detach().reshape(-1)
-            for start in range(0, flat.numel(), 1 << 24):
-                part = flat[start:start + (1 << 24)]
-                if not bool(torch.isfinite(part).all()):
-                    bad = int((~torch.isfinite(part)).sum())
-                    raise CheckpointError(f"{directory}: weight {name} holds {bad}+ NaN or infinite value(s); this "
-                                          "checkpoint cannot be sampled or trained from (a diverged run, or a damaged file)")
+            check_finite_weight(directory, name, getattr(tensor, "ds_tensor", tensor))  # ZeRO-3: this rank's share
 
 
 def apply_attention(model, attention: str) -> int:

@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmpost.checkpoints import MANIFEST, CheckpointManifest, read_manifest, tokenizer_revision, write_manifest
+from glmpost.checkpoints import (
+    MANIFEST,
+    CheckpointManifest,
+    check_finite_weight,
+    read_manifest,
+    tokenizer_revision,
+    write_manifest,
+)
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.fsutil import current_umask, fsync_path
@@ -219,8 +226,6 @@ def quantize_checkpoint(src: Path, staging: Path, files: list[Path], plan: Layer
     config, the other files of the checkpoint and a manifest (policy version kept, stage quantize)."""
     import shutil
 
-    import torch
-
     result = QuantizeResult(layers=len(plan.chosen))
     chosen = set(plan.chosen)
     writer = SafetensorsWriter(staging)
@@ -229,8 +234,7 @@ def quantize_checkpoint(src: Path, staging: Path, files: list[Path], plan: Layer
             for key in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                 t = sf.get_tensor(key)
                 result.bytes_in += t.numel() * t.element_size()
-                if _module(key) in chosen and t.numel() and not bool(torch.isfinite(t).all()):
-                    raise GlmpostError(f"{f}: {key} holds inf or NaN; cannot quantize it")  # a NaN scale otherwise
+                check_finite_weight(f, key, t, use="quantized or served")  # every weight, packed or copied
                 encoded, _, row = encode_tensor(key, t, spec=spec, fmt=fmt, chosen=chosen, measure=True)
                 if row is not None:
                     result.rows.append(row)

@@ -101,7 +101,7 @@ class PolicyGradientConfig(OptimizerConfig):
             "eps_low": 0 <= self.eps_low < 1,
             "dis_low": 0 <= self.dis_low < 1,
             "icepop_beta": self.icepop_beta >= 1,
-        })
+        }, eps_low="in [0, 1)", dis_low="in [0, 1)", icepop_beta=">= 1")
         unknown = [n for n in self.trust_mask if n not in TRUST_MASKS]
         if unknown or not self.trust_mask:
             raise SettingError("trust_mask", unknown[0] if unknown else self.trust_mask,

@@ -52,15 +52,21 @@ class OptimizerConfig:
         """Every field within the ``min`` / ``max`` its setting declares (the bounds the command line
         enforces too), and the rules a bound cannot say; subclasses add theirs."""
         self._require({"lr": self.lr > 0, "lr_schedule": self.lr_schedule in LR_SCHEDULES,
-                       "lr_decay_steps": self.lr_schedule == "constant" or self.lr_decay_steps > self.lr_warmup_steps})
+                       "lr_decay_steps": self.lr_schedule == "constant" or self.lr_decay_steps > self.lr_warmup_steps},
+                      lr="> 0")
         for f in dataclasses.fields(self):
             low, high, value = f.metadata.get("min"), f.metadata.get("max"), getattr(self, f.name)
             if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
-                raise SettingError(f.name, value, "is out of range")
+                raise SettingError(f.name, value, "is out of range: must be " + (
+                    f"in [{low:g}, {high:g}]" if low is not None and high is not None else
+                    f">= {low:g}" if low is not None else f"<= {high:g}"))
 
-    def _require(self, checks: dict[str, bool]) -> None:
+    def _require(self, checks: dict[str, bool], **ranges: str) -> None:
+        """Refuse the first of ``checks`` (field -> whether its value is good) that fails; ``ranges``:
+        the range a field must be in, as the message says it (``lr="> 0"``)."""
         reasons = {"lr_schedule": f"is not one of {', '.join(LR_SCHEDULES)}",
-                   "lr_decay_steps": f"must be above the warmup's {self.lr_warmup_steps} steps for a {self.lr_schedule} decay"}
+                   "lr_decay_steps": f"must be above the warmup's {self.lr_warmup_steps} steps for a {self.lr_schedule} decay",
+                   **{name: f"is out of range: must be {bound}" for name, bound in ranges.items()}}
         for name, ok in checks.items():
             if not ok:
                 raise SettingError(name, getattr(self, name), reasons.get(name, "is out of range"))

@@ -70,7 +70,7 @@ class HeldRun:
             if self.core is not None:
                 self.core.close()
         finally:
-            self._held.close()
+            self._held.__exit__(*exc)  # the root's lock sees what ended the run (a full disk: named)
 
     @property
     def plan(self) -> NextVersion:

@@ -13,13 +13,15 @@ update and publishes it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from glmpost.checkpoints import NextVersion, version_dir_name
 from glmpost.config import ConfigError
 from glmpost.rl.jobs import RunResult, TrainingJob, Update, too_few_examples
 from glmpost.rl.held_run import HeldRun
-from glmpost.rl.run import TrainingCore
+from glmpost.rl.run import RunOptions, TrainingCore
 from glmpost.stage import check_same_options, log
 
 # Options that say how a run executes, not what it trains: a rerun may change them (init_critic only
@@ -29,6 +31,10 @@ RERUN_IGNORED = ("config", "resume", "save_every", "init_critic", "activation_ch
 
 class RunOnce(HeldRun):
     """One update from ``checkpoint`` to its next version under ``out`` (module doc)."""
+
+    def __init__(self, checkpoint: Path | str, out: Path | str, options: RunOptions, *, stage: str):
+        super().__init__(checkpoint, out, options, stage=stage)
+        self._done: tuple[Path, int] | None = None  # a version that was this update already
 
     def open_core(self) -> TrainingCore:
         plan = NextVersion.plan(self.checkpoint, self.out)
@@ -41,7 +47,7 @@ class RunOnce(HeldRun):
         ``overwrite`` trains it again and replaces it, when no later version was trained from it."""
         target = self.plan.target
         if not target.exists():
-            return False
+            return self._parent_is_this_update(stage_options)
         if self.options.overwrite:
             later = [v for v in self.plan.root.versions() if v > self.plan.version]
             if later:
@@ -52,9 +58,29 @@ class RunOnce(HeldRun):
         check_same_options(target, self.stage, stage_options, ignore=RERUN_IGNORED, overwrite=False)
         return True
 
+    def _parent_is_this_update(self, stage_options: dict[str, Any]) -> bool:
+        """Whether ``checkpoint`` named this root (not one of its versions) and its newest version was
+        trained from these inputs with these options (the same command run again after it published: done, not an
+        update of that version from records it already trained on)."""
+        parent = self.plan.parent  # the root's LATEST: a version named explicitly is a new update of it
+        if self.options.overwrite or Path(self.checkpoint).resolve() != self.out.resolve():
+            return False
+        try:
+            before = json.loads((parent / "stage.json").read_text())
+        except (OSError, ValueError):
+            return False
+        earlier, ignore = before.get("options", {}), (*RERUN_IGNORED, "checkpoint")
+        if before.get("stage") != self.stage or any(key not in earlier or earlier[key] != value
+                                                    for key, value in stage_options.items() if key not in ignore):
+            return False
+        log(f"{parent} was trained from these inputs with these options; nothing to do (already done)")
+        self._done = (parent, self.plan.parent_version)
+        return True
+
     def skipped(self) -> dict[str, Any]:
         """The summary of an update whose version was already published."""
-        return {"out": str(self.plan.target), "skipped": True, "policy_version": self.plan.version}
+        target, version = self._done or (self.plan.target, self.plan.version)
+        return {"out": str(target), "skipped": True, "policy_version": version}
 
     def check_staging(self) -> None:
         staging = self.plan.staging

@@ -75,7 +75,7 @@ class SAOConfig(PolicyGradientConfig):
 
     def validate(self) -> None:
         super().validate()
-        self._require({"critic_lr": self.critic_lr > 0})
+        self._require({"critic_lr": self.critic_lr > 0}, critic_lr="> 0")
         unknown = [group for group in self.critic_train if group not in OPTIONAL_CRITIC_GROUPS]
         if unknown:
             raise SettingError("critic_train", unknown[0], f"is not one of {', '.join(OPTIONAL_CRITIC_GROUPS)}")

@@ -18,7 +18,7 @@ from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError
 from glmpost.formats import iter_checked_records, resolve_shard_paths
 from glmpost.formats.prompts import encode_prompt, read_prompts
-from glmpost.formats.sources import ColumnsConfig, is_prompt_source, source_rows
+from glmpost.formats.sources import ColumnsConfig, check_not_mixed, is_prompt_source, source_rows
 from glmpost.kernel.engine import Completion, SamplingParams
 from glmpost.kernel.sglang_sampling import explicit
 
@@ -52,7 +52,8 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
     and ``tools`` when given) or shards (their prompt ids, as recorded).
 
     Shards are accepted so a stage can resample the prompts of earlier trajectories; their records
-    must have been tokenized with the same tokenizer revision. Prompt ids must be unique across
+    must have been tokenized with the same tokenizer revision. A directory holding both shards and
+    prompt files is refused (:func:`~glmpost.formats.sources.check_not_mixed`). Prompt ids must be unique across
     inputs (records of one prompt in a shard collapse into one prompt).
     """
     prompts: list[RolloutPrompt] = []
@@ -65,6 +66,7 @@ def load_rollout_prompts(inputs: Sequence[str | Path], tokenizer, revision: str,
                 ids = encode_prompt(tokenizer, prompt.messages, tools, template_kwargs)
                 _add(prompts, seen, RolloutPrompt(prompt.id, ids, prompt.domain, prompt.task, where))
             continue
+        check_not_mixed(path)
         for shard in resolve_shard_paths([item]):
             for index, (record, _) in enumerate(iter_checked_records([shard], revision=revision, stage="rollout")):
                 where = f"{shard}: record {index}"

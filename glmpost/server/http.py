@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import sys
 import threading
 import time
 import urllib.parse
@@ -85,6 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             raise RequestError("Content-Length is not a number") from None
+        if length < 0:  # refused before anything is read (a read of -N reads to the end of the stream)
+            self.close_connection = True
+            raise RequestError(f"Content-Length {length} is negative", 400)
         if length > self.max_body_bytes:  # refused before it is read
             self.close_connection = True
             raise RequestError(f"the request body has {length} bytes, more than the {self.max_body_bytes} this server "
@@ -179,6 +183,14 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left before its request was read (reset, closed): one line, no traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log(f"{client_address[0]}:{client_address[1]} left before its request was read ({type(exc).__name__})")
+            return
+        super().handle_error(request, client_address)
+
 
 def make_http_server(engine: EngineServer, host: str, port: int, *, quiet: bool = True, api_key: Optional[str] = None,
                      admin_api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
@@ -216,13 +228,29 @@ def serve_until_signalled(engine: EngineServer, server: ThreadingHTTPServer, *, 
                 if next_tick <= time.monotonic():  # a slow tick: skip the missed ones, no backlog
                     next_tick = time.monotonic() + tick_s
     finally:
+        engine.stop()  # queued work answered 503 at once, the batch running finishes; the loop still accepts
         server.shutdown()
-        server.server_close()
-        engine.stop()
+        _answer_backlog(server)
+        server.server_close()  # waits for every handler
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if on_tick is not None:
             on_tick(True)
+
+
+def _answer_backlog(server: ThreadingHTTPServer, *, quiet_s: float = 0.2, limit_s: float = 5.0) -> None:
+    """Connections the kernel took into the listen backlog after the serve loop stopped, handled
+    (a stopped engine answers 503 with Retry-After) instead of reset by closing the socket: until none
+    came for ``quiet_s`` seconds, for ``limit_s`` at most (a client that comes later is refused)."""
+    server.socket.settimeout(quiet_s)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            request, address = server.socket.accept()
+        except OSError:  # none came (a timeout), or the socket is gone
+            return
+        request.settimeout(None)
+        server.process_request(request, address)
 
 
 def bound_address(server: ThreadingHTTPServer) -> tuple[str, int]:

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmpost.checkpoints import MANIFEST, TOKENIZER_FILES, CheckpointError, read_manifest, resolve_checkpoint
+from glmpost.checkpoints import (
+    MANIFEST,
+    TOKENIZER_FILES,
+    CheckpointError,
+    check_finite_weight,
+    read_manifest,
+    resolve_checkpoint,
+)
 from glmpost.config import ConfigError
 from glmpost.errors import GlmpostError, UsageError
 from glmpost.fsutil import fsync_path
@@ -314,6 +321,7 @@ def convert(
     writer = SafetensorsWriter(staging, max_bytes=max_shard_bytes)
 
     def encode(name: str, t) -> tuple:
+        check_finite_weight(source.path, name, t, use="published")  # before anything is published
         if cast is not None and t.is_floating_point() and t.dtype != cast:
             t = t.to(cast)
         encoded, module, _ = encode_tensor(name, t, spec=spec, fmt=None, chosen=chosen)

@@ -22,12 +22,14 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from glmpost.checkpoints import (
+    LATEST,
     MANIFEST,
     CheckpointManifest,
     CheckpointRoot,
     model_folder_problem,
     read_manifest,
     tokenizer_revision,
+    version_dir_name,
     write_manifest,
 )
 from glmpost.config import ConfigError, setting
@@ -297,6 +299,9 @@ def _publish_and_switch(config: SyncConfig, urls: list[str], source: TrainSource
         stale = clean_stale_staging(out)
         if stale:
             log(f"removed staging left by an interrupted sync: {', '.join(stale)}")
+        repaired = root.repair_latest()  # a sync killed between moving a version in and moving LATEST
+        if repaired is not None:
+            log(f"{out}: {LATEST} named {repaired[0] or 'nothing'}, but {version_dir_name(repaired[1])} was published; moved it")
         latest = root.latest()
         target = root.version_dir(version)
         convert_summary: dict[str, Any] = {}
