@@ -202,4 +202,6 @@ def test_bin_async_rl_with_a_real_vllm(synced_server, tmp_path):
     first = read_manifest(start).policy_version
     rolled = Spool(run_dir / "rolled", tokenizer_revision=tokenizer_revision(start), create=False)
     stamps = {int(v) for path in _all_shards(rolled) for r in ShardReader(path) for v in set(r["policy_versions"].tolist())}
-    assert first in stamps and stamps <= {first, *trained}, (stamps, first, trained)
+    # -1: a generate call during which the server's label moved (a sync landed mid-call; more likely on a
+    # loaded machine), stamped unknown rather than a version nobody confirmed (docs/guide.md, vLLM versions).
+    assert first in stamps and stamps <= {first, *trained, -1}, (stamps, first, trained)
