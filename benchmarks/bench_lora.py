@@ -18,29 +18,19 @@ linear layer of attention and MLP (the default targets: q k v o gate up down). R
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench_scale import GLMPOST, RECIPE, ROOT, build, run_watched
-from reporting import emit
+from bench_scale import GLMPOST, build, judged_batch, run_layout, run_watched
 
 LORA = ["--lora-rank", "16", "--lora-alpha", "32"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-lora-") as work:  # GiB of checkpoints: gone afterwards
-        emit(measure(Path(work), args.hidden, args.layers), args.out)
+    run_layout(measure, __doc__, "bench-lora-")
 
 
 def _step(version: Path) -> dict:
@@ -51,13 +41,7 @@ def _step(version: Path) -> dict:
 def measure(work: Path, hidden: int, layers: int) -> dict:
     env = {**os.environ, "TQDM_DISABLE": "1"}
     model, parameters = build(work, hidden, layers)
-    common = ["--config", str(RECIPE)]
-    subprocess.run([*GLMPOST, "rollout", str(ROOT / "recipes" / "data" / "count-train.jsonl"), *common, "--checkpoint", str(model),
-                    "--out", str(work / "rollout"), "--limit", "4", "--group-size", "4", "--max-new-tokens", "16", "--seed", "3"],
-                   check=True, capture_output=True, env=env, cwd=ROOT)
-    subprocess.run([*GLMPOST, "judge", str(work / "rollout"), *common, "--checkpoint", str(model), "--out", str(work / "judged")],
-                   check=True, capture_output=True, env=env, cwd=ROOT)
-    train = [*GLMPOST, "train-grpo", str(work / "judged"), *common, "--checkpoint", str(model), "--epochs", "1", "--mini-batches", "1"]
+    train = [*GLMPOST, *judged_batch(work, model, env)]
     runs = {}
     for name, extra in (("full", []), ("lora", LORA)):
         started = time.perf_counter()

@@ -92,26 +92,38 @@ def build(work: Path, hidden: int, layers: int) -> tuple[Path, int]:
     return folder, parameters
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_layout(measure_in, description: str, prefix: str) -> None:
+    """A benchmark's command line on a layout (--hidden, --layers; default the 253M one) and --out:
+    ``measure_in(work, hidden, layers)`` in a scratch folder, emitted."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as work:  # several GiB of checkpoints: gone afterwards
-        emit(measure(Path(work), args.hidden, args.layers), args.out)
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:  # several GiB of checkpoints: gone afterwards
+        emit(measure_in(Path(work), args.hidden, args.layers), args.out)
 
 
-def measure(work: Path, hidden: int, layers: int) -> dict:
-    env = {**os.environ, "TQDM_DISABLE": "1", "DS_ACCELERATOR": "cpu"}
-    model, parameters = build(work, hidden, layers)
+def main() -> None:
+    run_layout(measure, __doc__, "bench-scale-")
+
+
+def judged_batch(work: Path, model: Path, env: dict) -> list[str]:
+    """Roll out and judge 4 prompts x 4 samples of the count task with ``model`` into ``work/judged``;
+    returns the train-grpo arguments (after the command name) of one update on them."""
     common = ["--config", str(RECIPE)]
     subprocess.run([*GLMPOST, "rollout", str(ROOT / "recipes" / "data" / "count-train.jsonl"), *common, "--checkpoint", str(model),
                     "--out", str(work / "rollout"), "--limit", "4", "--group-size", "4", "--max-new-tokens", "16", "--seed", "3"],
                    check=True, capture_output=True, env=env, cwd=ROOT)
     subprocess.run([*GLMPOST, "judge", str(work / "rollout"), *common, "--checkpoint", str(model), "--out", str(work / "judged")],
                    check=True, capture_output=True, env=env, cwd=ROOT)
-    train = ["train-grpo", str(work / "judged"), *common, "--checkpoint", str(model), "--epochs", "1", "--mini-batches", "1"]
+    return ["train-grpo", str(work / "judged"), *common, "--checkpoint", str(model), "--epochs", "1", "--mini-batches", "1"]
+
+
+def measure(work: Path, hidden: int, layers: int) -> dict:
+    env = {**os.environ, "TQDM_DISABLE": "1", "DS_ACCELERATOR": "cpu"}
+    model, parameters = build(work, hidden, layers)
+    train = judged_batch(work, model, env)
     started = time.perf_counter()
     imports, _ = run_watched([sys.executable, "-c", "import deepspeed, transformers, glmpost.rl.run"], env)
     one, _ = run_watched([*GLMPOST, *train, "--out", str(work / "one")], env)

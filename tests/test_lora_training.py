@@ -567,50 +567,22 @@ def test_lora_grpo_raises_the_count_reward_as_full_fine_tuning_does(tiny_checkpo
     (lr 3e-3 to 1e-1): its digits' output rows are random and only the head moves them directly."""
     from types import SimpleNamespace
 
-    from test_learning import NEW_TOKENS, TASK, _reward
+    from test_learning import count_task_learning
 
-    from glmpost.formats.prompts import encode_prompt, read_prompts
-    from glmpost.kernel.engine import LocalEngine, SamplingParams
     from glmpost.kernel.loading import load_model, load_tokenizer
     from glmpost.kernel.lora import default_targets
-    from glmpost.rl.batches import prepare_batch
     from glmpost.rl.configs import GRPOConfig
     from glmpost.rl.lora_training import LoraTraining
-    from glmpost.rollout.records import RolloutPrompt, rollout_record
 
     tokenizer, revision = load_tokenizer(tiny_checkpoint)
     lora = LoraTraining(LoraSettings(8, 16.0, (*default_targets(load_model(tiny_checkpoint)), "lm_head")), tiny_checkpoint)
     model = lora.load(tiny_checkpoint, SimpleNamespace(precision="fp32", device="cpu"), deterministic_topk=True, attention="native")
-    prompts = [RolloutPrompt(p.id, encode_prompt(tokenizer, p.messages), p.domain, p.task) for p in read_prompts(TASK)]
-    engine = LocalEngine(model, batch_size=128, pad_token_id=tokenizer.pad_token_id)
     config = GRPOConfig(lr=3e-3, epochs=2, mini_batches=2, micro_batch_size=128, seed=1)
     trainer = PolicyTrainer(model, config, pad_token_id=tokenizer.pad_token_id, backend=LoraTorchBackend(model, config, lora=lora))
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) < 0.2 * sum(p.numel() for p in model.parameters())
-
-    def run(iteration: int, *, temperature: float, group_size: int):
-        params = SamplingParams(temperature=temperature, max_new_tokens=NEW_TOKENS, seed=iteration)
-        keys = [f"{p.prompt_id}/{i}" for p in prompts for i in range(group_size)]
-        completions = engine.generate([p.token_ids for p in prompts for _ in range(group_size)], keys, params)
-        records = []
-        for index, completion in enumerate(completions):
-            record = rollout_record(prompts[index // group_size], completion, sample_index=index % group_size,
-                                    params=params, policy_version=iteration, tokenizer_revision=revision, engine={})
-            record["reward"] = _reward(tokenizer, record)
-            records.append(record)
-        return records
-
-    def greedy_reward() -> float:
-        return float(np.mean([r["reward"] for r in run(-1, temperature=0.0, group_size=1)]))
-
-    before = greedy_reward()
-    curve = []
-    for iteration in range(60):
-        batch = prepare_batch(run(iteration, temperature=1.0, group_size=8))
-        curve.append(float(batch.rewards.mean()))
-        trainer.train(batch.examples)
-    after = greedy_reward()
-    first, last = np.mean(curve[:5]), np.mean(curve[-5:])
-    print(json.dumps({"greedy_before": before, "greedy_after": after, "first5": first, "last5": last}))
+    run = count_task_learning(model, trainer, tokenizer, revision, iterations=60)
+    curve, first, last, before, after = run["curve"], run["first5"], run["last5"], run["greedy_before"], run["greedy_after"]
+    print(json.dumps({k: run[k] for k in ("greedy_before", "greedy_after", "first5", "last5")}))
     assert first < 0.01  # chance is about 0.002
     assert last >= 0.05 and last >= 10 * max(first, 1e-3), curve
     assert after > before

@@ -12,24 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from test_hardening_outputs import _holder
 
 from glmpost.locks import OutputLocked, output_lock
 
-HOLD = """
-import sys, time
-from pathlib import Path
-from glmpost.locks import output_lock
-with output_lock(Path(sys.argv[1]), stage="holder", task=None if len(sys.argv) < 3 else (int(sys.argv[2]), int(sys.argv[3]))):
-    print("held", flush=True)
-    time.sleep(600)
-"""
-
-
-def _holder(out: Path, *task: int) -> subprocess.Popen:
-    """Another process holding ``out``'s lock (a task's, given ``index count``) until killed."""
-    process = subprocess.Popen([sys.executable, "-c", HOLD, str(out), *map(str, task)], stdout=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "held"
-    return process
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import pytest
 from conftest import run_glmpost
 from test_async_rl import _all_shards
 from test_vllm_faults import served  # noqa: F401  (the fixture: a root v000000 and a real vLLM serving it)
+from vllm_server import kill_group
 
 from glmpost.checkpoints import CheckpointRoot, read_manifest, tokenizer_revision
 from glmpost.formats import ShardReader
@@ -65,11 +65,7 @@ class Stage:
 
     def kill(self) -> None:
         """SIGKILL to the whole process group: nothing is flushed, nothing cleaned up."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        kill_group(self.proc)
 
     def tail(self) -> str:
         return f"--- {self.log}:\n" + self.log.read_text(errors="replace")[-3000:]

@@ -132,11 +132,7 @@ class VLLMServer:
 
     def kill(self) -> None:
         """SIGKILL to the server's process group, as a crash: nothing is answered, nothing cleaned up."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        kill_group(self.proc)
         self._log_file.close()
 
     def stop(self) -> None:
@@ -155,3 +151,12 @@ class VLLMServer:
         except (ProcessLookupError, PermissionError):
             pass
         self._log_file.close()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to ``proc``'s whole process group (started with ``start_new_session``), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
