@@ -340,6 +340,11 @@ def test_a_rerun_naming_the_root_after_publishing_is_already_done(glmpost_cli, t
     assert CheckpointRoot(root).versions() == [1]
     other = glmpost_cli("train-grpo", judged, "--checkpoint", root, "--out", root, "--lr", "2e-6")  # another update
     assert other.exit_code == 2 and "1 behind --checkpoint's 1" in other.stderr
+    # Admitting records a version old asks for the next update on them (tests/test_trackers.py: the same
+    # options, --max-version-lag 1 in both runs, train a second update; they are not "already done").
+    lagged = glmpost_cli("train-grpo", judged, "--checkpoint", root, "--out", root, "--max-version-lag", "1", "--json")
+    assert lagged.exit_code == 0, lagged.stderr
+    assert json.loads(lagged.stdout)["policy_version"] == 2 and CheckpointRoot(root).versions() == [1, 2]
 
 
 def test_serve_answers_a_negative_content_length_400_and_a_client_leaving_early_is_one_line(tiny_checkpoint):

@@ -61,9 +61,11 @@ class RunOnce(HeldRun):
     def _parent_is_this_update(self, stage_options: dict[str, Any]) -> bool:
         """Whether ``checkpoint`` named this root (not one of its versions) and its newest version was
         trained from these inputs with these options (the same command run again after it published: done, not an
-        update of that version from records it already trained on)."""
+        update of that version from records it already trained on). Options that admit records sampled
+        versions before ``checkpoint`` (``max_version_lag`` >= 1) ask for that update: it trains."""
         parent = self.plan.parent  # the root's LATEST: a version named explicitly is a new update of it
-        if self.options.overwrite or Path(self.checkpoint).resolve() != self.out.resolve():
+        if (self.options.overwrite or Path(self.checkpoint).resolve() != self.out.resolve()
+                or stage_options.get("max_version_lag", 0)):
             return False
         try:
             before = json.loads((parent / "stage.json").read_text())
