@@ -10,6 +10,8 @@ log-probs) are float-rounding close, not bitwise (tests/README.md, "Float equali
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -156,9 +158,17 @@ def test_sync_weights_while_a_rollout_runs_loses_nothing_and_stamps_each_token(g
     deadline = time.monotonic() + 600
     while not list((tmp_path / "r").glob("**/*.zst")) and rollout.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # a first part is written: the rollout is under way
-    synced = glmpost_cli("sync-weights", "--checkpoint", trained, "--out", served, "--server", server.url,
-                         "--engine", "vllm", "--json")
+    # Held (SIGSTOP) while the sync runs, so that parts remain to be sampled after the switch however
+    # slow the sync is on a loaded machine; a request in flight finishes on the server meanwhile.
     still_running = rollout.poll() is None
+    if still_running:
+        os.kill(rollout.pid, signal.SIGSTOP)
+    try:
+        synced = glmpost_cli("sync-weights", "--checkpoint", trained, "--out", served, "--server", server.url,
+                             "--engine", "vllm", "--json")
+    finally:
+        if still_running:
+            os.kill(rollout.pid, signal.SIGCONT)
     out, err = rollout.communicate(timeout=900)
     assert synced.exit_code == 0, synced.stderr
     assert json.loads(synced.stdout)["servers"][0]["status"] == "updated"
