@@ -7,6 +7,7 @@ before letting the root go. :class:`HeldRun` is that frame; :class:`~glmpost.rl.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from pathlib import Path
@@ -44,7 +45,7 @@ def hold_root(out: Path, stage: str) -> Iterator[None]:
         yield
 
 
-class HeldRun:
+class HeldRun(abc.ABC):
     """``with`` a run: the root held (:func:`hold_root`) and the core :meth:`open_core` plans, closed
     on the way out whatever happened."""
 
@@ -54,9 +55,9 @@ class HeldRun:
         self.core: TrainingCore | None = None
         self._held = contextlib.ExitStack()
 
+    @abc.abstractmethod
     def open_core(self) -> TrainingCore:
-        """The core this run trains on, planned once the root is held."""
-        raise NotImplementedError
+        """The core this run trains on, planned once the root is held (each kind of run says which)."""
 
     def __enter__(self):
         with contextlib.ExitStack() as held:
