@@ -82,7 +82,10 @@ switch between turns, --kv-on-switch recompute drops the trajectories' KV caches
 prefills under the new weights) and keep reuses them, recording in extra.kv_cache.stale_turns the
 turns that attended to the old weights' keys and values (diff-logprobs reports them apart). A
 restart skips the parts the spool holds; SIGTERM stops after the part in progress, --max-rounds
-after that many rounds (formats/SPEC.md §12).
+after that many rounds (formats/SPEC.md §12). --max-queued N waits before a part while N shards
+wait in the spool and the --queue spools; with servers, --max-server-lag N waits before a part while
+a server samples a version more than N behind --reload-root's LATEST (until sync-weights moves it),
+so no record is sampled further behind than that.
 
 Work is split by --shard-index/--num-shards (Slurm array tasks) and written in parts of
 --prompts-per-shard prompts; a rerun writes only the parts that are missing. The same seed gives
@@ -105,7 +108,8 @@ from glmpost.rollout.runner import RolloutRunner
 from glmpost.rollout.settings import RolloutConfig
 
 
-@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "queue", "kv_on_switch"))
+@with_options(RolloutFollowConfig, ("follow", "producer", "reload_root", "max_rounds", "max_queued", "max_server_lag", "queue",
+                                     "kv_on_switch"))
 @with_config(RolloutConfig)
 def rollout(
     ctx: typer.Context,

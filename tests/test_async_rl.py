@@ -250,3 +250,52 @@ def test_max_queued_holds_the_producer_until_the_consumer_catches_up(tiny_checkp
     assert producing.returncode == 0, err
     summary = json.loads(out)
     assert summary["stopped_by"] == "SIGTERM" and summary["idle_fraction"] > 0
+
+
+def test_max_server_lag_holds_the_producer_until_sync_weights_moves_the_server(tiny_checkpoint, tmp_path):
+    """A server still sampling v0 while the policy root is at v2: with --max-server-lag 1 the rollout
+    samples nothing (it says whom it waits for) until sync-weights moves the server to v2."""
+    import dataclasses
+    import shutil
+
+    from serve_process import start_server, stop_server
+
+    from glmpost.checkpoints import read_manifest, write_manifest
+
+    (tmp_path / "policy").mkdir()
+    policy = CheckpointRoot(tmp_path / "policy")
+    for version in (1, 2):
+        staging = tmp_path / f"staging-{version}"
+        shutil.copytree(tiny_checkpoint, staging)
+        write_manifest(staging, dataclasses.replace(read_manifest(tiny_checkpoint), policy_version=version))
+        policy.publish(staging, version)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}"}) + "\n" for d in range(4)))
+    spool = Spool(tmp_path / "rolled", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
+    server, url = start_server(tiny_checkpoint)  # serves v0
+    log = tmp_path / "rollout.log"
+    try:
+        producing = subprocess.Popen([*GLMPOST, "rollout", str(prompts), "--checkpoint", str(policy.path), "--follow",
+                                      str(spool.path), "--engine", "sglang", "--server", url, "--group-size", "2",
+                                      "--max-new-tokens", "4", "--prompts-per-shard", "2", "--max-rounds", "1",
+                                      "--max-server-lag", "1", "--json"], stdout=subprocess.PIPE, stderr=open(log, "w"),
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _wait("the rollout to wait", lambda: "waiting for the servers to sample v1 or newer" in log.read_text())
+        time.sleep(2)
+        assert not _all_shards(spool) and producing.poll() is None  # held: nothing sampled at v0
+        assert f"{url} at v0" in log.read_text()
+        synced = subprocess.run([*GLMPOST, "sync-weights", "--checkpoint", str(policy.path), "--out", str(tmp_path / "served"),
+                                 "--server", url], capture_output=True, text=True, timeout=300)
+        assert synced.returncode == 0, synced.stderr
+        out, _ = producing.communicate(timeout=300)
+    finally:
+        if producing.poll() is None:
+            producing.kill()
+        stop_server(server)
+    assert producing.returncode == 0, log.read_text()
+    assert json.loads(out)["idle_fraction"] > 0
+    stamps = {int(v) for path in _all_shards(spool) for r in ShardReader(path) for v in r["policy_versions"].tolist()}
+    assert len(_all_shards(spool)) == 2 and stamps == {2}
+    (metrics_file,) = (spool.path / "producers").glob("*/metrics.jsonl")
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [line["rollout/server_lag"] for line in metrics] == [0, 0]

@@ -126,6 +126,8 @@ ADDED_45 = {("serve", "enable_lora"): False}
 # LoRA training (issue 45): the policy as a PEFT adapter in the policy-gradient trainers; 0 = full fine-tuning.
 ADDED_LORA = {(command, name): default for command in ("train-grpo", "opd-merge", "train-sao")
               for name, default in (("lora_rank", 0), ("lora_alpha", 16.0), ("lora_targets", []), ("lora_dropout", 0.0))}
+# The rollout waiting for the servers' weights (issue 47's soak: records sampled too far behind were dropped).
+ADDED_47 = {("rollout", "max_server_lag"): None}
 # Bounds issue 30 added (every option bounded, checked before any work).
 BOUNDS = {("rollout", "top_p"): {"max": 1.0}, ("sync-weights", "retries"): {"min": 0}, ("sync-weights", "backoff"): {"min": 0.0}}
 
@@ -164,7 +166,8 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
                     command, name) in ADDED_VLLM or (command, name) in ADDED_DATA or (command, name) in ADDED_TRACKERS or (
                     command, name) in ADDED_MATH or (command, name) in ADDED_VLLM_SERVE or (command, name) == ("serve", "max_model_len") or (
                     command, name) in ADDED_43 or (command, name) in ADDED_46_JUDGE or (
-                    command, name) in ADDED_46 or (command, name) in ADDED_45 or (command, name) in ADDED_LORA:
+                    command, name) in ADDED_46 or (command, name) in ADDED_45 or (command, name) in ADDED_LORA or (
+                    command, name) in ADDED_47:
                 continue
             if (command, name) in DATA_HELP:
                 assert "parquet" in after["help"] and "datasets directory" in after["help"].replace("directories", "directory")
@@ -205,6 +208,9 @@ def test_every_command_keeps_its_options_flags_defaults_and_help():
     for (command, name), default in ADDED_LORA.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--" + name.replace("_", "-")] and "LoRA" in row["help"]
+    for (command, name), default in ADDED_47.items():
+        row = now[command][name]
+        assert (row["default"], row["opts"], row["min"]) == (default, ["--max-server-lag"], 0) and "sync-weights" in row["help"]
     for (command, name), default in ADDED_MATH.items():
         row = now[command][name]
         assert row["default"] == default and row["opts"] == ["--math-checker"] and "normalise" in row["help"]

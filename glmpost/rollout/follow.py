@@ -23,7 +23,10 @@ stream in the spool (end of stream, formats/SPEC.md §12): the followers downstr
 have taken everything; a restart opens it again. ``--max-queued N`` waits before a part
 while N shards are published and not yet consumed (here and in the ``--queue`` spools
 downstream): a producer-side bound on staleness (AReaL's ``max_head_offpolicyness`` plays this
-role), the time waited is the rollout's idle fraction. Metrics and stage.json go to
+role), the time waited is the rollout's idle fraction. With servers, ``--max-server-lag N`` waits
+before a part while a server samples a version more than N behind ``--reload-root``'s LATEST (until
+sync-weights moves it): the rollout then never samples records a trainer's ``--max-staleness``
+would drop for the servers' lag (the metric ``rollout/server_lag``). Metrics and stage.json go to
 ``SPOOL/producers/PRODUCER/``.
 """
 
@@ -38,8 +41,9 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from glmpost.checkpoints import LATEST
+from glmpost.checkpoints import LATEST, CheckpointRoot
 from glmpost.config import ConfigError, setting
+from glmpost.formats.schema import UNKNOWN_VERSION
 from glmpost.locks import output_lock
 from glmpost.npu import resolve_device
 from glmpost.rollout.parts import STAGE, shard_metrics, task_parts
@@ -48,7 +52,7 @@ from glmpost.rollout.refill import refill_metrics
 from glmpost.rollout.runner import RolloutRunner
 from glmpost.rollout.settings import RolloutConfig
 from glmpost.spool.spool import Spool
-from glmpost.stage import MetricsWriter, stop_on_signals, write_stage_json
+from glmpost.stage import MetricsWriter, log, stop_on_signals, write_stage_json
 
 
 @dataclass
@@ -67,6 +71,11 @@ class RolloutFollowConfig:
     max_queued: Optional[int] = setting(
         None, "With --follow: wait before a part while this many shards are published but not yet consumed (in the spool "
         "and the --queue spools): bounds how many versions old a trajectory is when it is trained (default: no bound).", min=1)
+    max_server_lag: Optional[int] = setting(
+        None, "With --follow and --server: before each part, wait while a server samples a version more than this many "
+        "behind --reload-root's LATEST (or one it cannot tell), until sync-weights moves it: records are then never "
+        "sampled further behind than this, so a trainer's --max-staleness drops none for server lag (default: no wait).",
+        min=0)
     queue: list[Path] = setting([], "With --max-queued: further spools whose waiting shards count (downstream ones, e.g. the "
                                 "judged spool the trainer consumes). Repeatable.")
     kv_on_switch: str = setting(
@@ -97,6 +106,11 @@ def _queued(spools: list[Spool]) -> int:
     return total
 
 
+def _behind(servers: list[str], versions: list[int], newest: int, lag: int) -> list[tuple[str, int]]:
+    """The servers (with their versions) that sample more than ``lag`` versions before ``newest``, or an unknown one."""
+    return [(url, v) for url, v in zip(servers, versions) if v == UNKNOWN_VERSION or newest - v > lag]
+
+
 class _Producer:
     """One ``rollout --follow`` run: the runner (its engine following the newest version), the spool
     it publishes into, and what it has done so far."""
@@ -121,6 +135,7 @@ class _Producer:
         self.runner.follow_weights(reload_root, keep_cache=follow.kv_on_switch == "keep", label=self.name)
         self.published, self.versions, self.rounds = 0, set(), 0
         self.waited, self.started = 0.0, time.monotonic()
+        self.server_lag = 0  # versions the furthest server was behind LATEST before the last part (--max-server-lag)
 
     def idle_fraction(self) -> float:
         return round(self.waited / max(time.monotonic() - self.started, 1e-9), 4)
@@ -131,6 +146,37 @@ class _Producer:
                and _queued(self.watched) >= self.follow.max_queued):
             time.sleep(0.1)
             self.waited += 0.1
+
+    def switch_within_lag(self, stop: dict) -> None:
+        """Switch to the newest version, then with ``--max-server-lag N`` wait (polling, counted as idle)
+        while a server samples a version more than N behind it, or one it cannot tell: sync-weights
+        moves the servers. The log says which servers it waits for, each time that changes."""
+        self.runner.switch_to_newest()
+        lag = self.follow.max_server_lag
+        if lag is None or self.runner.following is None:
+            return
+        said = None
+        while stop["signal"] is None:
+            newest = CheckpointRoot(self.runner.following.root).latest()
+            newest = self.runner.checkpoint.policy_version if newest is None else newest
+            versions = self.runner.sampling_versions()
+            behind = _behind(self.servers(), versions, newest, lag)
+            self.server_lag = max((newest - v for v in versions if v != UNKNOWN_VERSION), default=0)
+            if not behind:
+                return
+            if behind != said:
+                shown = ", ".join(f"{url} at {'an unknown version' if v == UNKNOWN_VERSION else f'v{v}'}" for url, v in behind)
+                log(f"{self.name}: waiting for the servers to sample v{newest - lag} or newer (--max-server-lag {lag}): "
+                    f"{shown}; sync-weights moves them")
+                said = behind
+            time.sleep(0.5)
+            self.waited += 0.5
+            self.runner.switch_to_newest()
+
+    def servers(self) -> list[str]:
+        """The URL of each server sampling (one name for the local engine)."""
+        pool = getattr(self.runner.backend, "pool", None)
+        return [client.url for client in pool.clients] if pool is not None else ["the local engine"]
 
     def publish_part(self, name: str, part: list, progress: tqdm) -> dict[str, Any]:
         """Sample ``part`` and publish it as the shard ``name``; returns its metrics line."""
@@ -146,7 +192,7 @@ class _Producer:
                                 policy_version=checkpoint.policy_version),
                 **refill_metrics(samples), "rollout/queue_ready": self.spool.depth().ready,
                 "rollout/switches_between_turns": self.runner.turn_switches, "rollout/queued": _queued(self.watched),
-                "rollout/idle_fraction": self.idle_fraction()}
+                "rollout/idle_fraction": self.idle_fraction(), "rollout/server_lag": self.server_lag}
 
     def run(self, stop: dict) -> None:
         """Round after round over this task's parts until stopped (module doc)."""
@@ -164,7 +210,9 @@ class _Producer:
                     self.wait_for_room(stop)
                     if stop["signal"] is not None:
                         break
-                    self.runner.switch_to_newest()
+                    self.switch_within_lag(stop)
+                    if stop["signal"] is not None:
+                        break
                     metrics.write(**self.publish_part(name, part, progress))
                 else:
                     self.rounds += 1

@@ -98,6 +98,10 @@ class LocalBackend:
             progress.update(len(batch))
         return [(c, self.version, None) for c in completions]
 
+    def sampling_versions(self, checkpoint: PolicyCheckpoint) -> list[int]:
+        """The one version sampling here (this process loads each version itself: never behind)."""
+        return [self.version]
+
     def served(self, key: str) -> Optional[str]:
         """No server answers a local sequence."""
         return None

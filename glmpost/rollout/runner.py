@@ -221,6 +221,11 @@ class RolloutRunner:
             self.prepare(self.params)
         return True
 
+    def sampling_versions(self) -> list[int]:
+        """The version each engine samples now (one for the local engine, one per server): a server's
+        may be behind :attr:`checkpoint` until sync-weights moves it, or unknown (-1)."""
+        return self.backend.sampling_versions(self.checkpoint)
+
     def _turn_hook(self) -> Callable[[], None] | None:
         """What runs between the turns of a multi-turn part: a switch to the newest weights, when
         following a root with the local engine or with servers of LoRA versions (the newer adapter)."""

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence
 from tqdm import tqdm
 
 from glmpost.config import ConfigError
+from glmpost.formats.schema import UNKNOWN_VERSION
 from glmpost.kernel.engine import SamplingParams, sequence_seed
 from glmpost.kernel.lora_versions import is_lora_version, model_dir
 from glmpost.kernel.routing import config_routing_layout, routed_from_sglang
@@ -103,6 +104,20 @@ class SGLangBackend:
         True when switched, False when a server does not hold it yet, None when this is no switch
         between adapters (not a LoRA rollout, or ``newer`` no LoRA version of its root and base)."""
         return None if self.lora is None else self.lora.switch(self.pool.clients, newer)
+
+    def sampling_versions(self, checkpoint: PolicyCheckpoint) -> list[int]:
+        """The version each server samples now (``rollout --max-server-lag``): the weight version it
+        reports, as its records would be stamped; ``checkpoint``'s for an adapter (each request names
+        its version's adapter); :data:`~glmpost.formats.schema.UNKNOWN_VERSION` when it does not answer."""
+        if self.lora is not None:
+            return [checkpoint.policy_version] * len(self.pool.clients)
+        versions = []
+        for client in self.pool.clients:
+            try:
+                versions.append(self.stamp(client.get_weight_version()))
+            except ServerError:
+                versions.append(UNKNOWN_VERSION)
+        return versions
 
     def server_facts(self) -> list[dict]:
         """Each server's URL, engine and release, as stage.json records them."""

@@ -39,6 +39,7 @@ from glmpost.kernel.fingerprint import (
 )
 from glmpost.kernel.sglang_client import ServerError
 from glmpost.kernel.vllm_client import LOGITS_MODES
+from glmpost.rollout.records import as_version
 from glmpost.rollout.servers import Outcome
 from glmpost.rollout.sglang_backend import SGLangBackend
 from glmpost.stage import log
@@ -121,6 +122,26 @@ class VLLMBackend(SGLangBackend):
             log(f"--server {client.url}: its weights are no longer confirmed ({words}); its next records get policy version -1 (unknown)")
         client.weight_version = str(self.policy_version) if ok else None
         return ok
+
+    def sampling_versions(self, checkpoint: Any) -> list[int]:
+        """:meth:`SGLangBackend.sampling_versions` for vLLM: a server's label where it has one set, else
+        the checkpoint's version when its fingerprint matches; unknown otherwise (and while a
+        sync-weights has unset the label it had)."""
+        if self.lora is not None:
+            return super().sampling_versions(checkpoint)
+        return [self._weight_version(client) for client in self.pool.clients]
+
+    def _weight_version(self, client: Any) -> int:
+        try:
+            if client.read_label():
+                version = as_version(client.weight_version)
+                return UNKNOWN_VERSION if version is None else version
+            if client.labelled:  # it had a label and has none now: a sync-weights in progress
+                return UNKNOWN_VERSION
+            ok, _ = confirm_server(client, self.expected, tolerance=self.tolerance, previous=self.previous)
+        except ServerError:
+            return UNKNOWN_VERSION
+        return self.policy_version if ok else UNKNOWN_VERSION
 
     @staticmethod
     def _labelled_since(client: Any) -> bool:
