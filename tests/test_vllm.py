@@ -629,7 +629,9 @@ def test_a_reload_timeout_is_confirmed_and_never_reloaded_twice(glmpost_cli, wid
     try:
         result = sync_vllm_server(proxy.url, new, "1", expected=expected, previous=previous, tolerance=0.05, retries=2,
                                   backoff=0.1, timeout=2.0)
-        assert result.status == "updated" and result.attempts == 2, result
+        # The first attempt timed out on the reload; a loaded machine may time out a later request of
+        # the second too (the client's timeout is 2 s), so more attempts may follow: never a second reload.
+        assert result.status == "updated" and result.attempts >= 2, result
         assert [p.split("?")[0] for p in proxy.seen].count("/collective_rpc") == 1
         assert _get(url, "/is_paused") == (200, {"is_paused": False})
         assert _get(url, "/weight_info") == (200, {"weight_version": "1"})
