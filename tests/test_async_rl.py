@@ -255,20 +255,13 @@ def test_max_queued_holds_the_producer_until_the_consumer_catches_up(tiny_checkp
 def test_max_server_lag_holds_the_producer_until_sync_weights_moves_the_server(tiny_checkpoint, tmp_path):
     """A server still sampling v0 while the policy root is at v2: with --max-server-lag 1 the rollout
     samples nothing (it says whom it waits for) until sync-weights moves the server to v2."""
-    import dataclasses
-    import shutil
-
     from serve_process import start_server, stop_server
-
-    from glmpost.checkpoints import read_manifest, write_manifest
+    from test_eval import _publish_copy
 
     (tmp_path / "policy").mkdir()
     policy = CheckpointRoot(tmp_path / "policy")
     for version in (1, 2):
-        staging = tmp_path / f"staging-{version}"
-        shutil.copytree(tiny_checkpoint, staging)
-        write_manifest(staging, dataclasses.replace(read_manifest(tiny_checkpoint), policy_version=version))
-        policy.publish(staging, version)
+        _publish_copy(policy.path, tiny_checkpoint, version)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{d}", "prompt": f"count: {d}"}) + "\n" for d in range(4)))
     spool = Spool(tmp_path / "rolled", tokenizer_revision=tokenizer_revision(tiny_checkpoint))
